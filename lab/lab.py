@@ -1,0 +1,218 @@
+"""The local lab: Debian 12 nodes in podman, systemd as PID 1, reached over SSH.
+
+    python lab/lab.py up [--nodes 2] [--gpus 8]
+    python lab/lab.py down
+    python lab/lab.py status
+
+Each node is a container of the locally built image (lab/image/build.sh) on the
+lab's own podman network, with its sshd published on a loopback port, a lab SSH
+key made at `up`, and simulated GPUs (the lab-only nvidia-smi test double).
+`up` writes inventory/lab/hosts.yml so that Ansible reaches lab nodes exactly as
+it reaches production hosts: over SSH, as a sudo-capable user, with pipelining.
+`down` removes every container and network `up` made, the inventory and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STATE = REPO / ".lab"
+INVENTORY = REPO / "inventory" / "lab" / "hosts.yml"
+IMAGE = os.environ.get("LAB_IMAGE", "localhost/sglang-deploy-node:bookworm")
+NETWORK = os.environ.get("LAB_NETWORK", "sglang-lab")
+LABEL = "sglang-deploy.lab"
+PREFIX = "sglang-lab-node"
+# The lab's nodes hold no secrets and are re-made at every `up`: accept their
+# fresh host keys, but keep them in the lab's own known_hosts, never the user's.
+SSH_ARGS = "-o StrictHostKeyChecking=accept-new -o UserKnownHostsFile={kh}"
+
+
+class LabError(RuntimeError):
+    pass
+
+
+def podman(*args: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["podman", *args], text=True, capture_output=capture, check=False)
+    if check and proc.returncode != 0:
+        raise LabError(f"podman {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def ulimit_args() -> list[str]:
+    """Containers cannot raise rlimits: ask for no more than this host's hard limits.
+
+    Seen here: podman's default (nofile 1048576) fails with "error setting rlimit",
+    and so does nproc 65535 although the shell's hard limit is 96365 (podman's
+    conmon runs with 32768). 16384 of each is ample for a lab node.
+    """
+    out = []
+    for name, rlim, want in (("nofile", resource.RLIMIT_NOFILE, 16384), ("nproc", resource.RLIMIT_NPROC, 16384)):
+        hard = resource.getrlimit(rlim)[1]
+        value = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        out.append(f"--ulimit={name}={value}:{value}")
+    return out
+
+
+def node_names(count: int) -> list[str]:
+    return [f"{PREFIX}{i}" for i in range(1, count + 1)]
+
+
+def ensure_image() -> None:
+    if podman("image", "exists", IMAGE, check=False).returncode != 0:
+        subprocess.run(["bash", str(REPO / "lab" / "image" / "build.sh")], check=True)
+
+
+def ensure_key() -> Path:
+    key = STATE / "ssh" / "id_ed25519"
+    if not key.exists():
+        key.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "sglang-deploy-lab", "-f", str(key)], check=True
+        )
+    return key
+
+
+def published_port(name: str) -> int:
+    out = podman("port", name, "22/tcp").stdout.strip().splitlines()[0]
+    return int(out.rsplit(":", 1)[1])
+
+
+def wait_ready(name: str, port: int, timeout: float) -> None:
+    """Poll until systemd finished booting and sshd answers with its banner."""
+    deadline = time.monotonic() + timeout
+    booted = ssh_ok = False
+    last = ""
+    while time.monotonic() < deadline:
+        if not booted:
+            proc = podman("exec", name, "systemctl", "is-system-running", check=False)
+            last = proc.stdout.strip()
+            booted = last in ("running", "degraded")
+        if booted and not ssh_ok:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                    ssh_ok = sock.recv(64).startswith(b"SSH-")
+            except OSError:
+                ssh_ok = False
+        if booted and ssh_ok:
+            return
+        time.sleep(0.2)
+    raise LabError(f"{name}: not ready after {timeout:.0f}s (systemd: {last or 'no answer'}, sshd: {ssh_ok})")
+
+
+def up(nodes: int, gpus: int, timeout: float) -> list[dict[str, object]]:
+    if shutil.which("podman") is None:
+        raise LabError("podman is not installed: run `make setup` first")
+    ensure_image()
+    key = ensure_key()
+    if podman("network", "exists", NETWORK, check=False).returncode != 0:
+        podman("network", "create", "--label", f"{LABEL}=1", NETWORK)
+    hosts = []
+    for index, name in enumerate(node_names(nodes), start=1):
+        hostname = f"lab-node{index}"
+        if podman("container", "exists", name, check=False).returncode != 0:
+            podman(
+                "run", "--detach", "--name", name, "--hostname", hostname,
+                "--label", f"{LABEL}=1", "--runtime", "runc", "--systemd", "always",
+                "--network", NETWORK, "--publish", "127.0.0.1::22",
+                "--volume", f"{key}.pub:/home/ansible/.ssh/authorized_keys:ro",
+                "--shm-size", "1g",
+                *ulimit_args(),
+                IMAGE, "/sbin/init",
+            )  # fmt: skip
+        port = published_port(name)
+        wait_ready(name, port, timeout)
+        podman("exec", name, "lab-gpu", "init", "--gpus", str(gpus), "--seed", hostname)
+        hosts.append({"name": hostname, "container": name, "port": port, "gpus": gpus})
+    write_inventory(hosts, key)
+    return hosts
+
+
+def write_inventory(hosts: list[dict[str, object]], key: Path) -> None:
+    kh = STATE / "ssh" / "known_hosts"
+    lines = [
+        "# Written by `make lab-up` (lab/lab.py); removed by `make lab-down`. Do not edit.",
+        "all:",
+        "  vars:",
+        "    ansible_user: ansible",
+        f"    ansible_ssh_private_key_file: {key}",
+        f"    ansible_ssh_common_args: {SSH_ARGS.format(kh=kh)}",
+        "    sglang_lab: true",
+        "  children:",
+        "    sglang_nodes:",
+        "      hosts:",
+    ]
+    for h in hosts:
+        lines += [
+            f"        {h['name']}:",
+            "          ansible_host: 127.0.0.1",
+            f"          ansible_port: {h['port']}",
+            f"          lab_container: {h['container']}",
+            f"          lab_gpus: {h['gpus']}",
+        ]
+    INVENTORY.parent.mkdir(parents=True, exist_ok=True)
+    INVENTORY.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def lab_containers() -> list[str]:
+    out = podman("ps", "--all", "--filter", f"label={LABEL}", "--format", "{{.Names}}").stdout
+    return [n for n in out.split() if n]
+
+
+def down() -> None:
+    names = lab_containers()
+    if names:
+        podman("rm", "--force", "--time", "5", *names)
+    if podman("network", "exists", NETWORK, check=False).returncode == 0:
+        podman("network", "rm", "--force", NETWORK)
+    INVENTORY.unlink(missing_ok=True)
+    shutil.rmtree(STATE, ignore_errors=True)
+
+
+def status() -> list[dict[str, str]]:
+    out = podman("ps", "--all", "--filter", f"label={LABEL}", "--format", "json").stdout
+    return [{"name": c["Names"][0], "state": c["State"], "status": c.get("Status", "")} for c in json.loads(out or "[]")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("up", help="start lab nodes and write inventory/lab/hosts.yml")
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("LAB_NODES", "2")))
+    p.add_argument("--gpus", type=int, default=int(os.environ.get("LAB_GPUS", "8")), help="simulated GPUs per node")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each node to boot")
+    sub.add_parser("down", help="remove every lab container, the network, the inventory and the key")
+    sub.add_parser("status", help="list lab containers")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "up":
+            if args.nodes < 1 or args.gpus < 1:
+                parser.error("--nodes and --gpus must be at least 1")
+            t0 = time.monotonic()
+            hosts = up(args.nodes, args.gpus, args.timeout)
+            for h in hosts:
+                print(f"{h['name']}: container {h['container']}, ssh 127.0.0.1:{h['port']}, {h['gpus']} simulated GPUs")
+            print(f"lab up in {time.monotonic() - t0:.1f}s; inventory: {INVENTORY.relative_to(REPO)}")
+        elif args.cmd == "down":
+            down()
+            print("lab down")
+        else:
+            for c in status():
+                print(f"{c['name']}\t{c['state']}\t{c['status']}")
+    except LabError as exc:
+        print(f"lab: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
