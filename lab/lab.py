@@ -26,12 +26,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STATE = REPO / ".lab"
-INVENTORY = REPO / "inventory" / "lab" / "hosts.yml"
 IMAGE = os.environ.get("LAB_IMAGE", "localhost/sglang-deploy-node:bookworm")
-NETWORK = os.environ.get("LAB_NETWORK", "sglang-lab")
 LABEL = "sglang-deploy.lab"
-PREFIX = "sglang-lab-node"
 # The lab's nodes hold no secrets and are re-made at every `up`: accept their
 # fresh host keys, but keep them in the lab's own known_hosts, never the user's.
 SSH_ARGS = "-o StrictHostKeyChecking=accept-new -o UserKnownHostsFile={kh}"
@@ -39,6 +35,29 @@ SSH_ARGS = "-o StrictHostKeyChecking=accept-new -o UserKnownHostsFile={kh}"
 
 class LabError(RuntimeError):
     pass
+
+
+class Lab:
+    """One named lab: its containers, network, key and inventory.
+
+    The default lab is "sglang-lab" (make lab-up/lab-down); tests make their own
+    (LAB_NAME=...) so that they never touch a lab the user has running.
+    """
+
+    def __init__(self, name: str | None = None, inventory: Path | None = None, state: Path | None = None):
+        self.name = name or os.environ.get("LAB_NAME", "sglang-lab")
+        default_inv = REPO / "inventory" / "lab" / "hosts.yml"
+        default_state = REPO / ".lab"
+        if self.name != "sglang-lab":
+            default_inv = REPO / ".lab-tests" / self.name / "hosts.yml"
+            default_state = REPO / ".lab-tests" / self.name
+        self.inventory = inventory or Path(os.environ.get("LAB_INVENTORY", default_inv))
+        self.state = state or Path(os.environ.get("LAB_STATE_DIR", default_state))
+        self.network = self.name
+        self.label = f"{LABEL}={self.name}"
+
+    def node_names(self, count: int) -> list[str]:
+        return [f"{self.name}-node{i}" for i in range(1, count + 1)]
 
 
 def podman(*args: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess[str]:
@@ -63,17 +82,13 @@ def ulimit_args() -> list[str]:
     return out
 
 
-def node_names(count: int) -> list[str]:
-    return [f"{PREFIX}{i}" for i in range(1, count + 1)]
-
-
 def ensure_image() -> None:
     if podman("image", "exists", IMAGE, check=False).returncode != 0:
         subprocess.run(["bash", str(REPO / "lab" / "image" / "build.sh")], check=True)
 
 
-def ensure_key() -> Path:
-    key = STATE / "ssh" / "id_ed25519"
+def ensure_key(lab: Lab) -> Path:
+    key = lab.state / "ssh" / "id_ed25519"
     if not key.exists():
         key.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(
@@ -109,21 +124,21 @@ def wait_ready(name: str, port: int, timeout: float) -> None:
     raise LabError(f"{name}: not ready after {timeout:.0f}s (systemd: {last or 'no answer'}, sshd: {ssh_ok})")
 
 
-def up(nodes: int, gpus: int, timeout: float) -> list[dict[str, object]]:
+def up(lab: Lab, nodes: int, gpus: int, timeout: float) -> list[dict[str, object]]:
     if shutil.which("podman") is None:
         raise LabError("podman is not installed: run `make setup` first")
     ensure_image()
-    key = ensure_key()
-    if podman("network", "exists", NETWORK, check=False).returncode != 0:
-        podman("network", "create", "--label", f"{LABEL}=1", NETWORK)
+    key = ensure_key(lab)
+    if podman("network", "exists", lab.network, check=False).returncode != 0:
+        podman("network", "create", "--label", lab.label, lab.network)
     hosts = []
-    for index, name in enumerate(node_names(nodes), start=1):
+    for index, name in enumerate(lab.node_names(nodes), start=1):
         hostname = f"lab-node{index}"
         if podman("container", "exists", name, check=False).returncode != 0:
             podman(
                 "run", "--detach", "--name", name, "--hostname", hostname,
-                "--label", f"{LABEL}=1", "--runtime", "runc", "--systemd", "always",
-                "--network", NETWORK, "--publish", "127.0.0.1::22",
+                "--label", lab.label, "--runtime", "runc", "--systemd", "always",
+                "--network", lab.network, "--publish", "127.0.0.1::22",
                 "--volume", f"{key}.pub:/home/ansible/.ssh/authorized_keys:ro",
                 "--shm-size", "1g",
                 *ulimit_args(),
@@ -133,12 +148,12 @@ def up(nodes: int, gpus: int, timeout: float) -> list[dict[str, object]]:
         wait_ready(name, port, timeout)
         podman("exec", name, "lab-gpu", "init", "--gpus", str(gpus), "--seed", hostname)
         hosts.append({"name": hostname, "container": name, "port": port, "gpus": gpus})
-    write_inventory(hosts, key)
+    write_inventory(lab, hosts, key)
     return hosts
 
 
-def write_inventory(hosts: list[dict[str, object]], key: Path) -> None:
-    kh = STATE / "ssh" / "known_hosts"
+def write_inventory(lab: Lab, hosts: list[dict[str, object]], key: Path) -> None:
+    kh = lab.state / "ssh" / "known_hosts"
     lines = [
         "# Written by `make lab-up` (lab/lab.py); removed by `make lab-down`. Do not edit.",
         "all:",
@@ -159,27 +174,27 @@ def write_inventory(hosts: list[dict[str, object]], key: Path) -> None:
             f"          lab_container: {h['container']}",
             f"          lab_gpus: {h['gpus']}",
         ]
-    INVENTORY.parent.mkdir(parents=True, exist_ok=True)
-    INVENTORY.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    lab.inventory.parent.mkdir(parents=True, exist_ok=True)
+    lab.inventory.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def lab_containers() -> list[str]:
-    out = podman("ps", "--all", "--filter", f"label={LABEL}", "--format", "{{.Names}}").stdout
+def lab_containers(lab: Lab) -> list[str]:
+    out = podman("ps", "--all", "--filter", f"label={lab.label}", "--format", "{{.Names}}").stdout
     return [n for n in out.split() if n]
 
 
-def down() -> None:
-    names = lab_containers()
+def down(lab: Lab) -> None:
+    names = lab_containers(lab)
     if names:
         podman("rm", "--force", "--time", "5", *names)
-    if podman("network", "exists", NETWORK, check=False).returncode == 0:
-        podman("network", "rm", "--force", NETWORK)
-    INVENTORY.unlink(missing_ok=True)
-    shutil.rmtree(STATE, ignore_errors=True)
+    if podman("network", "exists", lab.network, check=False).returncode == 0:
+        podman("network", "rm", "--force", lab.network)
+    lab.inventory.unlink(missing_ok=True)
+    shutil.rmtree(lab.state, ignore_errors=True)
 
 
-def status() -> list[dict[str, str]]:
-    out = podman("ps", "--all", "--filter", f"label={LABEL}", "--format", "json").stdout
+def status(lab: Lab) -> list[dict[str, str]]:
+    out = podman("ps", "--all", "--filter", f"label={lab.label}", "--format", "json").stdout
     return [{"name": c["Names"][0], "state": c["State"], "status": c.get("Status", "")} for c in json.loads(out or "[]")]
 
 
@@ -193,20 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="remove every lab container, the network, the inventory and the key")
     sub.add_parser("status", help="list lab containers")
     args = parser.parse_args(argv)
+    lab = Lab()
     try:
         if args.cmd == "up":
             if args.nodes < 1 or args.gpus < 1:
                 parser.error("--nodes and --gpus must be at least 1")
             t0 = time.monotonic()
-            hosts = up(args.nodes, args.gpus, args.timeout)
+            hosts = up(lab, args.nodes, args.gpus, args.timeout)
             for h in hosts:
                 print(f"{h['name']}: container {h['container']}, ssh 127.0.0.1:{h['port']}, {h['gpus']} simulated GPUs")
-            print(f"lab up in {time.monotonic() - t0:.1f}s; inventory: {INVENTORY.relative_to(REPO)}")
+            print(f"lab up in {time.monotonic() - t0:.1f}s; inventory: {lab.inventory}")
         elif args.cmd == "down":
-            down()
+            down(lab)
             print("lab down")
         else:
-            for c in status():
+            for c in status(lab):
                 print(f"{c['name']}\t{c['state']}\t{c['status']}")
     except LabError as exc:
         print(f"lab: {exc}", file=sys.stderr)
