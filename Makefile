@@ -1,0 +1,64 @@
+# sglang-deploy — the two commands that matter:
+#   make demo   set up what is missing, start the local lab, deploy to it
+#   make test   every test: lint, pytest (unit + lab end-to-end), molecule
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV     := .venv
+BIN      := $(CURDIR)/$(VENV)/bin
+export PATH := $(BIN):$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export ANSIBLE_FORCE_COLOR ?= 0
+export PY_COLORS ?= 0
+LAB_NODES ?= 2
+LAB_GPUS  ?= 8
+PYTEST_ARGS ?=
+
+.PHONY: help setup image lab-up lab-down lab-status demo test lint pytest unit e2e molecule lock clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+
+setup: ## install missing system packages and the pinned controller virtualenv
+	@lab/bin/setup-host
+
+image: setup ## build the lab node image once (debootstrap + podman import; FORCE=1 rebuilds)
+	@lab/image/build.sh
+
+lab-up: image ## start LAB_NODES lab nodes (default 2) with LAB_GPUS simulated GPUs each (default 8)
+	@$(BIN)/python lab/lab.py up --nodes $(LAB_NODES) --gpus $(LAB_GPUS)
+
+lab-down: ## remove every lab container, the lab network, inventory and key
+	@if [ -x $(BIN)/python ]; then $(BIN)/python lab/lab.py down; else python3 lab/lab.py down; fi
+
+lab-status: ## list lab containers
+	@$(BIN)/python lab/lab.py status
+
+demo: lab-up ## the main job on the local lab: deploy to the lab nodes
+	@ansible-playbook playbooks/deploy.yml
+
+lint: setup ## yamllint and ansible-lint (production profile)
+	@yamllint --strict .
+	@ansible-lint --profile production
+
+unit: setup ## pytest without the lab
+	@$(BIN)/python -m pytest -m "not lab" $(PYTEST_ARGS)
+
+e2e: image ## pytest end-to-end tests on their own lab nodes
+	@$(BIN)/python -m pytest -m lab $(PYTEST_ARGS)
+
+pytest: image ## every pytest test
+	@$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+molecule: image ## every molecule scenario (create, converge, idempotence, check, verify, destroy)
+	@molecule test --all
+
+test: lint pytest molecule ## every test
+
+lock: ## refresh requirements.lock from requirements.in
+	@$(BIN)/python -m pip install -q -r requirements.in
+	@$(BIN)/python -m pip freeze --exclude-editable >requirements.lock
+
+clean: lab-down ## lab down, and remove the virtualenv
+	@rm -rf $(VENV) .pytest_cache .lab-tests

@@ -1,0 +1,121 @@
+"""End to end on the lab: nodes boot systemd, Ansible reaches them over SSH,
+deploy.yml converges and is idempotent, and `lab down` leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "lab"))
+import lab as labmod  # noqa: E402
+
+pytestmark = pytest.mark.lab
+VENV_BIN = Path(sys.executable).parent
+
+
+def ansible(*args: str, inventory: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
+    cmd = [str(VENV_BIN / args[0]), "-i", str(inventory), *args[1:]]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    hosts = {}
+    for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", output, re.M):
+        hosts[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return hosts
+
+
+@pytest.fixture(scope="module")
+def lab():
+    the_lab = labmod.Lab(name="sgd-e2e")
+    labmod.down(the_lab)
+    hosts = labmod.up(the_lab, nodes=2, gpus=8, timeout=120)
+    yield the_lab, hosts
+    labmod.down(the_lab)
+    assert labmod.lab_containers(the_lab) == []
+
+
+def test_nodes_boot_systemd_and_answer_over_ssh(lab):
+    the_lab, hosts = lab
+    assert [h["name"] for h in hosts] == ["lab-node1", "lab-node2"]
+    proc = ansible("ansible", "sglang_nodes", "-m", "ansible.builtin.command",
+                   "-a", "systemctl is-system-running", inventory=the_lab.inventory)  # fmt: skip
+    assert proc.stdout.count("CHANGED") == 2 and proc.stdout.count("running") == 2, proc.stdout
+
+
+def test_each_node_has_8_simulated_gpus_with_distinct_uuids(lab):
+    the_lab, _ = lab
+    proc = ansible("ansible", "sglang_nodes", "-m", "ansible.builtin.command",
+                   "-a", "nvidia-smi --query-gpu=uuid --format=csv,noheader", inventory=the_lab.inventory)  # fmt: skip
+    uuids = re.findall(r"GPU-[0-9a-f-]{36}", proc.stdout)
+    assert len(uuids) == 16
+    assert len(set(uuids)) == 16
+
+
+def test_deploy_converges_then_changes_nothing(lab):
+    the_lab, _ = lab
+    first = recap(ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory).stdout)
+    assert set(first) == {"lab-node1", "lab-node2"}
+    assert all(r["failed"] == 0 and r["unreachable"] == 0 for r in first.values())
+    second = recap(ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory).stdout)
+    assert {h: r["changed"] for h, r in second.items()} == {"lab-node1": 0, "lab-node2": 0}
+
+
+def test_deploy_in_check_mode_changes_nothing(lab):
+    the_lab, _ = lab
+    out = recap(ansible("ansible-playbook", "playbooks/deploy.yml", "--check", "--diff", inventory=the_lab.inventory).stdout)
+    assert {h: r["changed"] for h, r in out.items()} == {"lab-node1": 0, "lab-node2": 0}
+
+
+def test_deploy_fails_clearly_when_the_gpu_count_is_wrong(lab):
+    the_lab, _ = lab
+    proc = ansible("ansible-playbook", "playbooks/deploy.yml", "-e", "gpu_node_expected_gpus=4",
+                   inventory=the_lab.inventory, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "shows 8 GPU(s) but gpu_node_expected_gpus is 4" in proc.stdout
+
+
+def test_deploy_fails_clearly_when_nvidia_smi_fails(lab):
+    the_lab, hosts = lab
+    container = hosts[1]["container"]
+    subprocess.run(["podman", "exec", container, "lab-gpu", "fail", "driver-mismatch"], check=True)
+    try:
+        proc = ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory, check=False)
+    finally:
+        subprocess.run(["podman", "exec", container, "lab-gpu", "fail", "none"], check=True)
+    assert proc.returncode != 0
+    assert "lab-node2: `nvidia-smi` failed (rc=18): Failed to initialize NVML: Driver/library version mismatch" in proc.stdout
+    assert recap(proc.stdout)["lab-node1"]["failed"] == 0
+
+
+def test_a_wrong_variable_type_is_refused_by_the_argument_spec(lab):
+    the_lab, _ = lab
+    proc = ansible("ansible-playbook", "playbooks/deploy.yml", "-e", "gpu_node_expected_gpus=eight",
+                   inventory=the_lab.inventory, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "gpu_node_expected_gpus" in proc.stdout
+    assert recap(proc.stdout)["lab-node1"]["changed"] == 0
+
+
+def test_lab_down_leaves_no_container_network_or_inventory():
+    the_lab = labmod.Lab(name="sgd-e2e-down")
+    labmod.up(the_lab, nodes=1, gpus=2, timeout=120)
+    assert the_lab.inventory.exists()
+    labmod.down(the_lab)
+    assert labmod.lab_containers(the_lab) == []
+    assert subprocess.run(["podman", "network", "exists", the_lab.network], check=False).returncode == 1
+    assert not the_lab.inventory.exists()
+    assert not the_lab.state.exists()
+    images = json.loads(subprocess.run(["podman", "images", "--format", "json"], capture_output=True, text=True, check=True).stdout)
+    assert any(labmod.IMAGE in (img.get("Names") or []) for img in images), "the cached image must stay"
