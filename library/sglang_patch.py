@@ -87,7 +87,7 @@ def sha256_text(text):
 def dist_info(site_packages, package):
     norm = re.sub(r"[-_.]+", "_", package).lower()
     for entry in os.listdir(site_packages):
-        if entry.endswith(".dist-info") and re.sub(r"[-_.]+", "_", entry.rsplit("-", 1)[0]).lower() == norm:
+        if entry.endswith(".dist-info") and re.sub(r"[-_.]+", "_", entry[: -len(".dist-info")].rsplit("-", 1)[0]).lower() == norm:
             return os.path.join(site_packages, entry)
     raise PatchError(f"{package} is not installed in {site_packages}")
 

@@ -12,14 +12,20 @@ suite=bookworm
 ca_bundle=${LAB_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 build_root=${LAB_BUILD_DIR:-/var/tmp/sglang-deploy-image-build}
 
+# The image is rebuilt when its recipe changes: this script and the lab's GPU double.
+recipe=$(cat "$here/build.sh" "$repo"/lab/gpu_sim/* | sha256sum | cut -c1-16)
 if [[ "${FORCE:-0}" != 1 ]] && podman image exists "$image"; then
-  echo "image $image exists (FORCE=1 rebuilds)"
-  exit 0
+  have=$(podman image inspect --format '{{ index .Labels "sglang-deploy.recipe" }}' "$image" 2>/dev/null || true)
+  if [[ "$have" == "$recipe" ]]; then
+    echo "image $image is up to date (recipe $recipe; FORCE=1 rebuilds)"
+    exit 0
+  fi
+  echo "image $image has recipe ${have:-none}, want $recipe: rebuilding"
 fi
 
 packages=(
   systemd systemd-sysv dbus openssh-server sudo ca-certificates
-  python3 python3-venv python3-apt iproute2 procps psmisc patch less
+  python3 python3-venv python3-apt python3-packaging iproute2 procps psmisc patch less
 )
 
 rm -rf "$build_root"
@@ -97,5 +103,6 @@ tar -C "$rootfs" -c . | podman import \
   --change 'CMD ["/sbin/init"]' \
   --change 'STOPSIGNAL=SIGRTMIN+3' \
   --change 'ENV container=podman' \
+  --change "LABEL sglang-deploy.recipe=$recipe" \
   - "$image" >/dev/null
 echo "built $image"
