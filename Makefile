@@ -15,7 +15,7 @@ LAB_NODES ?= 2
 LAB_GPUS  ?= 8
 PYTEST_ARGS ?=
 
-.PHONY: help setup image lab-up lab-down lab-status demo test lint pytest unit e2e molecule lock clean
+.PHONY: help setup image lab-up lab-down lab-status demo test lint pytest unit e2e molecule upgrade-check lock clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -55,6 +55,10 @@ molecule: image ## every molecule scenario (create, converge, idempotence, check
 	@molecule test --all
 
 test: lint pytest molecule ## every test
+
+upgrade-check: setup ## does the patch series apply to SGLANG_CANDIDATE? (fetches its wheel, changes nothing)
+	@test -n "$(SGLANG_CANDIDATE)" || { echo "usage: make upgrade-check SGLANG_CANDIDATE=X.Y.Z" >&2; exit 2; }
+	@ansible-playbook playbooks/upgrade-check.yml -e sglang_candidate_version=$(SGLANG_CANDIDATE)
 
 lock: ## refresh requirements.lock from requirements.in
 	@$(BIN)/python -m pip install -q -r requirements.in

@@ -155,6 +155,7 @@ def up(lab: Lab, nodes: int, gpus: int, timeout: float) -> list[dict[str, object
 def write_inventory(lab: Lab, hosts: list[dict[str, object]], key: Path) -> None:
     kh = lab.state / "ssh" / "known_hosts"
     lines = [
+        "---",
         "# Written by `make lab-up` (lab/lab.py); removed by `make lab-down`. Do not edit.",
         "all:",
         "  vars:",

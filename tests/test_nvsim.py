@@ -231,3 +231,10 @@ def test_init_makes_distinct_stable_uuids(tmp_path):
     assert all(re.fullmatch(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", u) for u in uuids)
     nvsim.lab_gpu(["init", "--gpus", "8", "--seed", "lab-node1", "--force"], path=path)
     assert run(path, "nvidia-smi --query-gpu=uuid --format=csv,noheader")[1] == out
+
+
+def test_driver_version_can_be_set(tmp_path):
+    path = make_state(tmp_path, [UUID_1GPU])
+    nvsim.lab_gpu(["driver", "570.86.15"], path=path)
+    assert run(path, "nvidia-smi --query-gpu=driver_version --format=csv,noheader") == (0, "570.86.15\n")
+    assert "Driver Version: 570.86.15" in run(path, "nvidia-smi")[1]

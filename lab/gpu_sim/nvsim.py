@@ -10,6 +10,7 @@ update with the companion command ``lab-gpu``:
     lab-gpu hold --pid 123 --gpu 0,1 --mib 8148 --name python3
     lab-gpu release --pid 123          # start releasing its memory now
     lab-gpu fail driver-mismatch       # nvidia-smi itself fails (or: none)
+    lab-gpu driver 570.86.15           # the driver version it reports
 
 Memory model (what the wait-for-clean-GPUs logic has to cope with):
 - a held allocation is listed as a compute app while its pid is alive (or
@@ -366,6 +367,8 @@ def lab_gpu(argv: list[str], path: str = STATE_FILE) -> int:
     p.add_argument("--pid", type=int, required=True)
     p = sub.add_parser("fail", help="make nvidia-smi itself fail")
     p.add_argument("mode", choices=["none", *FAILURES])
+    p = sub.add_parser("driver", help="set the driver version nvidia-smi reports")
+    p.add_argument("version")
     sub.add_parser("show", help="print the state as JSON")
     args = parser.parse_args(argv)
 
@@ -404,6 +407,8 @@ def lab_gpu(argv: list[str], path: str = STATE_FILE) -> int:
                     app["pinned"] = False
         elif args.cmd == "fail":
             state["fail"] = None if args.mode == "none" else args.mode
+        elif args.cmd == "driver":
+            state["driver_version"] = args.version
     return 0
 
 

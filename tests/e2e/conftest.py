@@ -1,0 +1,47 @@
+"""Shared lab for the end-to-end tests: its own nodes (never the user's lab), torn down at the end."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "lab"))
+import lab as labmod  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def ansible(*args: str, inventory: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0", **(env or {})}
+    cmd = [str(VENV_BIN / args[0]), "-i", str(inventory), *args[1:]]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, text=True, capture_output=True, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    hosts = {}
+    for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", output, re.M):
+        hosts[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return hosts
+
+
+def podman_exec(container: str, *cmd: str) -> str:
+    return subprocess.run(["podman", "exec", container, *cmd], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="session")
+def lab():
+    the_lab = labmod.Lab(name="sgd-e2e")
+    labmod.down(the_lab)
+    hosts = labmod.up(the_lab, nodes=2, gpus=8, timeout=120)
+    yield the_lab, hosts
+    labmod.down(the_lab)
+    assert labmod.lab_containers(the_lab) == []
