@@ -30,6 +30,16 @@ def test_each_node_has_8_simulated_gpus_with_distinct_uuids(lab):
     assert len(set(uuids)) == 16
 
 
+def test_check_mode_on_fresh_nodes_succeeds_and_changes_nothing(lab):
+    the_lab, hosts = lab
+    proc = ansible("ansible-playbook", "playbooks/deploy.yml", "--check", "--diff", inventory=the_lab.inventory)
+    assert all(r["failed"] == 0 for r in recap(proc.stdout).values())
+    for h in hosts:
+        absent = subprocess.run(["podman", "exec", h["container"], "test", "-e", "/opt/ml-env"], check=False)
+        assert absent.returncode == 1, "check mode must not create the virtualenv"
+        assert subprocess.run(["podman", "exec", h["container"], "id", "sglang"], check=False, capture_output=True).returncode == 1
+
+
 def test_deploy_converges_then_changes_nothing(lab):
     the_lab, _ = lab
     first = recap(ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory).stdout)
