@@ -26,6 +26,14 @@ def ansible(*args: str, inventory: Path, check: bool = True, env: dict | None = 
     return proc
 
 
+def refused(the_lab, playbook: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """Run a playbook that must fail; .flat is its output with the YAML callback's folding undone."""
+    proc = ansible("ansible-playbook", playbook, *extra, inventory=the_lab.inventory, check=False)
+    assert proc.returncode != 0, f"{playbook} {' '.join(extra)} did not fail:\n{proc.stdout[-3000:]}"
+    proc.flat = " ".join(proc.stdout.split())
+    return proc
+
+
 def recap(output: str) -> dict[str, dict[str, int]]:
     hosts = {}
     for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", output, re.M):

@@ -8,7 +8,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import ansible, labmod, recap
+from conftest import ansible, labmod, recap, refused
 
 pytestmark = pytest.mark.lab
 
@@ -56,11 +56,8 @@ def test_deploy_in_check_mode_changes_nothing(lab):
 
 
 def test_deploy_fails_clearly_when_the_gpu_count_is_wrong(lab):
-    the_lab, _ = lab
-    proc = ansible("ansible-playbook", "playbooks/deploy.yml", "-e", "gpu_node_expected_gpus=4",
-                   inventory=the_lab.inventory, check=False)  # fmt: skip
-    assert proc.returncode != 0
-    assert "shows 8 GPU(s) but gpu_node_expected_gpus is 4" in proc.stdout
+    proc = refused(lab[0], "playbooks/deploy.yml", "-e", "gpu_node_expected_gpus=4")
+    assert "shows 8 GPU(s) but gpu_node_expected_gpus is 4" in proc.flat
 
 
 def test_deploy_fails_clearly_when_nvidia_smi_fails(lab):
@@ -68,20 +65,16 @@ def test_deploy_fails_clearly_when_nvidia_smi_fails(lab):
     container = hosts[1]["container"]
     subprocess.run(["podman", "exec", container, "lab-gpu", "fail", "driver-mismatch"], check=True)
     try:
-        proc = ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory, check=False)
+        proc = refused(the_lab, "playbooks/deploy.yml")
     finally:
         subprocess.run(["podman", "exec", container, "lab-gpu", "fail", "none"], check=True)
-    assert proc.returncode != 0
-    assert "lab-node2: `nvidia-smi` failed (rc=18): Failed to initialize NVML: Driver/library version mismatch" in proc.stdout
+    assert "lab-node2: `nvidia-smi` failed (rc=18): Failed to initialize NVML: Driver/library version mismatch" in proc.flat
     assert recap(proc.stdout)["lab-node1"]["failed"] == 0
 
 
 def test_a_wrong_variable_type_is_refused_by_the_argument_spec(lab):
-    the_lab, _ = lab
-    proc = ansible("ansible-playbook", "playbooks/deploy.yml", "-e", "gpu_node_expected_gpus=eight",
-                   inventory=the_lab.inventory, check=False)  # fmt: skip
-    assert proc.returncode != 0
-    assert "gpu_node_expected_gpus" in proc.stdout
+    proc = refused(lab[0], "playbooks/deploy.yml", "-e", "gpu_node_expected_gpus=eight")
+    assert "gpu_node_expected_gpus" in proc.flat
     assert recap(proc.stdout)["lab-node1"]["changed"] == 0
 
 

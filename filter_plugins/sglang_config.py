@@ -1,0 +1,118 @@
+"""Render an SGLang server instance from group_vars: the exact argv and environment,
+each flag and variable with the name of the setting that produced it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _render_value(flag: str, value: Any) -> list[str]:
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [flag]
+    if isinstance(value, (list, tuple)):
+        return [flag, *(str(v) for v in value)] if value else []
+    if isinstance(value, dict):
+        return [flag, json.dumps(value, sort_keys=True)]
+    return [flag, str(value)]
+
+
+def server_config(
+    instance: dict[str, Any],
+    profiles: dict[str, Any],
+    profile: str,
+    model_path: str,
+    common_flags: dict[str, Any] | None = None,
+    common_env: dict[str, Any] | None = None,
+    listen_host: str = "0.0.0.0",
+    instance_index: int = 0,
+) -> dict[str, Any]:
+    """{argv, origins, env, env_origins, profile} for one instance.
+
+    Precedence, lowest first: sglang_server_flags, the profile's flags, the
+    instance's flags; the same for the environment. The instance's GPUs become
+    CUDA_VISIBLE_DEVICES and, unless a flag says otherwise, the tensor parallel size.
+    """
+    if profile not in profiles:
+        raise ConfigError(f"sglang_profile {profile!r} is not in sglang_profiles (known: {', '.join(sorted(profiles))})")
+    prof = profiles[profile] or {}
+    unknown = set(prof) - {"description", "flags", "env", "baseline"}
+    if unknown:
+        raise ConfigError(f"sglang_profiles.{profile}: unknown keys {sorted(unknown)} (allowed: description, flags, env, baseline)")
+    inst_name = f"sglang_instances[{instance_index}]"
+    gpus = instance.get("gpus") or []
+    if not gpus:
+        raise ConfigError(f"{inst_name} ({instance.get('name', '?')}) has no gpus")
+    layers = [
+        ("sglang_server_flags", common_flags or {}),
+        (f"sglang_profiles.{profile}.flags", prof.get("flags") or {}),
+        (f"{inst_name}.flags", instance.get("flags") or {}),
+    ]
+    flags: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for where, layer in layers:
+        for key, value in layer.items():
+            if key.startswith("-") or key != key.lower():
+                raise ConfigError(f"{where}.{key}: write flags as snake_case keys (tp_size for --tp-size)")
+            flags[key] = value
+            origins[flag_name(key)] = f"{where}.{key}"
+    fixed = {
+        "model_path": (model_path, "sglang_model_path"),
+        "host": (listen_host, "sglang_listen_host"),
+        "port": (instance.get("port"), f"{inst_name}.port"),
+    }
+    for key, (value, where) in fixed.items():
+        if key in flags:
+            raise ConfigError(f"{origins[flag_name(key)]}: --{key.replace('_', '-')} is set from {where}; remove it from the flags")
+        if value in (None, ""):
+            raise ConfigError(f"{where} is not set")
+    argv: list[str] = []
+    for key, (value, where) in fixed.items():
+        argv += _render_value(flag_name(key), value)
+        origins[flag_name(key)] = where
+    if "tp_size" not in flags and "tp" not in flags:
+        flags["tp_size"] = len(gpus) // int(flags.get("dp_size") or 1) // int(flags.get("pp_size") or 1) or 1
+        origins["--tp-size"] = f"{inst_name}.gpus (one tensor-parallel rank per GPU)"
+    for key in sorted(flags):
+        argv += _render_value(flag_name(key), flags[key])
+
+    env: dict[str, str] = {}
+    env_origins: dict[str, str] = {}
+    for where, layer in (
+        ("sglang_server_env", common_env or {}),
+        (f"sglang_profiles.{profile}.env", prof.get("env") or {}),
+        (f"{inst_name}.env", instance.get("env") or {}),
+    ):
+        for name, value in layer.items():
+            env[name] = "1" if value is True else "0" if value is False else str(value)
+            env_origins[name] = f"{where}.{name}"
+    if "CUDA_VISIBLE_DEVICES" in env:
+        raise ConfigError(f"{env_origins['CUDA_VISIBLE_DEVICES']}: CUDA_VISIBLE_DEVICES comes from {inst_name}.gpus")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    env_origins["CUDA_VISIBLE_DEVICES"] = f"{inst_name}.gpus"
+    return {"argv": argv, "origins": origins, "env": env, "env_origins": env_origins, "profile": profile}
+
+
+def sglang_server_config(instance, profiles, profile, model_path, common_flags=None, common_env=None,
+                         listen_host="0.0.0.0", instance_index=0):  # fmt: skip
+    from ansible.errors import AnsibleFilterError
+
+    try:
+        return server_config(instance, profiles, profile, model_path, common_flags, common_env, listen_host, instance_index)
+    except ConfigError as exc:
+        raise AnsibleFilterError(str(exc)) from exc
+
+
+class FilterModule:
+    def filters(self):
+        return {"sglang_server_config": sglang_server_config}

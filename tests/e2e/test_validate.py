@@ -1,0 +1,74 @@
+"""playbooks/validate.yml on lab nodes, with the real SGLang 0.5.23 parser installed by deploy.yml:
+good profiles pass and change nothing; each bad configuration fails with a message naming its setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ansible, podman_exec, recap, refused
+
+pytestmark = pytest.mark.lab
+ALL_GPUS = [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def deployed(lab):
+    the_lab, hosts = lab
+    ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
+    for h in hosts:
+        podman_exec(h["container"], "sh", "-c",
+                    "mkdir -p /srv/models/target /srv/models/eagle3-draft && "
+                    "echo '{\"architectures\": [\"DeepseekV3ForCausalLM\"]}' > /srv/models/target/config.json && "
+                    "echo '{\"architectures\": [\"LlamaForCausalLMEagle3\"]}' > /srv/models/eagle3-draft/config.json && "
+                    "chmod -R a+rX /srv/models")  # fmt: skip
+    return the_lab
+
+
+
+
+def instance(**flags):
+    return json.dumps({"sglang_instances": [{"name": "main", "port": 30000, "gpus": ALL_GPUS, "flags": flags}]})
+
+
+@pytest.mark.parametrize("profile", ["eagle3_topk1", "eagle3_5tok_cuda_graph", "baseline_no_spec"])
+def test_every_shipped_profile_passes_and_changes_nothing(deployed, profile):
+    proc = ansible("ansible-playbook", "playbooks/validate.yml", "--limit", "lab-node1", "-e", f"sglang_profile={profile}",
+                   inventory=deployed.inventory)  # fmt: skip
+    assert recap(proc.stdout)["lab-node1"]["changed"] == 0
+
+
+BAD = [
+    ("abbreviated flag", ["-e", '{"sglang_server_flags": {"tp": 8}}'],
+     "--tp is an abbreviation of --tp-size: write the flag in full (set by sglang_server_flags.tp)"),
+    ("renamed flag (the seed's --cuda-graph-max-bs)", ["-e", '{"sglang_server_flags": {"cuda_graph_max_bs": 128}}'],
+     "--cuda-graph-max-bs is ambiguous (--cuda-graph-max-bs-decode, --cuda-graph-max-bs-prefill"),
+    ("misspelt flag", ["-e", instance(speculative_algo="EAGLE3")],
+     "--speculative-algo is not a flag of the installed SGLang (set by sglang_instances[0].flags.speculative_algo)"),
+    ("bad value", ["-e", '{"sglang_server_flags": {"mem_fraction_static": "most"}}'],
+     "SGLang's parser: argument --mem-fraction-static: invalid float value: 'most' (set by sglang_server_flags.mem_fraction_static)"),
+    ("unknown algorithm", ["-e", instance(speculative_algorithm="EAGLE4")],
+     "Unknown speculative algorithm name: EAGLE4 (set by sglang_instances[0].flags.speculative_algorithm)"),
+    ("EAGLE-3 draft under EAGLE", ["-e", instance(speculative_algorithm="EAGLE")],
+     "is an EAGLE-3 model (LlamaForCausalLMEagle3) but --speculative-algorithm is EAGLE (set by sglang_instances[0].flags.speculative_algorithm): use EAGLE3"),
+    ("draft tokens against topk 1", ["-e", instance(speculative_num_draft_tokens=5)],
+     "with --speculative-eagle-topk 1 the draft tokens are steps + 1 = 3, but --speculative-num-draft-tokens is 5"),
+    ("tp against the instance's GPUs", ["-e", instance(tp_size=4)],
+     "tp 4 x dp 1 x pp 1 = 4 GPUs over 1 node(s) needs 4 GPU(s) on this node, but the instance is given 8"),
+    ("GPUs the host lacks", ["-e", json.dumps({"sglang_instances": [{"name": "main", "port": 30000, "gpus": [6, 7, 8, 9]}]})],
+     "GPUs [8, 9] are given to the instance but the host has 8 (0-7)"),
+    ("missing model", ["-e", "sglang_model_path=/srv/models/absent"],
+     "--model-path /srv/models/absent does not exist (set by sglang_model_path)"),
+    ("bad NCCL value", ["-e", '{"sglang_server_env": {"NCCL_ALGO": "Rign"}}'],
+     "NCCL_ALGO=Rign: Rign is not one of"),
+    ("SGLang variable this release lacks (the seed's)", ["-e", '{"sglang_server_env": {"SGLANG_ENABLE_SPEC_V2": "True"}}'],
+     "SGLANG_ENABLE_SPEC_V2 is not an environment variable of the installed SGLang"),
+    ("unknown profile", ["-e", "sglang_profile=fastest"],
+     "sglang_profile 'fastest' is not in sglang_profiles"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,extra,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_configuration_is_refused_with_its_setting(deployed, case, extra, message):
+    proc = refused(deployed, "playbooks/validate.yml", "--limit", "lab-node1", *extra)
+    assert message in proc.flat, f"{case}: {proc.flat[-2500:]}"

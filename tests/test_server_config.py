@@ -1,0 +1,90 @@
+"""filter_plugins/sglang_config.py: group_vars -> exact argv and environment, with origins."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "filter_plugins"))
+from sglang_config import ConfigError, server_config  # noqa: E402
+
+GROUP_VARS = yaml.safe_load((REPO / "group_vars" / "all.yml").read_text())
+PROFILES = {
+    name: {**p, "flags": {k: (v.replace("{{ sglang_draft_model_path }}", "/d") if isinstance(v, str) else v) for k, v in p["flags"].items()}}
+    for name, p in GROUP_VARS["sglang_profiles"].items()
+}
+INSTANCE = {"name": "main", "port": 30000, "gpus": [0, 1, 2, 3, 4, 5, 6, 7]}
+
+
+def render(profile="eagle3_topk1", instance=None, **kw):
+    return server_config(instance or INSTANCE, PROFILES, profile, "/m", GROUP_VARS["sglang_server_flags"], {}, **kw)
+
+
+def test_the_topk1_profile_renders_the_seeds_command_line():
+    cfg = render()
+    assert cfg["argv"] == [
+        "--model-path", "/m", "--host", "0.0.0.0", "--port", "30000",
+        "--attention-backend", "flashinfer", "--cuda-graph-max-bs-decode", "128", "--disable-custom-all-reduce",
+        "--enable-flashinfer-allreduce-fusion", "--enable-metrics", "--mem-fraction-static", "0.88",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "3", "--speculative-num-steps", "2", "--tp-size", "8", "--trust-remote-code",
+    ]  # fmt: skip
+    assert cfg["env"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert cfg["origins"]["--speculative-num-steps"] == "sglang_profiles.eagle3_topk1.flags.speculative_num_steps"
+    assert cfg["origins"]["--mem-fraction-static"] == "sglang_server_flags.mem_fraction_static"
+    assert cfg["origins"]["--tp-size"].startswith("sglang_instances[0].gpus")
+
+
+def test_the_5tok_profile_keeps_the_benchmarked_steps_and_its_nccl_env():
+    cfg = render("eagle3_5tok_cuda_graph")
+    argv = cfg["argv"]
+    assert argv[argv.index("--speculative-num-steps") + 1] == "3"
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "5"
+    assert argv[argv.index("--speculative-eagle-topk") + 1] == "4"
+    assert cfg["env"]["NCCL_PROTO"] == "LL" and cfg["env"]["NCCL_BUFFSIZE"] == "16777216"
+    assert cfg["env_origins"]["NCCL_ALGO"] == "sglang_profiles.eagle3_5tok_cuda_graph.env.NCCL_ALGO"
+
+
+def test_the_baseline_has_no_speculation():
+    assert not any(a.startswith("--speculative") for a in render("baseline_no_spec")["argv"])
+
+
+def test_instance_flags_override_the_profile_and_say_so():
+    inst = {**INSTANCE, "flags": {"speculative_num_steps": 4, "speculative_num_draft_tokens": 5}}
+    cfg = render(instance=inst)
+    assert cfg["argv"][cfg["argv"].index("--speculative-num-steps") + 1] == "4"
+    assert cfg["origins"]["--speculative-num-steps"] == "sglang_instances[0].flags.speculative_num_steps"
+
+
+def test_two_tp4_instances_on_one_host():
+    a = render(instance={"name": "a", "port": 30000, "gpus": [0, 1, 2, 3]})
+    b = render(instance={"name": "b", "port": 30001, "gpus": [4, 5, 6, 7]}, instance_index=1)
+    assert a["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and b["env"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert a["argv"][a["argv"].index("--tp-size") + 1] == "4" == b["argv"][b["argv"].index("--tp-size") + 1]
+    assert b["origins"]["--port"] == "sglang_instances[1].port"
+
+
+@pytest.mark.parametrize(
+    "profile,instance,message",
+    [
+        ("nope", INSTANCE, "sglang_profile 'nope' is not in sglang_profiles"),
+        ("eagle3_topk1", {**INSTANCE, "gpus": []}, "sglang_instances[0] (main) has no gpus"),
+        ("eagle3_topk1", {**INSTANCE, "port": None}, "sglang_instances[0].port is not set"),
+        ("eagle3_topk1", {**INSTANCE, "flags": {"port": 1}}, "sglang_instances[0].flags.port: --port is set from sglang_instances[0].port"),
+        ("eagle3_topk1", {**INSTANCE, "flags": {"--tp": 2}}, "sglang_instances[0].flags.--tp: write flags as snake_case keys"),
+        ("eagle3_topk1", {**INSTANCE, "env": {"CUDA_VISIBLE_DEVICES": "0"}}, "CUDA_VISIBLE_DEVICES comes from sglang_instances[0].gpus"),
+    ],
+)
+def test_bad_settings_name_the_variable(profile, instance, message):
+    with pytest.raises(ConfigError) as exc:
+        render(profile, instance=instance)
+    assert message in str(exc.value)
+
+
+def test_a_profile_with_an_unknown_key_is_refused():
+    with pytest.raises(ConfigError, match=r"sglang_profiles.x: unknown keys \['flag'\]"):
+        server_config(INSTANCE, {"x": {"flag": {}}}, "x", "/m")
