@@ -113,6 +113,29 @@ def sglang_server_config(instance, profiles, profile, model_path, common_flags=N
         raise AnsibleFilterError(str(exc)) from exc
 
 
+def systemd_quote(args: list[str]) -> str:
+    """An argv as one systemd command line: each word double-quoted when it needs it,
+    with backslash, quote, % (specifier) and $ (variable) escaped."""
+    out = []
+    for arg in args:
+        word = str(arg).replace("%", "%%").replace("$", "$$")
+        if word and all(c.isalnum() or c in "-_./:=,+@" for c in word):
+            out.append(word)
+        else:
+            out.append('"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return " ".join(out)
+
+
+def env_file_line(name: str, value: str) -> str:
+    """NAME=value for an EnvironmentFile, double-quoted with escapes."""
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+    return f'{name}="{escaped}"'
+
+
 class FilterModule:
     def filters(self):
-        return {"sglang_server_config": sglang_server_config}
+        return {
+            "sglang_server_config": sglang_server_config,
+            "systemd_quote": systemd_quote,
+            "env_file_line": lambda item: env_file_line(*item),
+        }

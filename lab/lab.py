@@ -152,6 +152,18 @@ def up(lab: Lab, nodes: int, gpus: int, timeout: float) -> list[dict[str, object
     return hosts
 
 
+# Settings every lab node gets. Host variables, so that they rank above the
+# project's group_vars/all.yml (which speaks for real fleets).
+LAB_HOST_VARS = {
+    # Lab nodes have no GPU: NVIDIA's CUDA wheels, and SGLang with just what its parser needs.
+    "cuda_install_method": "pip",
+    "sglang_install_profile": "parser",
+    # Lab model directories (config.json only, baked into the lab image).
+    "sglang_model_path": "/srv/models/lab-target",
+    "sglang_draft_model_path": "/srv/models/lab-eagle3-draft",
+}
+
+
 def write_inventory(lab: Lab, hosts: list[dict[str, object]], key: Path) -> None:
     kh = lab.state / "ssh" / "known_hosts"
     lines = [
@@ -163,9 +175,6 @@ def write_inventory(lab: Lab, hosts: list[dict[str, object]], key: Path) -> None
         f"    ansible_ssh_private_key_file: {key}",
         f"    ansible_ssh_common_args: {SSH_ARGS.format(kh=kh)}",
         "    sglang_lab: true",
-        "    # Lab nodes have no GPU: NVIDIA's CUDA wheels, and SGLang with just what its parser needs.",
-        "    cuda_install_method: pip",
-        "    sglang_install_profile: parser",
         "  children:",
         "    sglang_nodes:",
         "      hosts:",
@@ -178,6 +187,7 @@ def write_inventory(lab: Lab, hosts: list[dict[str, object]], key: Path) -> None
             f"          lab_container: {h['container']}",
             f"          lab_gpus: {h['gpus']}",
         ]
+        lines += [f"          {k}: {v}" for k, v in LAB_HOST_VARS.items()]
     lab.inventory.parent.mkdir(parents=True, exist_ok=True)
     lab.inventory.write_text("\n".join(lines) + "\n", encoding="utf-8")
 

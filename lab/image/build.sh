@@ -95,6 +95,13 @@ install -m 0644 "$repo/lab/gpu_sim/nvsim.py" "$rootfs/usr/local/lib/lab-gpu-sim/
 install -m 0755 "$repo/lab/gpu_sim/nvidia-smi" "$rootfs/usr/local/bin/nvidia-smi"
 install -m 0755 "$repo/lab/gpu_sim/lab-gpu" "$rootfs/usr/local/bin/lab-gpu"
 
+# Lab-only model directories: a config.json each, no weights. The target's architecture
+# is the seed's; the draft is an EAGLE-3 draft, as validation checks against the algorithm.
+install -d -m 0755 "$rootfs/srv/models/lab-target" "$rootfs/srv/models/lab-eagle3-draft"
+echo '{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}' >"$rootfs/srv/models/lab-target/config.json"
+echo '{"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}' >"$rootfs/srv/models/lab-eagle3-draft/config.json"
+chmod 0644 "$rootfs"/srv/models/*/config.json
+
 chroot "$rootfs" apt-get clean
 rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin
 

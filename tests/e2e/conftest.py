@@ -34,6 +34,16 @@ def refused(the_lab, playbook: str, *extra: str) -> subprocess.CompletedProcess[
     return proc
 
 
+def changed_tasks(output: str) -> list[str]:
+    """Names of the tasks and handlers that reported a change, in order."""
+    names = []
+    for block in re.split(r"^(?=TASK \[|RUNNING HANDLER \[)", output, flags=re.M):
+        m = re.match(r"(?:TASK|RUNNING HANDLER) \[([^\]]+)\]", block)
+        if m and re.search(r"^changed: ", block, re.M):
+            names.append(m.group(1))
+    return names
+
+
 def recap(output: str) -> dict[str, dict[str, int]]:
     hosts = {}
     for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", output, re.M):

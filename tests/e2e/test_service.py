@@ -1,0 +1,63 @@
+"""The sglang_service role on lab nodes: units rendered, verified, enabled, hardened; a changed
+flag changes exactly its files and schedules the safe restart instead of restarting."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+from conftest import ansible, changed_tasks, podman_exec, recap
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture(scope="module")
+def deployed(lab):
+    the_lab, hosts = lab
+    ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
+    return the_lab, hosts[0]["container"]
+
+
+def test_unit_is_enabled_verified_and_not_started(deployed):
+    _, node = deployed
+    assert podman_exec(node, "systemctl", "is-enabled", "sglang-main.service").strip() == "enabled"
+    state = subprocess.run(["podman", "exec", node, "systemctl", "is-active", "sglang-main.service"], capture_output=True, text=True)
+    assert state.stdout.strip() == "inactive", "deploy must not start servers: the safe restart does"
+    podman_exec(node, "systemd-analyze", "verify", "/etc/systemd/system/sglang-main.service")
+
+
+def test_environment_file_is_root_only(deployed):
+    _, node = deployed
+    assert podman_exec(node, "stat", "-c", "%U %G %a", "/etc/sglang/main.env").split() == ["root", "root", "600"]
+
+
+def test_security_exposure_is_at_most_4(deployed):
+    _, node = deployed
+    out = podman_exec(node, "systemd-analyze", "security", "--no-pager", "sglang-main.service")
+    exposure = float(re.search(r"Overall exposure level for sglang-main.service: ([\d.]+)", out).group(1))
+    assert exposure <= 4.0, out
+
+
+def test_a_changed_flag_changes_exactly_its_files_and_schedules_a_safe_restart(deployed):
+    the_lab, node = deployed
+    podman_exec(node, "rm", "-f", "/var/lib/sglang/restart-pending")
+    before = podman_exec(node, "systemctl", "show", "-p", "InactiveEnterTimestamp", "sglang-main.service")
+    extra = ["--limit", "lab-node1", "-e", '{"sglang_server_flags": {"trust_remote_code": true, "mem_fraction_static": 0.85, "enable_metrics": true}}']
+    proc = ansible("ansible-playbook", "playbooks/deploy.yml", *extra, inventory=the_lab.inventory)
+    assert changed_tasks(proc.stdout) == [
+        "sglang_service : Write each instance's unit",
+        "sglang_service : Schedule a safe restart",
+    ], proc.stdout[-4000:]
+    assert "--mem-fraction-static 0.85" in podman_exec(node, "cat", "/etc/systemd/system/sglang-main.service")
+    assert podman_exec(node, "cat", "/var/lib/sglang/restart-pending").split() == ["main"]
+    after = podman_exec(node, "systemctl", "show", "-p", "InactiveEnterTimestamp", "sglang-main.service")
+    assert before == after, "the unit must not have been restarted"
+    # And back: the group_vars' value again.
+    ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", inventory=the_lab.inventory)
+
+
+def test_second_deploy_changes_nothing(deployed):
+    the_lab, _ = deployed
+    out = recap(ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory).stdout)
+    assert {h: r["changed"] for h, r in out.items()} == {"lab-node1": 0, "lab-node2": 0}
