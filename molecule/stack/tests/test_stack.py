@@ -76,3 +76,14 @@ def test_a_series_that_does_not_apply_changes_nothing(host):
 def test_nodes_install_with_no_index(host):
     wheels = host.check_output("ls /var/cache/sglang-deploy/wheelhouse/")
     assert "sglang-0.5.23-parser-" in wheels and "cuda-13.0-" in wheels
+
+
+def test_service_unit_is_enabled_hardened_and_not_started(host):
+    unit = host.service("sglang-main")
+    assert unit.is_enabled
+    assert not unit.is_running
+    text = host.file("/etc/systemd/system/sglang-main.service").content_string
+    assert "ExecStartPre=/usr/local/libexec/sglang-gpu-gate --gpus 0,1,2,3,4,5,6,7 " in text
+    assert "--speculative-algorithm EAGLE3" in text and "--speculative-num-steps 2" in text
+    out = host.check_output("systemd-analyze security --no-pager sglang-main.service")
+    assert "Overall exposure level for sglang-main.service: 1.5 OK" in out
