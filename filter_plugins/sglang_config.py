@@ -71,17 +71,28 @@ def server_config(
         "host": (listen_host, "sglang_listen_host"),
         "port": (instance.get("port"), f"{inst_name}.port"),
     }
+    # One model over several nodes: every node runs the same instance with its own rank.
+    nnodes = int(instance.get("nnodes") or 1)
+    if nnodes > 1:
+        for key in ("node_rank", "dist_init_addr"):
+            if instance.get(key) in (None, ""):
+                raise ConfigError(f"{inst_name}.{key} is not set, but {inst_name}.nnodes is {nnodes}")
+        if not 0 <= int(instance["node_rank"]) < nnodes:
+            raise ConfigError(f"{inst_name}.node_rank is {instance['node_rank']}, not in 0..{nnodes - 1}")
+        fixed["nnodes"] = (nnodes, f"{inst_name}.nnodes")
+        fixed["node_rank"] = (int(instance["node_rank"]), f"{inst_name}.node_rank")
+        fixed["dist_init_addr"] = (instance["dist_init_addr"], f"{inst_name}.dist_init_addr")
     for key, (value, where) in fixed.items():
         if key in flags:
             raise ConfigError(f"{origins[flag_name(key)]}: --{key.replace('_', '-')} is set from {where}; remove it from the flags")
-        if value in (None, ""):
+        if value is None or value == "":
             raise ConfigError(f"{where} is not set")
     argv: list[str] = []
     for key, (value, where) in fixed.items():
         argv += _render_value(flag_name(key), value)
         origins[flag_name(key)] = where
     if "tp_size" not in flags and "tp" not in flags:
-        flags["tp_size"] = len(gpus) // int(flags.get("dp_size") or 1) // int(flags.get("pp_size") or 1) or 1
+        flags["tp_size"] = len(gpus) * nnodes // int(flags.get("dp_size") or 1) // int(flags.get("pp_size") or 1) or 1
         origins["--tp-size"] = f"{inst_name}.gpus (one tensor-parallel rank per GPU)"
     for key in sorted(flags):
         argv += _render_value(flag_name(key), flags[key])

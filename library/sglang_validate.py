@@ -50,6 +50,12 @@ options:
     description: User the server runs as (paths must be readable by it).
     type: str
     required: true
+  port:
+    description: The instance's port; it must be free or held by I(unit).
+    type: int
+  unit:
+    description: The instance's systemd unit (C(sglang-<name>.service)).
+    type: str
 author: sglang-deploy
 """
 
@@ -304,6 +310,54 @@ def check_env(env, env_names, env_origins):
     return problems
 
 
+def listening_inodes(port):
+    """Socket inodes listening on TCP `port` (IPv4 and IPv6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def socket_holders(inodes):
+    """{pid: (unit, command line)} of the processes holding any of the socket inodes."""
+    wanted = {f"socket:[{i}]" for i in inodes}
+    holders = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if not any(os.readlink(f"/proc/{pid}/fd/{fd}") in wanted for fd in fds):
+                continue
+            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as fh:
+                cgroup = fh.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        units = re.findall(r"/([^/\n]+\.(?:service|scope))", cgroup)
+        holders[int(pid)] = (units[-1] if units else "?", cmd)
+    return holders
+
+
+def check_port(port, unit, origin):
+    inodes = listening_inodes(port)
+    if not inodes:
+        return []
+    holders = socket_holders(inodes)
+    others = {pid: h for pid, h in holders.items() if h[0] != unit}
+    if holders and not others:
+        return []
+    who = "; ".join(f"pid {pid} ({u}: {cmd[:120]})" for pid, (u, cmd) in sorted(others.items())) or "a process not visible here"
+    return [problem("port", origin, f"port {port} is already in use by {who}: choose another port ({origin}) or stop that process")]
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
@@ -315,6 +369,8 @@ def main():
             gpus=dict(type="list", elements="int", required=True),
             host_gpus=dict(type="int", required=True),
             service_user=dict(type="str", required=True),
+            port=dict(type="int"),
+            unit=dict(type="str"),
         ),
         supports_check_mode=True,
     )
@@ -331,6 +387,8 @@ def main():
         problems += check_parallel(args, p["gpus"], p["host_gpus"], p["origins"])
         problems += check_paths(args, p["service_user"], p["origins"])
     problems += check_env(p["env"], result.get("env_names"), p["env_origins"])
+    if p["port"]:
+        problems += check_port(p["port"], p["unit"], p["origins"].get("--port", "the port"))
     if problems:
         module.fail_json(msg="; ".join(x["message"] for x in problems), problems=problems)
     module.exit_json(changed=False, args=args, problems=[])

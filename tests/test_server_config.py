@@ -17,7 +17,8 @@ PROFILES = {
     name: {**p, "flags": {k: (v.replace("{{ sglang_draft_model_path }}", "/d") if isinstance(v, str) else v) for k, v in p["flags"].items()}}
     for name, p in GROUP_VARS["sglang_profiles"].items()
 }
-INSTANCE = {"name": "main", "port": 30000, "gpus": [0, 1, 2, 3, 4, 5, 6, 7]}
+ALL8 = [0, 1, 2, 3, 4, 5, 6, 7]
+INSTANCE = {"name": "main", "port": 30000, "gpus": ALL8}
 
 
 def render(profile="eagle3_topk1", instance=None, **kw):
@@ -88,3 +89,29 @@ def test_bad_settings_name_the_variable(profile, instance, message):
 def test_a_profile_with_an_unknown_key_is_refused():
     with pytest.raises(ConfigError, match=r"sglang_profiles.x: unknown keys \['flag'\]"):
         server_config(INSTANCE, {"x": {"flag": {}}}, "x", "/m")
+
+
+def test_one_model_over_two_nodes():
+    inst = {"name": "big", "port": 30000, "gpus": ALL8, "nnodes": 2, "node_rank": 1, "dist_init_addr": "gpu-node-03.example.internal:5000"}
+    cfg = render(instance=inst)
+    argv = cfg["argv"]
+    assert argv[:12] == [
+        "--model-path", "/m", "--host", "0.0.0.0", "--port", "30000",
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "gpu-node-03.example.internal:5000",
+    ]  # fmt: skip
+    assert argv[argv.index("--tp-size") + 1] == "16"
+    assert cfg["origins"]["--node-rank"] == "sglang_instances[0].node_rank"
+
+
+@pytest.mark.parametrize(
+    "inst,message",
+    [
+        ({"nnodes": 2, "dist_init_addr": "a:1"}, "sglang_instances[0].node_rank is not set, but sglang_instances[0].nnodes is 2"),
+        ({"nnodes": 2, "node_rank": 0}, "sglang_instances[0].dist_init_addr is not set"),
+        ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "a:1"}, "sglang_instances[0].node_rank is 2, not in 0..1"),
+    ],
+)
+def test_multi_node_settings_are_checked(inst, message):
+    with pytest.raises(ConfigError) as exc:
+        render(instance={**INSTANCE, **inst})
+    assert message in str(exc.value)

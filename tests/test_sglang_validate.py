@@ -131,3 +131,21 @@ def test_environment(env, expected):
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         assert g.startswith(e)
+
+
+def test_a_free_port_passes_and_a_held_one_names_its_holder():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert v.check_port(port, "sglang-main.service", "sglang_instances[0].port") == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        (p,) = v.check_port(port, "sglang-main.service", "sglang_instances[0].port")
+        assert p["message"].startswith(f"port {port} is already in use by pid {os.getpid()} (")
+        assert "choose another port (sglang_instances[0].port) or stop that process" in p["message"]
+        # Held by the instance's own unit: fine.
+        me = v.socket_holders(v.listening_inodes(port))[os.getpid()][0]
+        assert v.check_port(port, me, "x") == []

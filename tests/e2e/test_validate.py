@@ -65,6 +65,12 @@ BAD = [
      "SGLANG_ENABLE_SPEC_V2 is not an environment variable of the installed SGLang"),
     ("unknown profile", ["-e", "sglang_profile=fastest"],
      "sglang_profile 'fastest' is not in sglang_profiles"),
+    ("two instances sharing a GPU", ["-e", json.dumps({"sglang_instances": [
+        {"name": "a", "port": 30000, "gpus": [0, 1, 2, 3]}, {"name": "b", "port": 30001, "gpus": [3, 4, 5, 6]}]})],
+     "each instance needs its own name, port and GPUs"),
+    ("multi-node without a rank", ["-e", json.dumps({"sglang_instances": [
+        {"name": "main", "port": 30000, "gpus": ALL_GPUS, "nnodes": 2, "dist_init_addr": "lab-node1:5000"}]})],
+     "sglang_instances[0].node_rank is not set, but sglang_instances[0].nnodes is 2"),
 ]  # fmt: skip
 
 
@@ -72,3 +78,25 @@ BAD = [
 def test_bad_configuration_is_refused_with_its_setting(deployed, case, extra, message):
     proc = refused(deployed, "playbooks/validate.yml", "--limit", "lab-node1", *extra)
     assert message in proc.flat, f"{case}: {proc.flat[-2500:]}"
+
+
+def test_two_tp4_instances_on_one_host_pass(deployed):
+    two = json.dumps({"sglang_instances": [{"name": "a", "port": 30000, "gpus": [0, 1, 2, 3]},
+                                           {"name": "b", "port": 30001, "gpus": [4, 5, 6, 7]}]})  # fmt: skip
+    ansible("ansible-playbook", "playbooks/validate.yml", "--limit", "lab-node1", "-e", two, inventory=deployed.inventory)
+
+
+def test_a_port_held_by_another_process_is_refused_and_its_holder_named(deployed, lab):
+    node = lab[1][0]["container"]
+    podman_exec(node, "systemd-run", "--unit", "lab-port-squatter", "python3", "-m", "http.server", "30000", "--bind", "127.0.0.1")
+    try:
+        podman_exec(node, "python3", "-c", "import socket, time\n"
+                    "for _ in range(100):\n"
+                    "    try:\n        socket.create_connection(('127.0.0.1', 30000), 0.2).close(); break\n"
+                    "    except OSError: time.sleep(0.05)")  # fmt: skip
+        proc = refused(deployed, "playbooks/validate.yml", "--limit", "lab-node1")
+    finally:
+        podman_exec(node, "systemctl", "stop", "lab-port-squatter")
+    assert "port 30000 is already in use by pid " in proc.flat
+    assert "(lab-port-squatter.service: " in proc.flat and "-m http.server 30000" in proc.flat
+    assert "choose another port (sglang_instances[0].port) or stop that process" in proc.flat
