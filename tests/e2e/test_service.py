@@ -61,3 +61,22 @@ def test_second_deploy_changes_nothing(deployed):
     the_lab, _ = deployed
     out = recap(ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory).stdout)
     assert {h: r["changed"] for h, r in out.items()} == {"lab-node1": 0, "lab-node2": 0}
+
+
+def test_the_units_gpu_gate_refuses_busy_gpus_and_says_who(deployed):
+    the_lab, node = deployed
+    ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", "-e", "sglang_service_gpu_gate_timeout=2",
+            inventory=the_lab.inventory)  # fmt: skip
+    podman_exec(node, "lab-gpu", "hold", "--pid", "4242", "--gpu", "3", "--mib", "8148", "--pinned", "--name", "stray")
+    try:
+        start = subprocess.run(["podman", "exec", node, "systemctl", "start", "sglang-main.service"], capture_output=True, text=True)
+        assert start.returncode != 0
+        journal = podman_exec(node, "journalctl", "-u", "sglang-main.service", "--no-pager", "-o", "cat")
+    finally:
+        podman_exec(node, "lab-gpu", "release", "--pid", "4242")
+        subprocess.run(["podman", "exec", node, "systemctl", "reset-failed", "sglang-main.service"], check=False)
+        ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", inventory=the_lab.inventory)
+    assert "sglang-gpu-gate: GPUs [0, 1, 2, 3, 4, 5, 6, 7] not clean after 2s; refusing to start." in journal
+    assert "GPU 3: pid 4242 holds 8148 MiB" in journal
+    assert "/opt/ml-env/bin/python -m sglang.launch_server" not in subprocess.run(
+        ["podman", "exec", node, "ps", "-eo", "args"], capture_output=True, text=True).stdout, "the server must not have started"

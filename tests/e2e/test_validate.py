@@ -63,6 +63,8 @@ BAD = [
      "NCCL_ALGO=Rign: Rign is not one of"),
     ("SGLang variable this release lacks (the seed's)", ["-e", '{"sglang_server_env": {"SGLANG_ENABLE_SPEC_V2": "True"}}'],
      "SGLANG_ENABLE_SPEC_V2 is not an environment variable of the installed SGLang"),
+    ("/dev/shm too small for NCCL", ["-e", "sglang_service_min_shm_mib=65536"],
+     "/dev/shm is 1024 MiB, less than sglang_service_min_shm_mib (65536)"),
     ("unknown profile", ["-e", "sglang_profile=fastest"],
      "sglang_profile 'fastest' is not in sglang_profiles"),
     ("two instances sharing a GPU", ["-e", json.dumps({"sglang_instances": [
