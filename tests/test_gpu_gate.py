@@ -105,3 +105,18 @@ def test_nvidia_smi_failure_and_missing_gpus_are_errors(gpus):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert "nvidia-smi failed (rc=18): Failed to initialize NVML: Driver/library version mismatch" in err
+
+
+def test_an_offenders_multi_line_command_is_shown_on_one_line(gpus):
+    """Seen on a real H200: `python3 -c '<script>'` holders have newlines in their command line."""
+    state, env = gpus
+    holder = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(30)"])
+    try:
+        nvsim.lab_gpu(["hold", "--pid", str(holder.pid), "--gpu", "0", "--mib", "100"], path=state)
+        proc = gate(env, "--gpus", "0", "--timeout", "0.2")
+        _, err = proc.communicate(timeout=30)
+    finally:
+        holder.kill()
+        holder.wait()
+    (line,) = [x for x in err.splitlines() if f"pid {holder.pid}" in x]
+    assert line.endswith("-c import time time.sleep(30))")

@@ -1,0 +1,93 @@
+"""The ExecStartPre GPU gate (roles/sglang_service/files/sglang-gpu-gate) on real GPUs.
+
+Run on a GPU host (the `device` machine): python3 bench/gpu_gate_on_device.py OUT_DIR
+1. clean GPUs: the gate passes;
+2. a real process holds ~20 GB on GPU 0 (torch.empty on cuda): the gate refuses within its
+   timeout and names the process;
+3. the gate waits while it is held; the holder is SIGKILLed; time from the kill to the
+   gate's exit (release detection), repeated, median reported;
+4. the nvidia-smi query forms the project uses, with their output, for the parser vectors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GATE = [sys.executable, str(REPO / "roles" / "sglang_service" / "files" / "sglang-gpu-gate")]
+HOLD = (
+    "import sys, time, torch\n"
+    "x = torch.empty(int(sys.argv[1]) * 2**20, dtype=torch.uint8, device='cuda:0')\n"
+    "torch.cuda.synchronize(); print('held', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def holder(mib: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(mib)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    # Wait until nvidia-smi lists it (polled).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True).stdout
+        if str(p.pid) in apps.split():
+            return p
+        time.sleep(0.05)
+    raise RuntimeError("nvidia-smi never listed the holder")
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {}
+    queries = {
+        "gpus": ["nvidia-smi", "--query-gpu=index,uuid,name,pci.bus_id,memory.used,memory.total,driver_version,persistence_mode,compute_mode", "--format=csv"],
+        "gpu_probe": ["nvidia-smi", "--query-gpu=index,uuid,name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+        "driver": ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        "count": ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+    }
+    for name, cmd in queries.items():
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        report[f"query_{name}"] = {"cmd": " ".join(cmd), "rc": r.returncode, "stdout": r.stdout}
+
+    t = time.monotonic()
+    r = subprocess.run([*GATE, "--gpus", "0", "--timeout", "10"], capture_output=True, text=True)
+    report["clean"] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t}
+
+    p = holder(20000)
+    t = time.monotonic()
+    r = subprocess.run([*GATE, "--gpus", "0", "--timeout", "2"], capture_output=True, text=True)
+    report["busy"] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t, "holder_pid": p.pid}
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory,process_name", "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    report["busy_apps"] = apps.stdout
+    p.kill()
+    p.wait()
+
+    detections = []
+    for _ in range(5):
+        p = holder(20000)
+        g = subprocess.Popen([*GATE, "--gpus", "0", "--timeout", "60", "--interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        assert g.poll() is None, "gate passed while the GPU was held"
+        t = time.monotonic()
+        os.kill(p.pid, signal.SIGKILL)
+        g.wait(timeout=60)
+        detections.append(time.monotonic() - t)
+        p.wait()
+        assert g.returncode == 0, g.stderr.read()
+    report["release_to_gate_exit_s"] = detections
+    report["release_to_gate_exit_median_s"] = statistics.median(detections)
+    (out / "gate.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if not k.startswith("query_")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
