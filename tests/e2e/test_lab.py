@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import ansible, labmod, recap, refused
@@ -89,3 +90,4 @@ def test_lab_down_leaves_no_container_network_or_inventory():
     assert not the_lab.state.exists()
     images = json.loads(subprocess.run(["podman", "images", "--format", "json"], capture_output=True, text=True, check=True).stdout)
     assert any(labmod.IMAGE in (img.get("Names") or []) for img in images), "the cached image must stay"
+    assert not Path("/var/tmp/sglang-deploy-image-build").exists(), "the image build directory must not stay"
