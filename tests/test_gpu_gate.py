@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -30,6 +31,18 @@ def gpus(tmp_path):
     return str(state), env
 
 
+@contextlib.contextmanager
+def holding(state, argv, gpu, mib):
+    """A real process (argv) registered as holding `mib` on simulated GPU `gpu`; killed on exit."""
+    holder = subprocess.Popen(argv)
+    try:
+        nvsim.lab_gpu(["hold", "--pid", str(holder.pid), "--gpu", str(gpu), "--mib", str(mib)], path=state)
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def gate(env, *args, **kw):
     return subprocess.Popen([sys.executable, str(GATE), *args], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
@@ -44,14 +57,9 @@ def test_clean_gpus_pass_at_once(gpus):
 
 def test_a_process_on_the_instances_gpus_is_refused_and_named(gpus):
     state, env = gpus
-    holder = subprocess.Popen(["sleep", "30"])
-    try:
-        nvsim.lab_gpu(["hold", "--pid", str(holder.pid), "--gpu", "1", "--mib", "8148"], path=state)
+    with holding(state, ["sleep", "30"], gpu=1, mib=8148) as holder:
         proc = gate(env, "--gpus", "0,1", "--timeout", "0.5")
         _, err = proc.communicate(timeout=30)
-    finally:
-        holder.kill()
-        holder.wait()
     assert proc.returncode == 1
     assert "GPUs [0, 1] not clean after 0.5s; refusing to start." in err
     assert f"GPU 1: pid {holder.pid} holds 8148 MiB (user root, unit " in err
@@ -68,13 +76,10 @@ def test_other_gpus_being_busy_does_not_matter(gpus):
 
 def test_waits_for_a_process_to_go_then_passes(gpus):
     state, env = gpus
-    holder = subprocess.Popen(["sleep", "30"])
-    nvsim.lab_gpu(["hold", "--pid", str(holder.pid), "--gpu", "0", "--mib", "20000"], path=state)
-    proc = gate(env, "--gpus", "0", "--timeout", "20")
-    time.sleep(0.5)
-    assert proc.poll() is None, "the gate must wait while the GPU is held"
-    holder.kill()
-    holder.wait()
+    with holding(state, ["sleep", "30"], gpu=0, mib=20000):
+        proc = gate(env, "--gpus", "0", "--timeout", "20")
+        time.sleep(0.5)
+        assert proc.poll() is None, "the gate must wait while the GPU is held"
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "clean after" in out
@@ -110,13 +115,8 @@ def test_nvidia_smi_failure_and_missing_gpus_are_errors(gpus):
 def test_an_offenders_multi_line_command_is_shown_on_one_line(gpus):
     """Seen on a real H200: `python3 -c '<script>'` holders have newlines in their command line."""
     state, env = gpus
-    holder = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(30)"])
-    try:
-        nvsim.lab_gpu(["hold", "--pid", str(holder.pid), "--gpu", "0", "--mib", "100"], path=state)
+    with holding(state, [sys.executable, "-c", "import time\ntime.sleep(30)"], gpu=0, mib=100) as holder:
         proc = gate(env, "--gpus", "0", "--timeout", "0.2")
         _, err = proc.communicate(timeout=30)
-    finally:
-        holder.kill()
-        holder.wait()
     (line,) = [x for x in err.splitlines() if f"pid {holder.pid}" in x]
     assert line.endswith("-c import time time.sleep(30))")

@@ -316,7 +316,7 @@ def nvidia_smi(argv: list[str], path: str = STATE_FILE, now: float | None = None
     parser.add_argument("-L", "--list-gpus", action="store_true")
     args, rest = parser.parse_known_args(argv)
     if rest:
-        return 2, "", f"Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n"
+        return 2, "", "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n"
     try:
         state = snapshot(path, now)
     except FileNotFoundError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -53,6 +54,16 @@ def recap(output: str) -> dict[str, dict[str, int]]:
 
 def podman_exec(container: str, *cmd: str) -> str:
     return subprocess.run(["podman", "exec", container, *cmd], check=True, capture_output=True, text=True).stdout
+
+
+@contextlib.contextmanager
+def lab_gpu_state(container: str, change: list[str], restore: list[str]):
+    """Change a node's simulated GPUs (`lab-gpu ...`) for the block, then put them back."""
+    podman_exec(container, "lab-gpu", *change)
+    try:
+        yield
+    finally:
+        podman_exec(container, "lab-gpu", *restore)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ansible, labmod, recap, refused
+from conftest import ansible, lab_gpu_state, labmod, recap, refused
 
 pytestmark = pytest.mark.lab
 
@@ -63,12 +63,8 @@ def test_deploy_fails_clearly_when_the_gpu_count_is_wrong(lab):
 
 def test_deploy_fails_clearly_when_nvidia_smi_fails(lab):
     the_lab, hosts = lab
-    container = hosts[1]["container"]
-    subprocess.run(["podman", "exec", container, "lab-gpu", "fail", "driver-mismatch"], check=True)
-    try:
+    with lab_gpu_state(hosts[1]["container"], ["fail", "driver-mismatch"], ["fail", "none"]):
         proc = refused(the_lab, "playbooks/deploy.yml")
-    finally:
-        subprocess.run(["podman", "exec", container, "lab-gpu", "fail", "none"], check=True)
     assert "lab-node2: `nvidia-smi` failed (rc=18): Failed to initialize NVML: Driver/library version mismatch" in proc.flat
     assert recap(proc.stdout)["lab-node1"]["failed"] == 0
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import ansible, podman_exec, recap, refused
+from conftest import ansible, lab_gpu_state, podman_exec, recap, refused
 
 pytestmark = pytest.mark.lab
 
@@ -36,12 +36,8 @@ def test_an_unpinned_requirement_is_refused(lab):
 
 def test_cuda_refuses_a_driver_older_than_580(lab):
     the_lab, hosts = lab
-    container = hosts[0]["container"]
-    podman_exec(container, "lab-gpu", "driver", "570.86.15")
-    try:
+    with lab_gpu_state(hosts[0]["container"], ["driver", "570.86.15"], ["driver", "580.159.04"]):
         proc = refused(the_lab, "playbooks/deploy.yml", "--tags", "cuda_preflight")
-    finally:
-        podman_exec(container, "lab-gpu", "driver", "580.159.04")
     assert "lab-node1: the NVIDIA driver is 570.86.15, but CUDA 13.0 needs driver branch 580 or newer" in proc.flat
     assert recap(proc.stdout)["lab-node2"]["failed"] == 0
 
