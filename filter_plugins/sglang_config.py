@@ -124,6 +124,19 @@ def sglang_server_config(instance, profiles, profile, model_path, common_flags=N
         raise AnsibleFilterError(str(exc)) from exc
 
 
+def sglang_profile_argvs(instance, profiles, model_path, common_flags=None, common_env=None, listen_host="0.0.0.0",
+                        instance_index=0, prefix=None):  # fmt: skip
+    """{profile: the argv this instance would run with it}, to name the profile a running server runs."""
+    out = {}
+    for name in profiles:
+        try:
+            conf = server_config(instance, profiles, name, model_path, common_flags, common_env, listen_host, instance_index)
+        except ConfigError:
+            continue
+        out[name] = list(prefix or []) + conf["argv"]
+    return out
+
+
 def systemd_quote(args: list[str]) -> str:
     """An argv as one systemd command line: each word double-quoted when it needs it,
     with backslash, quote, % (specifier) and $ (variable) escaped."""
@@ -147,6 +160,7 @@ class FilterModule:
     def filters(self):
         return {
             "sglang_server_config": sglang_server_config,
+            "sglang_profile_argvs": sglang_profile_argvs,
             "systemd_quote": systemd_quote,
             "env_file_line": lambda item: env_file_line(*item),
         }

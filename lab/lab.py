@@ -60,8 +60,10 @@ class Lab:
         return [f"{self.name}-node{i}" for i in range(1, count + 1)]
 
 
-def podman(*args: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["podman", *args], text=True, capture_output=capture, check=False)
+def podman(*args: str, check: bool = True, capture: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    if stdin is not None:
+        args = ("exec", "-i", *args[1:]) if args[0] == "exec" else args
+    proc = subprocess.run(["podman", *args], text=True, capture_output=capture, check=False, input=stdin)
     if check and proc.returncode != 0:
         raise LabError(f"podman {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -140,17 +142,33 @@ def up(lab: Lab, nodes: int, gpus: int, timeout: float) -> list[dict[str, object
                 "--label", lab.label, "--runtime", "runc", "--systemd", "always",
                 "--network", lab.network, "--publish", "127.0.0.1::22",
                 "--volume", f"{key}.pub:/home/ansible/.ssh/authorized_keys:ro",
+                "--volume", f"{REPO / 'lab' / 'standin'}:{STANDIN_DIR}:ro",
                 "--shm-size", "1g",
+                # Root on a real host may look into every process (/proc/PID/fd: who holds a port).
+                "--cap-add", "SYS_PTRACE",
                 *ulimit_args(),
                 IMAGE, "/sbin/init",
             )  # fmt: skip
         port = published_port(name)
         wait_ready(name, port, timeout)
         podman("exec", name, "lab-gpu", "init", "--gpus", str(gpus), "--seed", hostname)
+        podman("exec", name, "sh", "-c", f"mkdir -p {DROPIN.rsplit('/', 1)[0]} && cat > {DROPIN}", stdin=DROPIN_TEXT)
         hosts.append({"name": hostname, "container": name, "port": port, "gpus": gpus})
     write_inventory(lab, hosts, key)
     return hosts
 
+
+# The SGLang stand-in server (a test double, lab/standin), mounted read-only into
+# every node and started by the very same unit as SGLang through the launch module.
+STANDIN_DIR = "/opt/lab-standin"
+# Lab-only drop-in for every sglang-*.service: the stand-in and the simulated
+# nvidia-smi keep the simulated GPU state in /var/lib/lab-gpu-sim, which the unit's
+# ProtectSystem=strict would make read-only. Production units have no such path.
+DROPIN = "/etc/systemd/system/sglang-.service.d/lab-gpu-sim.conf"
+DROPIN_TEXT = """# LAB ONLY (lab/lab.py): the simulated GPUs' state must stay writable.
+[Service]
+ReadWritePaths=/var/lib/lab-gpu-sim
+"""
 
 # Settings every lab node gets. Host variables, so that they rank above the
 # project's group_vars/all.yml (which speaks for real fleets).
@@ -161,6 +179,12 @@ LAB_HOST_VARS = {
     # Lab model directories (config.json only, baked into the lab image).
     "sglang_model_path": "/srv/models/lab-target",
     "sglang_draft_model_path": "/srv/models/lab-eagle3-draft",
+    # The stand-in server instead of SGLang (no GPU to serve on), and lab-sized waits.
+    "sglang_service_launch_module": "lab_sglang_standin",
+    "sglang_server_env": {"PYTHONPATH": STANDIN_DIR},
+    "sglang_service_stop_timeout": 5,
+    "sglang_service_ready_timeout": 60,
+    "sglang_service_gpu_wait_timeout": 20,
 }
 
 
@@ -187,7 +211,7 @@ def write_inventory(lab: Lab, hosts: list[dict[str, object]], key: Path) -> None
             f"          lab_container: {h['container']}",
             f"          lab_gpus: {h['gpus']}",
         ]
-        lines += [f"          {k}: {v}" for k, v in LAB_HOST_VARS.items()]
+        lines += [f"          {k}: {json.dumps(v)}" for k, v in LAB_HOST_VARS.items()]
     lab.inventory.parent.mkdir(parents=True, exist_ok=True)
     lab.inventory.write_text("\n".join(lines) + "\n", encoding="utf-8")
 

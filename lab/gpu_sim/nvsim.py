@@ -135,7 +135,18 @@ def write_state(state: dict[str, Any], path: str = STATE_FILE) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
+    """Alive even where /proc hides it (a unit with ProtectProc=invisible runs nvidia-smi too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie holds no GPU memory
+    except (OSError, IndexError):
+        return True
 
 
 def settle(state: dict[str, Any], now: float) -> bool:

@@ -74,3 +74,11 @@ def lab():
     yield the_lab, hosts
     labmod.down(the_lab)
     assert labmod.lab_containers(the_lab) == []
+
+
+@pytest.fixture(scope="session")
+def deployed(lab):
+    """The lab with deploy.yml applied once (units written, enabled, not started)."""
+    the_lab, hosts = lab
+    ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
+    return the_lab, hosts

@@ -13,34 +13,33 @@ pytestmark = pytest.mark.lab
 
 
 @pytest.fixture(scope="module")
-def deployed(lab):
-    the_lab, hosts = lab
-    ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
+def node1(deployed):
+    the_lab, hosts = deployed
     return the_lab, hosts[0]["container"]
 
 
-def test_unit_is_enabled_verified_and_not_started(deployed):
-    _, node = deployed
+def test_unit_is_enabled_verified_and_not_started(node1):
+    _, node = node1
     assert podman_exec(node, "systemctl", "is-enabled", "sglang-main.service").strip() == "enabled"
     state = subprocess.run(["podman", "exec", node, "systemctl", "is-active", "sglang-main.service"], capture_output=True, text=True)
     assert state.stdout.strip() == "inactive", "deploy must not start servers: the safe restart does"
     podman_exec(node, "systemd-analyze", "verify", "/etc/systemd/system/sglang-main.service")
 
 
-def test_environment_file_is_root_only(deployed):
-    _, node = deployed
+def test_environment_file_is_root_only(node1):
+    _, node = node1
     assert podman_exec(node, "stat", "-c", "%U %G %a", "/etc/sglang/main.env").split() == ["root", "root", "600"]
 
 
-def test_security_exposure_is_at_most_4(deployed):
-    _, node = deployed
+def test_security_exposure_is_at_most_4(node1):
+    _, node = node1
     out = podman_exec(node, "systemd-analyze", "security", "--no-pager", "sglang-main.service")
     exposure = float(re.search(r"Overall exposure level for sglang-main.service: ([\d.]+)", out).group(1))
     assert exposure <= 4.0, out
 
 
-def test_a_changed_flag_changes_exactly_its_files_and_schedules_a_safe_restart(deployed):
-    the_lab, node = deployed
+def test_a_changed_flag_changes_exactly_its_files_and_schedules_a_safe_restart(node1):
+    the_lab, node = node1
     podman_exec(node, "rm", "-f", "/var/lib/sglang/restart-pending")
     before = podman_exec(node, "systemctl", "show", "-p", "InactiveEnterTimestamp", "sglang-main.service")
     extra = ["--limit", "lab-node1", "-e", '{"sglang_server_flags": {"trust_remote_code": true, "mem_fraction_static": 0.85, "enable_metrics": true}}']
@@ -57,14 +56,14 @@ def test_a_changed_flag_changes_exactly_its_files_and_schedules_a_safe_restart(d
     ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", inventory=the_lab.inventory)
 
 
-def test_second_deploy_changes_nothing(deployed):
-    the_lab, _ = deployed
+def test_second_deploy_changes_nothing(node1):
+    the_lab, _ = node1
     out = recap(ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory).stdout)
     assert {h: r["changed"] for h, r in out.items()} == {"lab-node1": 0, "lab-node2": 0}
 
 
-def test_the_units_gpu_gate_refuses_busy_gpus_and_says_who(deployed):
-    the_lab, node = deployed
+def test_the_units_gpu_gate_refuses_busy_gpus_and_says_who(node1):
+    the_lab, node = node1
     ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", "-e", "sglang_service_gpu_gate_timeout=2",
             inventory=the_lab.inventory)  # fmt: skip
     podman_exec(node, "lab-gpu", "hold", "--pid", "4242", "--gpu", "3", "--mib", "8148", "--pinned", "--name", "stray")
@@ -78,5 +77,5 @@ def test_the_units_gpu_gate_refuses_busy_gpus_and_says_who(deployed):
         ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", inventory=the_lab.inventory)
     assert "sglang-gpu-gate: GPUs [0, 1, 2, 3, 4, 5, 6, 7] not clean after 2s; refusing to start." in journal
     assert "GPU 3: pid 4242 holds 8148 MiB" in journal
-    assert "/opt/ml-env/bin/python -m sglang.launch_server" not in subprocess.run(
+    assert "/opt/ml-env/bin/python -m lab_sglang_standin" not in subprocess.run(
         ["podman", "exec", node, "ps", "-eo", "args"], capture_output=True, text=True).stdout, "the server must not have started"

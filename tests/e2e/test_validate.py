@@ -13,9 +13,8 @@ ALL_GPUS = [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 @pytest.fixture(scope="module")
-def deployed(lab):
-    the_lab, hosts = lab
-    ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
+def with_fleet_model_dirs(deployed):
+    the_lab, hosts = deployed
     for h in hosts:
         podman_exec(h["container"], "sh", "-c",
                     "mkdir -p /srv/models/target /srv/models/eagle3-draft && "
@@ -32,9 +31,9 @@ def instance(**flags):
 
 
 @pytest.mark.parametrize("profile", ["eagle3_topk1", "eagle3_5tok_cuda_graph", "baseline_no_spec"])
-def test_every_shipped_profile_passes_and_changes_nothing(deployed, profile):
+def test_every_shipped_profile_passes_and_changes_nothing(with_fleet_model_dirs, profile):
     proc = ansible("ansible-playbook", "playbooks/validate.yml", "--limit", "lab-node1", "-e", f"sglang_profile={profile}",
-                   inventory=deployed.inventory)  # fmt: skip
+                   inventory=with_fleet_model_dirs.inventory)  # fmt: skip
     assert recap(proc.stdout)["lab-node1"]["changed"] == 0
 
 
@@ -77,18 +76,18 @@ BAD = [
 
 
 @pytest.mark.parametrize("case,extra,message", BAD, ids=[b[0] for b in BAD])
-def test_bad_configuration_is_refused_with_its_setting(deployed, case, extra, message):
-    proc = refused(deployed, "playbooks/validate.yml", "--limit", "lab-node1", *extra)
+def test_bad_configuration_is_refused_with_its_setting(with_fleet_model_dirs, case, extra, message):
+    proc = refused(with_fleet_model_dirs, "playbooks/validate.yml", "--limit", "lab-node1", *extra)
     assert message in proc.flat, f"{case}: {proc.flat[-2500:]}"
 
 
-def test_two_tp4_instances_on_one_host_pass(deployed):
+def test_two_tp4_instances_on_one_host_pass(with_fleet_model_dirs):
     two = json.dumps({"sglang_instances": [{"name": "a", "port": 30000, "gpus": [0, 1, 2, 3]},
                                            {"name": "b", "port": 30001, "gpus": [4, 5, 6, 7]}]})  # fmt: skip
-    ansible("ansible-playbook", "playbooks/validate.yml", "--limit", "lab-node1", "-e", two, inventory=deployed.inventory)
+    ansible("ansible-playbook", "playbooks/validate.yml", "--limit", "lab-node1", "-e", two, inventory=with_fleet_model_dirs.inventory)
 
 
-def test_a_port_held_by_another_process_is_refused_and_its_holder_named(deployed, lab):
+def test_a_port_held_by_another_process_is_refused_and_its_holder_named(with_fleet_model_dirs, lab):
     node = lab[1][0]["container"]
     podman_exec(node, "systemd-run", "--unit", "lab-port-squatter", "python3", "-m", "http.server", "30000", "--bind", "127.0.0.1")
     try:
@@ -96,7 +95,7 @@ def test_a_port_held_by_another_process_is_refused_and_its_holder_named(deployed
                     "for _ in range(100):\n"
                     "    try:\n        socket.create_connection(('127.0.0.1', 30000), 0.2).close(); break\n"
                     "    except OSError: time.sleep(0.05)")  # fmt: skip
-        proc = refused(deployed, "playbooks/validate.yml", "--limit", "lab-node1")
+        proc = refused(with_fleet_model_dirs, "playbooks/validate.yml", "--limit", "lab-node1")
     finally:
         podman_exec(node, "systemctl", "stop", "lab-port-squatter")
     assert "port 30000 is already in use by pid " in proc.flat

@@ -1,0 +1,343 @@
+"""LAB TEST DOUBLE: stands in for `python -m sglang.launch_server` on lab nodes.
+
+Lab nodes have no GPU, so SGLang itself cannot serve there. The lab points the
+very same systemd unit at this module (`sglang_service_launch_module:
+lab_sglang_standin`, PYTHONPATH=/opt/lab-standin, mounted read-only from lab/
+by lab/lab.py). Never installed by the roles.
+
+What it does like SGLang 0.5.23:
+- parses its arguments with SGLang's real parser (a bad flag exits 2 with
+  SGLang's own message);
+- runs several processes (one "scheduler" per tensor-parallel rank), each
+  holding simulated GPU memory that the lab's simulated nvidia-smi lists;
+- serves /health, /health_generate, /generate, /v1/completions,
+  /v1/chat/completions, /v1/models, /model_info, /server_info (and the
+  deprecated /get_* names), and /metrics with sglang:spec_accept_length,
+  sglang:gen_throughput and the token counters;
+- reports per-request speculative stats in meta_info (spec_verify_ct,
+  spec_accept_length) as SGLang's tokenizer manager does.
+
+Knobs (environment, set through the instance's env):
+  LAB_STANDIN_READY_S        seconds from process start to ready (default 2)
+  LAB_STANDIN_TOKENS_PER_S   decode speed of one request (default 400)
+  LAB_STANDIN_ACCEPT_LENGTH  speculative accept length (default 2.6 with a spec algorithm)
+  LAB_STANDIN_RELEASE_S      seconds GPU memory takes to free after exit (default 0)
+  LAB_STANDIN_FAULT          comma-separated faults:
+     crash-startup        exit with a traceback while loading
+     crash-first-decode   load, then die on the first decode (the seed's AttributeError)
+     hang                 never become ready
+     stray-child          a child that ignores SIGTERM and keeps its GPU memory
+     slow-release         GPU memory takes LAB_STANDIN_RELEASE_S (default 4) to free
+     wrong-accept         accept length 1.0 (what an EAGLE/EAGLE3 mix-up shows)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+T0 = time.monotonic()
+VERSION = "0.5.23"
+H200_MIB = 143771
+CHILDREN: list[int] = []  # this process's scheduler children
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+class Knobs:
+    def __init__(self, env: dict[str, str], args: argparse.Namespace):
+        self.faults = {f.strip() for f in env.get("LAB_STANDIN_FAULT", "").split(",") if f.strip()}
+        self.ready_s = float(env.get("LAB_STANDIN_READY_S", "2"))
+        self.tokens_per_s = float(env.get("LAB_STANDIN_TOKENS_PER_S", "400"))
+        self.spec = args.speculative_algorithm
+        default_accept = "2.6" if self.spec else "1.0"
+        self.accept_length = float(env.get("LAB_STANDIN_ACCEPT_LENGTH", default_accept))
+        if "wrong-accept" in self.faults:
+            self.accept_length = 1.0
+        self.release_s = float(env.get("LAB_STANDIN_RELEASE_S", "4" if "slow-release" in self.faults else "0"))
+
+
+def gpus() -> list[int]:
+    return [int(g) for g in os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if g.strip()]
+
+
+def lab_gpu(*args: str) -> None:
+    subprocess.run(["lab-gpu", *args], check=True)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def scheduler_process(rank: int, gpu: int, mib: int, release_s: float, stray: bool) -> None:
+    """Child: one tensor-parallel rank holding its GPU's memory until told to stop."""
+    lab_gpu("hold", "--pid", str(os.getpid()), "--gpu", str(gpu), "--mib", str(mib),
+            "--name", "python3", "--release-seconds", str(release_s))  # fmt: skip
+    if stray:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        log(f"scheduler TP{rank}: ignoring SIGTERM (fault stray-child)")
+        while True:
+            time.sleep(3600)
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.2)
+
+
+def start_schedulers(args: argparse.Namespace, knobs: Knobs) -> list[int]:
+    mib = int(H200_MIB * float(args.mem_fraction_static or 0.85))
+    pids = []
+    for rank, gpu in enumerate(gpus()):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                scheduler_process(rank, gpu, mib, knobs.release_s, "stray-child" in knobs.faults and rank == 0)
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    return pids
+
+
+# --------------------------------------------------------------------------- serving
+
+
+class State:
+    def __init__(self, args: argparse.Namespace, argv: list[str], knobs: Knobs):
+        self.args = args
+        self.argv = argv
+        self.knobs = knobs
+        self.ready = False
+        self.decodes = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.verify_ct = 0
+        self.lock = threading.Lock()
+        self.last_throughput = 0.0
+
+    def decode(self, prompt: str, max_new_tokens: int) -> dict:
+        if "crash-first-decode" in self.knobs.faults:
+            crash_on_decode()
+        n = max(1, int(max_new_tokens))
+        started = time.monotonic()
+        time.sleep(n / self.knobs.tokens_per_s)
+        elapsed = time.monotonic() - started
+        words = ["lab", "stand-in", "tokens"]
+        text = " ".join(words[i % len(words)] for i in range(n))
+        verify_ct = max(1, round(n / self.knobs.accept_length))
+        with self.lock:
+            self.decodes += 1
+            self.prompt_tokens += len(prompt.split())
+            self.generation_tokens += n
+            self.verify_ct += verify_ct
+            self.last_throughput = n / elapsed if elapsed > 0 else 0.0
+        meta = {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "e2e_latency": elapsed,
+                "finish_reason": {"type": "length", "length": n}}  # fmt: skip
+        if self.knobs.spec:
+            meta.update({"spec_verify_ct": verify_ct, "spec_accept_length": n / verify_ct})
+        return {"text": text, "meta_info": meta}
+
+    def server_info(self) -> dict:
+        info = dict(vars(self.args))
+        info["launch_command"] = " ".join(["python3", "-m", "sglang.launch_server", *self.argv])
+        states = [{}]
+        if self.knobs.spec and self.verify_ct:
+            states[0]["avg_spec_accept_length"] = self.generation_tokens / self.verify_ct
+        info.update({"internal_states": states, "version": VERSION, "frontend": "python", "lab_standin": True})
+        return info
+
+    def metrics(self) -> str:
+        labels = f'model_name="{self.args.served_model_name or self.args.model_path}"'
+        accept = self.generation_tokens / self.verify_ct if self.verify_ct else 0.0
+        lines = [
+            "# HELP sglang:gen_throughput The generation throughput (token/s).",
+            "# TYPE sglang:gen_throughput gauge",
+            f"sglang:gen_throughput{{{labels}}} {self.last_throughput}",
+            "# HELP sglang:num_running_reqs The number of running requests.",
+            "# TYPE sglang:num_running_reqs gauge",
+            f"sglang:num_running_reqs{{{labels}}} 0.0",
+            "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
+            "# TYPE sglang:prompt_tokens_total counter",
+            f"sglang:prompt_tokens_total{{{labels}}} {float(self.prompt_tokens)}",
+            "# HELP sglang:generation_tokens_total Number of generation tokens processed.",
+            "# TYPE sglang:generation_tokens_total counter",
+            f"sglang:generation_tokens_total{{{labels}}} {float(self.generation_tokens)}",
+        ]
+        if self.knobs.spec:
+            lines += [
+                "# HELP sglang:spec_accept_length Mean acceptance length of speculative decoding.",
+                "# TYPE sglang:spec_accept_length gauge",
+                f"sglang:spec_accept_length{{{labels}}} {accept}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def crash_on_decode() -> None:
+    """The seed's failure: an attribute left unset by a half-failed __init__, read on the first decode."""
+    try:
+        class EAGLEWorkerV2:  # noqa: N801 - named as in SGLang
+            def forward_batch_generation(self):
+                return self.adaptive_controller.on_verify()
+
+        EAGLEWorkerV2().forward_batch_generation()
+    except AttributeError:
+        log("Scheduler hit an exception: " + traceback.format_exc())
+        log("Received sigquit from a child process. It usually means the child failed.")
+        kill_children(signal.SIGKILL, wait=2.0)
+        os._exit(1)
+
+
+def kill_children(sig: int, wait: float = 0.0) -> set[int]:
+    """Signal every child; with wait, reap them for up to that many seconds. The ones left."""
+    for pid in CHILDREN:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    # Reap them before exiting, as SGLang's launcher does: in lab containers (cgroup v1,
+    # no release agent) systemd learns that a unit's cgroup emptied only when its main
+    # process exits last; otherwise each stop would wait out TimeoutStopSec.
+    deadline = time.monotonic() + wait
+    waiting = set(CHILDREN)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    waiting.discard(pid)
+            except ChildProcessError:
+                waiting.discard(pid)
+        time.sleep(0.02)
+    return waiting
+
+
+class Handler(BaseHTTPRequestHandler):
+    state: State
+    server_version = "uvicorn"
+    sys_version = ""
+
+    def log_message(self, fmt: str, *args) -> None:  # quieter than the default
+        pass
+
+    def reply(self, code: int, body: object = None, ctype: str = "application/json") -> None:
+        data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(length) or b"{}")
+
+    def do_GET(self) -> None:  # noqa: N802
+        st = self.state
+        path = self.path.split("?", 1)[0]
+        if path in ("/health", "/ready"):
+            return self.reply(200 if st.ready else 503)
+        if not st.ready:
+            return self.reply(503)
+        if path == "/health_generate":
+            st.decode("", 1)
+            return self.reply(200)
+        if path in ("/server_info", "/get_server_info"):
+            return self.reply(200, st.server_info())
+        if path in ("/model_info", "/get_model_info"):
+            return self.reply(200, {"model_path": st.args.model_path, "is_generation": True, "lab_standin": True})
+        if path == "/v1/models":
+            name = st.args.served_model_name or st.args.model_path
+            return self.reply(200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "sglang"}]})
+        if path == "/metrics":
+            return self.reply(200, st.metrics().encode(), "text/plain; version=0.0.4")
+        return self.reply(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        st = self.state
+        if not st.ready:
+            return self.reply(503)
+        path = self.path.split("?", 1)[0]
+        req = self.body()
+        if path == "/generate":
+            params = req.get("sampling_params") or {}
+            return self.reply(200, st.decode(str(req.get("text", "")), params.get("max_new_tokens", 16)))
+        if path in ("/v1/completions", "/v1/chat/completions"):
+            chat = path.endswith("chat/completions")
+            prompt = " ".join(m.get("content", "") for m in req.get("messages", [])) if chat else str(req.get("prompt", ""))
+            out = st.decode(prompt, req.get("max_tokens", 16))
+            meta = out["meta_info"]
+            choice = {"index": 0, "finish_reason": "length"}
+            choice.update({"message": {"role": "assistant", "content": out["text"]}} if chat else {"text": out["text"]})
+            return self.reply(200, {
+                "id": f"lab-{st.decodes}", "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": req.get("model", st.args.model_path), "choices": [choice],
+                "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
+                          "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]},
+            })  # fmt: skip
+        return self.reply(404, {"detail": "Not Found"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)  # SGLang's parser: exits 2 with its message on a bad flag
+    knobs = Knobs(dict(os.environ), args)
+    log(f"LAB STAND-IN for sglang.launch_server {VERSION}: model {args.model_path}, tp {args.tp_size}, "
+        f"GPUs {gpus()}, speculative {args.speculative_algorithm}, faults {sorted(knobs.faults) or 'none'}")  # fmt: skip
+    CHILDREN.extend(start_schedulers(args, knobs))
+
+    def stop(signum, frame):
+        log(f"Received signal {signum}; shutting down")
+        left = kill_children(signal.SIGTERM, wait=2.0)
+        if left:
+            log(f"children {sorted(left)} still running after SIGTERM; exiting without them")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    if "crash-startup" in knobs.faults:
+        time.sleep(min(knobs.ready_s, 0.5))
+        log("Load weight begin.")
+        try:
+            raise RuntimeError("CUDA error: out of memory while loading draft model weights (lab fault crash-startup)")
+        except RuntimeError:
+            log("Scheduler hit an exception: " + traceback.format_exc())
+        kill_children(signal.SIGKILL, wait=2.0)
+        return 1
+
+    state = State(args, argv, knobs)
+    Handler.state = state
+    httpd = ThreadingHTTPServer((args.host, args.port), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    log(f"Uvicorn running on http://{args.host}:{args.port}")
+    if "hang" in knobs.faults:
+        log("Capture cuda graph begin. (lab fault hang: never ready)")
+        while True:
+            time.sleep(3600)
+    time.sleep(max(0.0, knobs.ready_s - (time.monotonic() - T0)))
+    state.ready = True
+    log("The server is fired up and ready to roll!")
+    while True:
+        for pid in CHILDREN:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                log(f"scheduler pid {pid} exited ({status}); shutting down")
+                stop(None, None)
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

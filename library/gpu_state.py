@@ -1,0 +1,115 @@
+#!/usr/bin/python
+"""Ansible module: the GPUs of a host and who holds them; optionally wait until some are clean."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: gpu_state
+short_description: Read nvidia-smi; optionally wait, polling on the host, until GPUs are clean
+description:
+  - Returns every GPU (index, uuid, memory used/total) and every compute process on
+    them with its pid, memory, user, command line and systemd unit.
+  - With I(wait=true), polls every I(interval) seconds (on the host, in this one call)
+    until the GPUs in I(gpus) hold no compute process and each one's used memory is at
+    most I(max_used_mib); fails on timeout naming each offender.
+  - Fails with nvidia-smi's own message when nvidia-smi fails (no driver, driver/library mismatch).
+  - Read-only unless I(stop_policy) allows stopping offenders; supports check mode (never stops then).
+options:
+  gpus:
+    description: GPU indices to check (default all).
+    type: list
+    elements: int
+  wait:
+    description: Wait until I(gpus) are clean, or fail.
+    type: bool
+    default: false
+  timeout:
+    description: Seconds to wait.
+    type: float
+    default: 60
+  interval:
+    description: Seconds between polls (at most 0.25).
+    type: float
+    default: 0.1
+  max_used_mib:
+    description: Used memory a GPU may show with no process on it and still count as clean.
+    type: int
+    default: 1024
+  stop_policy:
+    description:
+      - C(none) never stops anything. C(own) stops offenders of I(service_unit) or I(service_user)
+        (SIGTERM, then SIGKILL after I(kill_grace)). C(force) stops any offender: only when the
+        operator asks for it explicitly.
+    type: str
+    choices: [none, own, force]
+    default: none
+  service_unit:
+    description: The service's own unit (for C(stop_policy=own)).
+    type: str
+  service_user:
+    description: The service's own user (for C(stop_policy=own)).
+    type: str
+  kill_grace:
+    description: Seconds between SIGTERM and SIGKILL for stopped offenders.
+    type: float
+    default: 10
+author: sglang-deploy
+"""
+
+RETURN = r"""
+gpus:
+  description: Every GPU of the host (index, uuid, name, memory_used_mib, memory_total_mib).
+  type: list
+  returned: success
+processes:
+  description: Every compute process (pid, gpu, gpu_uuid, used_mib, process_name, user, unit, cmdline).
+  type: list
+  returned: success
+wait:
+  description: With wait, {clean, waited_s, polls, offenders, busy, stopped, message}.
+  type: dict
+  returned: when wait
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.sglang_gpu import NvidiaSmiError, snapshot, wait_clean
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            gpus=dict(type="list", elements="int"),
+            wait=dict(type="bool", default=False),
+            timeout=dict(type="float", default=60.0),
+            interval=dict(type="float", default=0.1),
+            max_used_mib=dict(type="int", default=1024),
+            stop_policy=dict(type="str", choices=["none", "own", "force"], default="none"),
+            service_unit=dict(type="str"),
+            service_user=dict(type="str"),
+            kill_grace=dict(type="float", default=10.0),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    if not 0 < p["interval"] <= 0.25:
+        module.fail_json(msg=f"interval is {p['interval']}: poll at least every 0.25 s (0 < interval <= 0.25)")
+    try:
+        snap = snapshot()
+        result = {"changed": False, **snap}
+        if p["wait"]:
+            gpus = p["gpus"] if p["gpus"] is not None else [g["index"] for g in snap["gpus"]]
+            policy = "none" if module.check_mode else p["stop_policy"]
+            waited = wait_clean(gpus, p["timeout"], p["interval"], p["max_used_mib"], policy,
+                                p["service_unit"], p["service_user"], p["kill_grace"])  # fmt: skip
+            result["wait"] = {k: v for k, v in waited.items() if k != "gpus"}
+            result["gpus"] = waited["gpus"]
+            result["changed"] = bool(waited["stopped"])
+            if not waited["clean"]:
+                module.fail_json(msg=waited["message"], **result)
+    except NvidiaSmiError as exc:
+        module.fail_json(msg=str(exc), gpus=[], processes=[])
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""restart.yml and verify.yml on a lab node, against the lab's SGLang stand-in server, one test
+per fault: detected, reported with its cause, rolled back to a serving server, and nothing
+else on the node disturbed (a second instance on the same node keeps its process).
+
+Node lab-node2 runs two instances: `a` on GPUs 0-3 (the one that is restarted) and `b` on
+GPUs 4-7 (the bystander).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ansible, lab_gpu_state, podman_exec
+
+pytestmark = pytest.mark.lab
+
+NODE = "lab-node2"
+A = {"name": "a", "port": 30000, "gpus": [0, 1, 2, 3]}
+B = {"name": "b", "port": 30001, "gpus": [4, 5, 6, 7]}
+
+
+def instances(**a_env) -> str:
+    a = {**A, "env": {k.upper(): v for k, v in a_env.items()}} if a_env else A
+    return json.dumps({"sglang_instances": [a, B]})
+
+
+def run(the_lab, playbook: str, *extra: str) -> tuple[int, dict, str]:
+    """Run a playbook on NODE; (rc, {instance: module result}, the failure message if any)."""
+    proc = ansible("ansible-playbook", playbook, "--limit", NODE, *extra, inventory=the_lab.inventory, check=False,
+                   env={"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"})  # fmt: skip
+    start = proc.stdout.find("\n{\n")
+    assert start >= 0, f"no JSON in the output of {playbook}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc, _ = json.JSONDecoder().raw_decode(proc.stdout, start + 1)
+    results, msgs = {}, []
+    for play in doc["plays"]:
+        for task in play["tasks"]:
+            host = task["hosts"].get(NODE) or {}
+            for item in host.get("results") or []:
+                if item.get("instance") and item.get("outcome"):
+                    results[item["instance"]] = item
+                if item.get("failed"):
+                    msgs.append(item.get("msg", ""))
+            if host.get("failed") and not host.get("results"):
+                msgs.append(host.get("msg", ""))
+    return proc.returncode, results, "\n".join(msgs)
+
+
+def restart(the_lab, *extra: str, select=("a",), **a_env):
+    return run(the_lab, "playbooks/restart.yml", "-e", instances(**a_env),
+               "-e", json.dumps({"sglang_service_instances_selected": list(select)}), *extra)  # fmt: skip
+
+
+def main_pid(node: str, name: str) -> int:
+    return int(podman_exec(node, "systemctl", "show", "-p", "MainPID", "--value", f"sglang-{name}.service"))
+
+
+def generate(node: str, port: int) -> dict:
+    code = ("import json, urllib.request as u; r = u.urlopen(u.Request('http://127.0.0.1:%d/generate', "
+            "data=json.dumps({'text': 'hi', 'sampling_params': {'max_new_tokens': 8}}).encode(), "
+            "headers={'Content-Type': 'application/json'}), timeout=30); print(r.read().decode())") % port  # fmt: skip
+    return json.loads(podman_exec(node, "python3", "-c", code))
+
+
+@pytest.fixture(scope="module")
+def serving(deployed):
+    """Both instances started through the safe restart: the last-known-good configuration of each."""
+    the_lab, hosts = deployed
+    node = next(h["container"] for h in hosts if h["name"] == NODE)
+    rc, res, msg = restart(the_lab, select=("a", "b"))
+    assert rc == 0, msg
+    assert res["a"]["outcome"] == res["b"]["outcome"] == "restarted"
+    yield the_lab, node
+    for name in ("a", "b"):
+        podman_exec(node, "systemctl", "disable", "--now", f"sglang-{name}.service")
+        podman_exec(node, "rm", "-rf", f"/etc/systemd/system/sglang-{name}.service", f"/etc/sglang/{name}.env",
+                    f"/var/lib/sglang/known-good/{name}")  # fmt: skip
+    podman_exec(node, "systemctl", "daemon-reload")
+
+
+@pytest.fixture
+def bystander(serving):
+    """Instance b's process before the test; after it, b must run the same process and still generate."""
+    _, node = serving
+    before = main_pid(node, "b")
+    yield
+    assert main_pid(node, "b") == before, "instance b was disturbed"
+    assert generate(node, B["port"])["meta_info"]["completion_tokens"] == 8
+
+
+def assert_rolled_back(node: str, result: dict) -> None:
+    assert result["outcome"] == "rolled_back", result
+    assert result["rollback"]["outcome"] == "serving"
+    assert "LAB_STANDIN_FAULT" not in podman_exec(node, "cat", "/etc/sglang/a.env"), "the known-good environment is back"
+    assert generate(node, A["port"])["meta_info"]["completion_tokens"] == 8
+
+
+def test_restart_phases_and_known_good_record(serving, bystander):
+    the_lab, node = serving
+    rc, res, msg = restart(the_lab)
+    assert rc == 0, msg
+    a = res["a"]
+    assert [p["phase"] for p in a["phases"]] == ["preflight", "stop", "gpus", "start", "generate", "verify"]
+    assert all(p["ok"] for p in a["phases"])
+    assert a["verify"]["accept_length"] > 1.5 and a["verify"]["running_profile"] == "eagle3_topk1"
+    record = json.loads(podman_exec(node, "cat", "/var/lib/sglang/known-good/a/record.json"))
+    assert record["profile"] == "eagle3_topk1" and record["config_hash"] == a["known_good"]["config_hash"]
+    assert set(record["files"]) == {"/etc/systemd/system/sglang-a.service", "/etc/sglang/a.env"}
+    assert podman_exec(node, "stat", "-c", "%a", "/var/lib/sglang/known-good/a/record.json").strip() == "600"
+
+
+def test_crash_during_startup_is_reported_with_its_traceback_and_rolled_back(serving, bystander):
+    the_lab, node = serving
+    rc, res, msg = restart(the_lab, lab_standin_fault="crash-startup")
+    assert rc != 0
+    a = res["a"]
+    assert a["failure"]["phase"] == "start"
+    assert a["failure"]["cause"].startswith("RuntimeError: CUDA error: out of memory")
+    assert any("Traceback (most recent call last)" in line for line in a["failure"]["traceback"])
+    assert "Rolled back to the last-known-good configuration (profile eagle3_topk1): serving" in msg
+    assert_rolled_back(node, a)
+
+
+def test_crash_on_first_decode_is_caught_by_the_generation(serving, bystander):
+    the_lab, node = serving
+    rc, res, msg = restart(the_lab, lab_standin_fault="crash-first-decode")
+    assert rc != 0
+    a = res["a"]
+    assert a["failure"]["phase"] == "generate"
+    assert a["failure"]["cause"] == "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller'"
+    assert_rolled_back(node, a)
+
+
+def test_hang_before_ready_times_out_and_rolls_back(serving, bystander):
+    the_lab, node = serving
+    rc, res, msg = restart(the_lab, "-e", "sglang_service_ready_timeout=4", lab_standin_fault="hang")
+    assert rc != 0
+    a = res["a"]
+    assert a["failure"]["phase"] == "ready" and "not ready after 4s" in a["failure"]["cause"]
+    assert "Capture cuda graph begin" in a["failure"]["cause"]
+    assert_rolled_back(node, a)
+
+
+def test_wrong_accept_length_fails_verify_and_rolls_back(serving, bystander):
+    the_lab, node = serving
+    rc, res, msg = restart(the_lab, lab_standin_fault="wrong-accept")
+    assert rc != 0
+    a = res["a"]
+    assert a["failure"]["phase"] == "verify"
+    assert "accept_length: average accept length 1.0" in a["failure"]["cause"]
+    assert_rolled_back(node, a)
+
+
+def test_without_rollback_the_failed_unit_is_stopped_and_explained(serving, bystander):
+    the_lab, node = serving
+    rc, res, msg = restart(the_lab, "-e", "sglang_service_rollback=false", lab_standin_fault="crash-startup")
+    assert rc != 0
+    assert res["a"]["outcome"] == "not_recovered" and res["a"]["rollback"] == {"attempted": False, "why": "rollback is off"}
+    assert "Not rolled back: rollback is off; sglang-a.service is stopped." in msg
+    assert podman_exec(node, "systemctl", "show", "-p", "ActiveState", "--value", "sglang-a.service").strip() != "active"
+    rc, res, msg = restart(the_lab)  # and the good configuration serves again
+    assert rc == 0, msg
+
+
+def test_stray_child_is_killed_at_stop_and_no_process_survives(serving, bystander):
+    """#4: stopping the unit leaves no process of it alive, even a child that ignores SIGTERM."""
+    the_lab, node = serving
+    rc, res, msg = restart(the_lab, lab_standin_fault="stray-child")
+    assert rc == 0, msg
+    cgroup = podman_exec(node, "systemctl", "show", "-p", "ControlGroup", "--value", "sglang-a.service").strip()
+    pids = podman_exec(node, "sh", "-c", f"cat /sys/fs/cgroup/systemd{cgroup}/cgroup.procs 2>/dev/null || cat /sys/fs/cgroup{cgroup}/cgroup.procs").split()
+    assert len(pids) == 5, pids  # the server and its 4 schedulers
+    rc, res, msg = restart(the_lab)
+    assert rc == 0, msg
+    stop = next(p for p in res["a"]["phases"] if p["phase"] == "stop")
+    assert stop["seconds"] >= 4.5, "the stray ignored SIGTERM: systemd killed it after TimeoutStopSec (5 s)"
+    alive = podman_exec(node, "sh", "-c", " ".join(f"test -d /proc/{p} && echo {p};" for p in pids) + " true").split()
+    assert alive == [], f"processes of the old server survived the stop: {alive}"
+
+
+def test_slow_release_is_waited_for_by_polling(serving, bystander):
+    the_lab, node = serving
+    rc, res, msg = restart(the_lab, lab_standin_fault="slow-release", lab_standin_release_s="3")
+    assert rc == 0, msg
+    rc, res, msg = restart(the_lab)
+    assert rc == 0, msg
+    gpus = next(p for p in res["a"]["phases"] if p["phase"] == "gpus")
+    assert 2.0 < gpus["detail"]["waited_s"] < 6 and gpus["detail"]["polls"] > 10
+
+
+def test_a_foreign_process_on_the_gpus_refuses_before_anything_is_stopped(serving, bystander):
+    the_lab, node = serving
+    before = main_pid(node, "a")
+    with lab_gpu_state(node, ["hold", "--pid", "1", "--gpu", "2", "--mib", "8148", "--name", "someone-elses-job"],
+                       ["release", "--pid", "1"]):  # fmt: skip
+        rc, res, msg = restart(the_lab)
+    assert rc != 0
+    assert res["a"]["outcome"] == "gpus_not_clean"
+    assert "GPU 2: pid 1 holds 8148 MiB (user root, unit" in msg and "Nothing was stopped" in msg
+    assert main_pid(node, "a") == before, "the running server must not have been touched"
+
+
+def test_verify_passes_and_names_the_profile(serving, bystander):
+    the_lab, _ = serving
+    rc, res, msg = run(the_lab, "playbooks/verify.yml", "-e", instances())
+    assert rc == 0, msg
+    v = res["a"]["verify"]
+    assert {c["name"] for c in v["checks"]} >= {"unit", "drift", "gpu_processes", "health_generate", "generate",
+                                                "speculative_algorithm", "accept_length", "patches"}  # fmt: skip
+    assert all(c["ok"] for c in v["checks"]) and v["running_profile"] == "eagle3_topk1" and v["tokens_per_s"] > 100
+
+
+def test_verify_reports_drift_and_names_what_runs(serving, bystander):
+    """A server relaunched by hand with another step count than the profile's (the seed)."""
+    the_lab, node = serving
+    unit = podman_exec(node, "cat", "/etc/systemd/system/sglang-a.service")
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    by_hand = exec_start.replace("--speculative-num-steps 2", "--speculative-num-steps 3")
+    podman_exec(node, "sh", "-c", "mkdir -p /etc/systemd/system/sglang-a.service.d && printf '[Service]\\nExecStart=\\n%s\\n' "
+                f"'{by_hand}' > /etc/systemd/system/sglang-a.service.d/by-hand.conf && systemctl daemon-reload && systemctl restart sglang-a.service")  # fmt: skip
+    try:
+        rc, res, msg = run(the_lab, "playbooks/verify.yml", "-e", instances())
+    finally:
+        podman_exec(node, "sh", "-c", "rm -rf /etc/systemd/system/sglang-a.service.d/by-hand.conf && systemctl daemon-reload")
+    assert rc != 0
+    assert res["a"]["outcome"] == "verify_failed"
+    assert "drift: running command line differs from the rendered configuration: --speculative-num-steps: configured '2', running '3'" in msg
+    assert "running profile: none of the known profiles (launched by hand?)" in msg
+    rc, res, msg = restart(the_lab)  # the configured server again
+    assert rc == 0, msg
+
+
+def test_a_profile_slower_than_no_speculation_is_reported(serving, bystander):
+    """The seed's "best config": EAGLE-3 at 82.3 tok/s, below the 90 tok/s of no speculation."""
+    the_lab, node = serving
+    slow = json.dumps({"sglang_instances": [{**A, "profile": "eagle3_5tok_cuda_graph", "env": {"LAB_STANDIN_TOKENS_PER_S": "80"}}, B]})
+    select = json.dumps({"sglang_service_instances_selected": ["a"]})
+    rc, res, msg = run(the_lab, "playbooks/restart.yml", "-e", slow, "-e", select, "-e", "sglang_service_verify_regression_action=fail")
+    assert rc != 0 and res["a"]["failure"]["phase"] == "verify"
+    assert "throughput_vs_no_speculation" in res["a"]["failure"]["cause"]
+    assert res["a"]["outcome"] == "rolled_back" and res["a"]["rollback"]["to_profile"] == "eagle3_topk1"
+    rc, res, msg = run(the_lab, "playbooks/restart.yml", "-e", slow, "-e", select)
+    assert rc == 0, msg  # warn is the default action
+    warnings = res["a"]["verify"]["warnings"]
+    assert any("tok/s with speculation against 90 without" in w for w in warnings), warnings
+    rc, res, msg = restart(the_lab)
+    assert rc == 0, msg
