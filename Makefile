@@ -35,8 +35,10 @@ lab-down: ## remove every lab container, the lab network, inventory and key
 lab-status: ## list lab containers
 	@$(BIN)/python lab/lab.py status
 
-demo: lab-up ## the main job on the local lab: deploy to the lab nodes
-	@ansible-playbook playbooks/deploy.yml
+demo: lab-up ## the main job on the local lab: deploy, safe restart and verify, through the driver
+	@$(BIN)/python -m driver deploy
+	@$(BIN)/python -m driver restart
+	@$(BIN)/python -m driver verify
 
 lint: setup ## yamllint and ansible-lint (production profile)
 	@yamllint --strict .

@@ -17,10 +17,12 @@ description:
   - C(verify) checks a running instance (see the checks in the return value).
   - C(status) reports unit state, running profile, drift, GPU memory, health and the
     speculative accept length, without load.
+  - C(rollback) puts the last-known-good unit and environment back and restarts them as
+    C(restart) does (stop, clean GPUs, start, ready, generate, verify).
 options:
   action:
     type: str
-    choices: [restart, verify, status]
+    choices: [restart, verify, status, rollback]
     required: true
   name: {type: str, required: true, description: Instance name.}
   unit: {type: str, description: Unit name (default sglang-NAME.service).}
@@ -93,6 +95,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 
 from ansible.module_utils.basic import AnsibleModule
@@ -528,6 +531,34 @@ def restart(module: AnsibleModule, inst: Instance) -> dict:
     return res
 
 
+def rollback(module: AnsibleModule, inst: Instance) -> dict:
+    """Operator-asked rollback: the last-known-good configuration back, restarted and verified."""
+    record = inst.known_good()
+    res: dict = {"changed": False, "instance": inst.name, "unit": inst.unit, "profile": inst.p["profile"], "phases": []}
+    if record is None:
+        res.update(outcome="not_recovered", failure={"phase": "rollback", "cause": f"no last-known-good configuration of "
+                   f"{inst.name} is recorded in {inst.kg_dir}: a restart records one when it succeeds"})  # fmt: skip
+        return res
+    res["rollback"] = {"attempted": True, "to_profile": record["profile"], "config_hash": record["config_hash"]}
+    if module.check_mode:
+        res["outcome"] = "would_roll_back"
+        return res
+    t0 = time.monotonic()
+    res["changed"] = True
+    try:
+        inst.restore(record)
+        inst.p = {**inst.p, "expected_argv": record["argv"], "profile": record["profile"]}
+        res["verify"] = attempt(inst, res["phases"])
+        res.update(outcome="rolled_back", profile=record["profile"], known_good=inst.record_known_good(res["verify"]))
+        res["rollback"]["outcome"] = "serving"
+    except Failed as exc:
+        systemctl("stop", inst.unit)
+        res.update(outcome="not_recovered", failure={"phase": exc.phase, "cause": exc.cause, **exc.details})
+        res["rollback"]["outcome"] = "failed"
+    res["downtime_s"] = round(time.monotonic() - t0, 3)
+    return res
+
+
 def restart_phase(inst: Instance, res: dict, phases: list[dict], t_start: float) -> dict:
     """One phase of the restart of an instance spanning nodes (no rollback across nodes)."""
     phase = inst.p["phase"]
@@ -581,7 +612,8 @@ def http_status(inst: Instance, out: dict) -> None:
         code, _ = request(f"{inst.base}/health", timeout=5)
         out["health"] = code == 200
         info = get_json(f"{inst.base}/server_info", timeout=5) if code == 200 else {}
-        out["accept_length"] = server_accept_length(inst.base, info) if info.get("speculative_algorithm") else None
+        accept = server_accept_length(inst.base, info) if info.get("speculative_algorithm") else None
+        out["accept_length"] = round(accept, 3) if accept is not None else None
     except (HttpError, ValueError):
         out.update(health=False, accept_length=None)
 
@@ -589,7 +621,7 @@ def http_status(inst: Instance, out: dict) -> None:
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            action=dict(type="str", choices=["restart", "verify", "status"], required=True),
+            action=dict(type="str", choices=["restart", "verify", "status", "rollback"], required=True),
             name=dict(type="str", required=True),
             unit=dict(type="str"),
             port=dict(type="int", required=True),
@@ -626,6 +658,9 @@ def main() -> None:
     if not 0 < p["gpu_interval"] <= 0.25:
         module.fail_json(msg=f"gpu_interval is {p['gpu_interval']}: poll at least every 0.25 s")
     inst = Instance(p)
+    if p["action"] in ("restart", "rollback"):
+        # A dropped SSH connection (Ctrl-C on the controller) must not leave a half-done restart.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         if p["action"] == "status":
             module.exit_json(**status(inst))
@@ -635,10 +670,12 @@ def main() -> None:
             if not v["ok"]:
                 module.fail_json(msg=f"{inst.name}: verification failed: " + "; ".join(v["failed_checks"]), **res)
             module.exit_json(**res)
-        res = restart(module, inst)
+        res = rollback(module, inst) if p["action"] == "rollback" else restart(module, inst)
     except NvidiaSmiError as exc:
         module.fail_json(msg=str(exc), outcome="gpus_not_clean", instance=inst.name)
-    if res["outcome"] in ("restarted", "would_restart", "stopped", "started"):
+    if res["outcome"] in ("restarted", "would_restart", "stopped", "started", "would_roll_back"):
+        module.exit_json(**res)
+    if p["action"] == "rollback" and res["outcome"] == "rolled_back":
         module.exit_json(**res)
     msg = f"{inst.name}: {res['failure']['phase']} failed: {res['failure']['cause']}"
     if res["outcome"] == "rolled_back":

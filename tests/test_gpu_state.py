@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +18,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "module_utils"))
 import sglang_gpu  # noqa: E402
-from test_gpu_gate import gpus, holding, nvsim  # noqa: E402,F401  (gpus is a fixture)
+import test_gpu_gate  # noqa: E402
+from test_gpu_gate import holding, nvsim  # noqa: E402
+
+gpus = test_gpu_gate.gpus  # the fixture: 4 simulated GPUs and an nvidia-smi that reads them
 from test_nvsim import UUIDS_2GPU, VEC  # noqa: E402
 
 TWO_GPUS_BUSY = "2 GPUs: process 564 holds 8 GB on each GPU; process 565 holds 3 GB on GPU 1 and a 518 MiB context on GPU 0"

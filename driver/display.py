@@ -1,0 +1,149 @@
+"""What the operator sees: live progress per host, then the summary table (rich), or JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from driver import exitcodes
+from driver.events import WAITS, Tracker
+
+
+class Progress:
+    """Live per-host phase and time in it, on a terminal; one line per phase change elsewhere."""
+
+    def __init__(self, tracker: Tracker, quiet: bool = False):
+        self.tracker = tracker
+        self.quiet = quiet
+        self.live = None
+        self.seen: dict[str, str] = {}
+        self.t0 = time.monotonic()
+        self.since: dict[str, float] = {}
+        if not quiet and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            self.live = Live(self.render(), console=Console(stderr=True), refresh_per_second=4, transient=True,
+                             get_renderable=self.render)  # fmt: skip
+
+    def __enter__(self) -> Progress:
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def update(self) -> None:
+        """Called after each event."""
+        for h in self.tracker.hosts.values():
+            key = f"{h.phase}/{h.status}"
+            if self.seen.get(h.name) != key:
+                self.seen[h.name] = key
+                self.since[h.name] = time.monotonic()
+                if not self.live and not self.quiet:
+                    wait = f" (waiting for: {WAITS[h.phase]})" if h.phase in WAITS and h.status == "running" else ""
+                    print(f"[{time.monotonic() - self.t0:6.1f}s] {h.name}: {h.phase} {h.status}{wait}", file=sys.stderr, flush=True)
+
+    def render(self):
+        from rich.table import Table
+
+        table = Table(title=f"sglang-deploy {self.tracker.command}", expand=False)
+        for col in ("host", "phase", "for", "doing"):
+            table.add_column(col)
+        for h in sorted(self.tracker.hosts.values(), key=lambda x: x.name):
+            for_s = time.monotonic() - self.since.get(h.name, time.monotonic())
+            doing = WAITS.get(h.phase, h.task) if h.status == "running" else h.status
+            if h.status == "running" and h.phase in WAITS:
+                doing = f"{h.task}: {doing}"
+            table.add_row(h.name, h.phase, f"{for_s:.0f}s", doing)
+        return table
+
+
+def status_table(tracker: Tracker, exit_code: int):
+    from rich.table import Table
+
+    table = Table(title=f"sglang-deploy status (exit {exit_code})")
+    for col in ("host", "instance", "unit", "running profile", "drift", "GPU memory", "health", "accept len", "tok/s (known-good)"):
+        table.add_column(col)
+    for h in sorted(tracker.hosts.values(), key=lambda x: x.name):
+        for name, res in sorted(h.instances.items()):
+            mem = res.get("gpu_memory_mib") or {}
+            used = sum(v or 0 for v in mem.values())
+            kg = res.get("known_good") or {}
+            health = res.get("health")
+            table.add_row(h.name, name, res.get("state", "?"), res.get("running_profile") or "-",
+                          "[red]DRIFT[/red]" if res.get("drift") else "no",
+                          f"{used / 1024:.1f} GiB on {len(mem)} GPUs",
+                          "-" if health is None else "[green]ok[/green]" if health else "[red]down[/red]",
+                          str(res.get("accept_length") if res.get("accept_length") is not None else "-"),
+                          str(kg.get("tokens_per_s") or "-"))  # fmt: skip
+        if not h.instances:
+            table.add_row(h.name, "-", h.status, "-", "-", "-", "-", "-", "-")
+    return table
+
+
+def summary(tracker: Tracker, exit_code: int, run_id: int | None, svg: str | None = None) -> None:
+    from rich.console import Console
+
+    console = Console(record=bool(svg))
+    _summary(console, tracker, exit_code, run_id)
+    if svg:
+        console.save_svg(svg, title=f"python -m driver {tracker.command}")
+
+
+def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> None:
+    from rich.table import Table
+
+    if tracker.command == "status":
+        console.print(status_table(tracker, exit_code))
+        for h in tracker.hosts.values():
+            for f in h.failures:
+                console.print(f"{h.name}: {f.task}: {f.message}", markup=False, highlight=False)
+        if run_id is not None:
+            console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
+        return
+    table = Table(title=f"sglang-deploy {tracker.command}: {exitcodes.MEANING.get(exit_code, '?')} (exit {exit_code})")
+    for col, justify in (("host", "left"), ("instance", "left"), ("phase reached", "left"), ("result", "left"),
+                         ("seconds", "right"), ("tok/s", "right"), ("accept len", "right")):  # fmt: skip
+        table.add_column(col, justify=justify)
+    details = []
+    for row in tracker.rows():
+        style = "green" if row["result"] in ("restarted", "verified", "ok", "status", "rolled_back") else "red"
+        if row["result"] == "rolled_back" and tracker.command == "restart":
+            style = "yellow"
+        table.add_row(row["host"], row["instance"] or "-", row["phase"], f"[{style}]{row['result']}[/{style}]",
+                      f"{row['seconds']}" if row["seconds"] is not None else "-",
+                      f"{row['tokens_per_s']}" if row["tokens_per_s"] is not None else "-",
+                      f"{row['accept_length']}" if row["accept_length"] is not None else "-")  # fmt: skip
+        if row["detail"]:
+            details.append(f"{row['host']}{'/' + row['instance'] if row['instance'] else ''}: {row['detail']}")
+    console.print(table)
+    for line in details:
+        console.print(f"  {line}", highlight=False, markup=False)
+    # The cause, right there: each failure's traceback or offenders.
+    for h in tracker.hosts.values():
+        for name, res in h.instances.items():
+            failure = res.get("failure") or {}
+            if failure.get("traceback"):
+                console.print(f"\n{h.name}/{name}: traceback from the journal ({failure.get('phase')}):", style="bold")
+                console.print("\n".join(failure["traceback"][-15:]), markup=False, highlight=False)
+            elif failure.get("journal_tail"):
+                console.print(f"\n{h.name}/{name}: journal tail ({failure.get('phase')}):", style="bold")
+                console.print("\n".join(failure["journal_tail"][-8:]), markup=False, highlight=False)
+        for f in h.failures:
+            if not h.instances:
+                console.print(f"{h.name}: {f.task}: {f.message}", markup=False, highlight=False)
+    if exit_code not in (exitcodes.OK, exitcodes.INTERRUPTED) and not any(h.failures for h in tracker.hosts.values()) and tracker.messages:
+        console.print("Ansible said:", style="bold")
+        console.print("\n".join(tracker.messages[-30:]), markup=False, highlight=False)
+    if run_id is not None:
+        console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
+
+
+def as_json(tracker: Tracker, exit_code: int, run_id: int | None) -> None:
+    out = tracker.result(exit_code)
+    out["run_id"] = run_id
+    print(json.dumps(out, default=str))

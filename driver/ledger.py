@@ -1,0 +1,142 @@
+"""The run ledger: every driver run and what it measured, in a local SQLite database.
+
+    $SGLANG_DEPLOY_LEDGER, or ~/.local/state/sglang-deploy/ledger.sqlite3
+
+`history` lists runs; `history --compare` puts profiles side by side from the recorded
+measurements: "which configuration gave 82.3 tok/s, and was it really the one running?"
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import sqlite3
+import statistics
+import time
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    started_at TEXT NOT NULL,
+    finished_at TEXT,
+    user TEXT NOT NULL,
+    command TEXT NOT NULL,
+    argv TEXT NOT NULL,
+    inventory TEXT,
+    hosts TEXT,
+    profile TEXT,
+    config_hash TEXT,
+    outcome TEXT,
+    exit_code INTEGER,
+    duration_s REAL,
+    events_path TEXT
+);
+CREATE TABLE IF NOT EXISTS measurements (
+    run_id INTEGER NOT NULL REFERENCES runs(id),
+    host TEXT NOT NULL,
+    instance TEXT NOT NULL,
+    outcome TEXT,
+    profile TEXT,
+    running_profile TEXT,
+    config_hash TEXT,
+    downtime_s REAL,
+    tokens_per_s REAL,
+    accept_length REAL
+);
+CREATE INDEX IF NOT EXISTS measurements_profile ON measurements(profile);
+"""
+
+
+def default_path() -> Path:
+    env = os.environ.get("SGLANG_DEPLOY_LEDGER")
+    if env:
+        return Path(env)
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return state / "sglang-deploy" / "ledger.sqlite3"
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class Ledger:
+    def __init__(self, path: Path | None = None):
+        self.path = path or default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path)
+        self.db.row_factory = sqlite3.Row
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def start(self, command: str, argv: list[str], inventory: str | None, profile: str | None) -> int:
+        cur = self.db.execute(
+            "INSERT INTO runs (started_at, user, command, argv, inventory, profile) VALUES (?, ?, ?, ?, ?, ?)",
+            (now_iso(), getpass.getuser(), command, json.dumps(argv), inventory, profile),
+        )
+        self.db.commit()
+        return int(cur.lastrowid)
+
+    def events_dir(self, run_id: int) -> Path:
+        d = self.path.parent / "runs" / str(run_id)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def finish(self, run_id: int, exit_code: int, outcome: str, duration_s: float, hosts: list[str],
+               measurements: list[dict], events_path: str | None) -> None:  # fmt: skip
+        hashes = sorted({m["config_hash"] for m in measurements if m.get("config_hash")})
+        profiles = sorted({m["profile"] for m in measurements if m.get("profile")})
+        self.db.execute(
+            "UPDATE runs SET finished_at=?, exit_code=?, outcome=?, duration_s=?, hosts=?, config_hash=?,"
+            " profile=COALESCE(profile, ?), events_path=? WHERE id=?",
+            (now_iso(), exit_code, outcome, duration_s, ",".join(sorted(hosts)), ",".join(hashes) or None,
+             ",".join(profiles) or None, events_path, run_id),
+        )  # fmt: skip
+        self.db.executemany(
+            "INSERT INTO measurements (run_id, host, instance, outcome, profile, running_profile, config_hash,"
+            " downtime_s, tokens_per_s, accept_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(run_id, m["host"], m["instance"], m.get("outcome"), m.get("profile"), m.get("running_profile"),
+              m.get("config_hash"), m.get("downtime_s"), m.get("tokens_per_s"), m.get("accept_length"))
+             for m in measurements],
+        )  # fmt: skip
+        self.db.commit()
+
+    def runs(self, limit: int = 20) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM runs ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            m = self.db.execute("SELECT * FROM measurements WHERE run_id=?", (r["id"],)).fetchall()
+            d["measurements"] = [dict(x) for x in m]
+            out.append(d)
+        return out
+
+    def compare(self) -> list[dict]:
+        """Per profile, from every measurement that has a throughput: runs, medians, and whether the
+        server verifiably ran that profile (running_profile == profile) when it was measured."""
+        rows = self.db.execute(
+            "SELECT m.*, r.started_at FROM measurements m JOIN runs r ON r.id = m.run_id"
+            " WHERE m.tokens_per_s IS NOT NULL ORDER BY r.id"
+        ).fetchall()  # fmt: skip
+        by: dict[str, list] = {}
+        for r in rows:
+            by.setdefault(r["profile"] or "?", []).append(r)
+        out = []
+        for profile, ms in sorted(by.items()):
+            tok = [m["tokens_per_s"] for m in ms]
+            acc = [m["accept_length"] for m in ms if m["accept_length"] is not None]
+            verified = sum(1 for m in ms if m["running_profile"] == profile)
+            out.append({
+                "profile": profile,
+                "measurements": len(ms),
+                "median_tokens_per_s": round(statistics.median(tok), 1),
+                "best_tokens_per_s": round(max(tok), 1),
+                "median_accept_length": round(statistics.median(acc), 2) if acc else None,
+                "verified_running": f"{verified}/{len(ms)}",
+                "config_hashes": sorted({m["config_hash"] for m in ms if m["config_hash"]}),
+                "last_measured": ms[-1]["started_at"],
+            })  # fmt: skip
+        return out

@@ -1,0 +1,99 @@
+"""The one place that runs Ansible: a playbook through ansible-runner, events to a callback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Event fields the driver never needs; dropped before events are handed on or recorded.
+_BULKY = ("stdout",)
+
+
+@dataclass
+class Job:
+    playbook: str
+    inventory: str | None = None
+    limit: str | None = None
+    extravars: list[str] | None = None  # each as ansible-playbook's -e takes it (k=v, JSON, @file)
+    check: bool = False
+    verbosity: int = 0
+
+
+@dataclass
+class Outcome:
+    status: str  # successful, failed, canceled, timeout
+    rc: int
+
+
+def run(job: Job, on_event: Callable[[dict], None], cancelled: Callable[[], bool], record: Path | None = None) -> Outcome:
+    """Run job.playbook; call on_event for every event; stop when cancelled() says so.
+
+    With record, every event is also appended to that file as one JSON line (a replayable stream).
+    """
+    import ansible_runner  # heavy: kept off the CLI's start-up path
+
+    cmdline = []
+    for ev in job.extravars or []:
+        cmdline += ["-e", ev]
+    if job.check:
+        cmdline += ["--check", "--diff"]
+    sink = record.open("a", encoding="utf-8") if record else None
+
+    def handler(event: dict) -> bool:
+        # Task output is in event_data; keep stdout only where it is all there is (errors, warnings).
+        slim = event if event.get("event") == "verbose" else {k: v for k, v in event.items() if k not in _BULKY}
+        if sink:
+            sink.write(json.dumps(slim, default=str) + "\n")
+            sink.flush()
+        on_event(slim)
+        return False  # runner need not keep the event's file: the stream is recorded above
+
+    private = Path(tempfile.mkdtemp(prefix="sglang-deploy-runner-"))
+    try:
+        envvars = {
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_FORCE_COLOR": "0",
+            "ANSIBLE_NOCOLOR": "1",
+            # ansible-runner runs from its private dir: name the project's plugin paths outright.
+            "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+            "ANSIBLE_LIBRARY": str(REPO / "library"),
+            "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
+            "ANSIBLE_FILTER_PLUGINS": str(REPO / "filter_plugins"),
+            # The ansible-playbook of this Python's environment (.venv), whether on PATH or not.
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+        if not job.inventory:
+            envvars["ANSIBLE_INVENTORY"] = str(REPO / "inventory" / "lab" / "hosts.yml")
+        r = ansible_runner.run(
+            private_data_dir=str(private),
+            project_dir=str(REPO),
+            playbook=str(REPO / job.playbook),
+            inventory=str(Path(job.inventory).resolve()) if job.inventory else None,
+            limit=job.limit,
+            cmdline=" ".join(_quote(a) for a in cmdline) or None,
+            envvars={**envvars, **{k: v for k, v in os.environ.items() if k.startswith("ANSIBLE_")}},
+            verbosity=job.verbosity or None,
+            event_handler=handler,
+            cancel_callback=cancelled,
+            quiet=True,
+            suppress_env_files=True,
+        )
+        return Outcome(status=r.status, rc=r.rc if r.rc is not None else 1)
+    finally:
+        if sink:
+            sink.close()
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)

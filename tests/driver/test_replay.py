@@ -1,0 +1,124 @@
+"""Replay ansible-runner event streams recorded from real driver runs on lab nodes
+(tests/driver/streams, written by the driver into its ledger) through the event handling,
+the exit-code mapping, the summary and the JSON result.
+
+To record a new one: run the driver against the lab; its stream is
+~/.local/state/sglang-deploy/runs/<run id>/events.jsonl (`python -m driver history` lists run ids).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from driver import display, exitcodes  # noqa: E402
+from driver.events import Tracker  # noqa: E402
+
+STREAMS = Path(__file__).parent / "streams"
+
+
+def replay(name: str, command: str, **kw) -> tuple[Tracker, int]:
+    tracker = Tracker(command)
+    with gzip.open(STREAMS / f"{name}.jsonl.gz", "rt", encoding="utf-8") as fh:
+        for line in fh:
+            tracker.handle(json.loads(line))
+    return tracker, tracker.exit_code(**kw)
+
+
+def test_restart_ok():
+    t, code = replay("restart-ok", "restart", runner_status="successful", rc=0)
+    assert code == exitcodes.OK
+    (row,) = t.rows()
+    assert (row["host"], row["instance"], row["phase"], row["result"]) == ("lab-node1", "main", "verify", "restarted")
+    assert row["tokens_per_s"] > 100 and row["accept_length"] > 1.5 and row["seconds"] < 10
+    (m,) = t.measurements()
+    assert m["profile"] == m["running_profile"] == "eagle3_topk1" and len(m["config_hash"]) == 16
+
+
+def test_restart_rolled_back_shows_the_traceback(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    t, code = replay("restart-rolled-back", "restart", runner_status="failed", rc=2)
+    assert code == exitcodes.ROLLED_BACK
+    (row,) = t.rows()
+    assert row["result"] == "rolled_back" and row["phase"] == "generate"
+    assert "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller' -> rollback to eagle3_topk1: serving" in row["detail"]
+    assert row["tokens_per_s"] > 100, "the rolled-back server's own measurement"
+    display.summary(t, code, run_id=8)
+    out = capsys.readouterr().out
+    assert "traceback from the journal (generate)" in out and "self.adaptive_controller.on_verify()" in out
+
+
+def test_invalid_configuration_names_the_setting():
+    t, code = replay("restart-invalid-config", "restart", runner_status="failed", rc=2)
+    assert code == exitcodes.INVALID_CONFIG
+    (row,) = t.rows()
+    assert row["phase"] == "validate" and row["result"] == "failed"
+    assert "--speculative-algorithm is EAGLE (set by sglang_instances[0].flags.speculative_algorithm): use EAGLE3" in row["detail"]
+
+
+def test_gpus_not_clean_names_the_offender():
+    t, code = replay("restart-gpus-not-clean", "restart", runner_status="failed", rc=2)
+    assert code == exitcodes.GPUS_NOT_CLEAN
+    (row,) = t.rows()
+    assert row["result"] == "gpus_not_clean" and "GPU 3: pid 1 holds 8148 MiB (user root" in row["detail"]
+
+
+def test_not_recovered():
+    t, code = replay("restart-not-recovered", "restart", runner_status="failed", rc=2)
+    assert code == exitcodes.NOT_RECOVERED
+    (row,) = t.rows()
+    assert row["result"] == "not_recovered" and row["detail"].startswith("start: RuntimeError: CUDA error: out of memory")
+
+
+def test_verify_failed_says_which_check():
+    t, code = replay("verify-failed", "verify", runner_status="failed", rc=2)
+    assert code == exitcodes.VERIFY_FAILED
+    (row,) = t.rows()
+    assert row["result"] == "verify_failed" and row["detail"].startswith("accept_length: average accept length 2.")
+
+
+def test_verify_ok():
+    t, code = replay("verify-ok", "verify", runner_status="successful", rc=0)
+    assert code == exitcodes.OK and t.rows()[0]["result"] == "verified"
+
+
+def test_unreachable_host_beside_a_good_one(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    t, code = replay("status-unreachable", "status", runner_status="failed", rc=4)
+    assert code == exitcodes.UNREACHABLE
+    assert t.hosts["lab-node9"].status == "unreachable" and len(t.hosts["lab-node9"].failures) == 1
+    assert t.hosts["lab-node1"].instances["main"]["state"] == "active/running"
+    display.summary(t, code, run_id=None)
+    out = capsys.readouterr().out
+    assert "lab-node9" in out and "Connection refused" in out
+
+
+def test_status_table(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    t, code = replay("status-ok", "status", runner_status="successful", rc=0)
+    assert code == exitcodes.OK
+    display.summary(t, code, run_id=7)
+    out = capsys.readouterr().out
+    assert "eagle3_topk1" in out and "active/running" in out and "GPU memory" in out
+
+
+def test_interrupted_run_says_where_each_host_was():
+    t, code = replay("restart-interrupted", "restart", runner_status="canceled", rc=-1, interrupted=True)
+    assert code == exitcodes.INTERRUPTED
+    (line,) = t.left_in()
+    assert line.startswith("lab-node1: interrupted during 'Run the action on each instance' (restart)")
+
+
+@pytest.mark.parametrize("name,command", [("restart-ok", "restart"), ("restart-rolled-back", "restart")])
+def test_json_result_is_one_document(capsys, name, command):
+    t, code = replay(name, command, runner_status="successful", rc=0)
+    display.as_json(t, code, run_id=1)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == code and doc["command"] == command and doc["rows"][0]["instance"] == "main"
+    assert doc["hosts"]["lab-node1"]["instances"]["main"]["phases"]

@@ -1,0 +1,137 @@
+"""python -m driver against lab nodes: every command, the failure paths and their exit codes,
+the JSON result, the ledger, and Ctrl-C. Uses lab-node1's `main` instance; at the end stops it
+and writes back the group_vars configuration (named test_operate_* to run after test_lab, which
+needs fresh nodes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, ansible, lab_gpu_state, podman_exec
+
+pytestmark = pytest.mark.lab
+
+NODE = "lab-node1"
+ALL = [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def main_with(**kw) -> str:
+    return json.dumps({"sglang_instances": [{"name": "main", "port": 30000, "gpus": ALL, **kw}]})
+
+
+@pytest.fixture(scope="module")
+def drive(deployed, tmp_path_factory):
+    the_lab, hosts = deployed
+    node = next(h["container"] for h in hosts if h["name"] == NODE)
+    ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
+
+    def run(*args: str, limit: str | None = NODE, inventory=None, json_out: bool = True, popen: bool = False):
+        cmd = [sys.executable, "-m", "driver", *args, "-i", str(inventory or the_lab.inventory)]
+        if limit:
+            cmd += ["--limit", limit]
+        if json_out:
+            cmd.append("--json")
+        env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger), "COLUMNS": "200"}
+        if popen:
+            return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
+        doc = json.loads(proc.stdout) if json_out and proc.stdout.strip().startswith("{") else None
+        return proc.returncode, doc, proc
+
+    def history(*args: str):
+        env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger)}
+        out = subprocess.run([sys.executable, "-m", "driver", "history", "--json", *args], cwd=REPO, env=env, text=True,
+                             capture_output=True, check=True).stdout  # fmt: skip
+        return json.loads(out)
+
+    run.history = history
+    run.the_lab = the_lab
+    yield run, node
+    podman_exec(node, "systemctl", "stop", "sglang-main.service")
+    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/var/lib/sglang/restart-pending")
+    ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", NODE, "--tags", "sglang_service_configure",
+            inventory=the_lab.inventory)  # fmt: skip
+
+
+def row(doc: dict) -> dict:
+    (r,) = [r for r in doc["rows"] if r["host"] == NODE]
+    return r
+
+
+def test_validate_and_deploy_check(drive):
+    run, _ = drive
+    code, doc, proc = run("validate")
+    assert code == 0, proc.stderr[-2000:]
+    code, doc, _ = run("validate", "-e", main_with(flags={"speculative_algorithm": "EAGLE"}))
+    assert code == 3 and doc["meaning"].startswith("invalid configuration")
+    assert "use EAGLE3" in row(doc)["detail"]
+    code, doc, proc = run("deploy", "--check")
+    assert code == 0, proc.stdout[-3000:]
+
+
+def test_restart_status_verify(drive):
+    run, _ = drive
+    code, doc, proc = run("restart")
+    assert code == 0, proc.stdout[-3000:]
+    r = row(doc)
+    assert r["result"] == "restarted" and r["tokens_per_s"] > 100 and r["accept_length"] > 1.5
+    code, doc, _ = run("status")
+    inst = doc["hosts"][NODE]["instances"]["main"]
+    assert code == 0 and inst["state"] == "active/running" and inst["running_profile"] == "eagle3_topk1" and not inst["drift"]
+    code, doc, _ = run("verify")
+    assert code == 0 and row(doc)["result"] == "verified"
+    code, doc, _ = run("verify", "-e", "sglang_service_verify_accept_length_min=5")
+    assert code == 7 and row(doc)["detail"].startswith("accept_length:")
+
+
+def test_restart_failure_paths(drive):
+    run, node = drive
+    with lab_gpu_state(node, ["hold", "--pid", "1", "--gpu", "5", "--mib", "8148"], ["release", "--pid", "1"]):
+        code, doc, _ = run("restart")
+    assert code == 4 and "GPU 5: pid 1 holds 8148 MiB" in row(doc)["detail"]
+    code, doc, _ = run("restart", "-e", main_with(env={"LAB_STANDIN_FAULT": "crash-first-decode"}))
+    assert code == 5 and row(doc)["result"] == "rolled_back"
+    assert "AttributeError" in doc["hosts"][NODE]["instances"]["main"]["failure"]["cause"]
+    code, doc, _ = run("restart", "--no-rollback", "-e", main_with(env={"LAB_STANDIN_FAULT": "crash-startup"}))
+    assert code == 6 and row(doc)["result"] == "not_recovered"
+    code, doc, _ = run("rollback")
+    assert code == 0 and row(doc)["result"] == "rolled_back", "the operator's rollback brings the known-good back"
+    code, doc, _ = run("status")
+    assert doc["hosts"][NODE]["instances"]["main"]["health"] is True
+
+
+def test_unreachable_host(drive, tmp_path):
+    run, _ = drive
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(run.the_lab.inventory.read_text().replace(
+        "      hosts:\n", "      hosts:\n        lab-node9:\n          ansible_host: 127.0.0.1\n          ansible_port: 1\n", 1))  # fmt: skip
+    code, doc, _ = run("status", inventory=inv, limit=f"{NODE},lab-node9")
+    assert code == 8
+    assert doc["hosts"]["lab-node9"]["status"] == "unreachable" and doc["hosts"][NODE]["status"] == "ok"
+
+
+def test_ctrl_c_stops_and_says_where_hosts_were(drive):
+    run, _ = drive
+    proc = run("restart", "-e", main_with(env={"LAB_STANDIN_READY_S": "6"}), json_out=False, popen=True)
+    time.sleep(12)  # into the restart
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; hosts were left so:" in err and f"{NODE}: " in err
+
+
+def test_history_and_compare(drive):
+    run, _ = drive
+    runs = run.history("-n", "50")
+    commands = [r["command"] for r in runs]
+    assert {"validate", "deploy", "restart", "status", "verify", "rollback"} <= set(commands)
+    restart_ok = next(r for r in reversed(runs) if r["command"] == "restart" and r["exit_code"] == 0)
+    assert restart_ok["config_hash"] and restart_ok["measurements"][0]["tokens_per_s"] > 100
+    compare = {c["profile"]: c for c in run.history("--compare")}
+    assert compare["eagle3_topk1"]["measurements"] >= 2 and compare["eagle3_topk1"]["median_tokens_per_s"] > 100
