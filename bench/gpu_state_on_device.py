@@ -25,25 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "module_utils"))
 import sglang_gpu  # noqa: E402
-
-HOLD = (
-    "import sys, time, torch\n"
-    "x = torch.empty(int(sys.argv[1]) * 2**20, dtype=torch.uint8, device='cuda:0')\n"
-    "torch.cuda.synchronize(); print('held', flush=True)\n"
-    "time.sleep(600)\n"
-)
-
-
-def holder(mib: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(mib)], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "held"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if any(a["pid"] == p.pid for a in sglang_gpu.snapshot(describe_processes=False)["processes"]):
-            return p
-        time.sleep(0.05)
-    raise RuntimeError("nvidia-smi never listed the holder")
-
+from gpu_gate_on_device import holder  # noqa: E402  (bench/ is on sys.path: a real process holding GPU memory)
 
 def module(args: dict) -> tuple[int, dict]:
     """gpu_state run by Ansible itself on this host."""

@@ -277,7 +277,11 @@ class Instance:
             check("speculative_algorithm", str(got).upper() == expected_algo.upper(),
                   f"server reports speculative_algorithm {got}, configured {expected_algo}")  # fmt: skip
         if measure and p["load_requests"] > 0:
-            runs = [generate(self.base, p["prompt"], p["load_max_new_tokens"]) for _ in range(p["load_requests"])]
+            try:
+                runs = [generate(self.base, p["prompt"], p["load_max_new_tokens"]) for _ in range(p["load_requests"])]
+            except HttpError as exc:
+                check("load", False, f"the measuring load failed: {exc}")
+                return finish(result)
             tok_s = sum(r["completion_tokens"] for r in runs) / sum(r["seconds"] for r in runs)
             result["tokens_per_s"] = round(tok_s, 1)
             if expected_algo:

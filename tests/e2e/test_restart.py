@@ -109,45 +109,30 @@ def test_restart_phases_and_known_good_record(serving, bystander):
     assert podman_exec(node, "stat", "-c", "%a", "/var/lib/sglang/known-good/a/record.json").strip() == "600"
 
 
-def test_crash_during_startup_is_reported_with_its_traceback_and_rolled_back(serving, bystander):
+@pytest.mark.parametrize(
+    "fault,extra,phase,cause",
+    [
+        # the server dies while loading: its traceback, within a poll of the unit's state
+        ("crash-startup", [], "start", "RuntimeError: CUDA error: out of memory while loading draft model weights"),
+        # the seed's: loads, serves /health, dies on the first decode
+        ("crash-first-decode", [], "generate", "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller'"),
+        # never ready: the ready timeout, and the last log line says where it hangs
+        ("hang", ["-e", "sglang_service_ready_timeout=4"], "ready", "not ready after 4s"),
+        # speculation accepts nothing (an EAGLE/EAGLE3 mix-up): verify fails
+        ("wrong-accept", [], "verify", "accept_length: average accept length 1.0"),
+    ],
+)  # fmt: skip
+def test_fault_is_reported_with_its_cause_and_rolled_back(serving, bystander, fault, extra, phase, cause):
     the_lab, node = serving
-    rc, res, msg = restart(the_lab, lab_standin_fault="crash-startup")
+    rc, res, msg = restart(the_lab, *extra, lab_standin_fault=fault)
     assert rc != 0
     a = res["a"]
-    assert a["failure"]["phase"] == "start"
-    assert a["failure"]["cause"].startswith("RuntimeError: CUDA error: out of memory")
-    assert any("Traceback (most recent call last)" in line for line in a["failure"]["traceback"])
+    assert a["failure"]["phase"] == phase and cause in a["failure"]["cause"], a["failure"]
+    if phase in ("start", "generate"):
+        assert any("Traceback (most recent call last)" in line for line in a["failure"]["traceback"])
+    if fault == "hang":
+        assert "Capture cuda graph begin" in a["failure"]["cause"]
     assert "Rolled back to the last-known-good configuration (profile eagle3_topk1): serving" in msg
-    assert_rolled_back(node, a)
-
-
-def test_crash_on_first_decode_is_caught_by_the_generation(serving, bystander):
-    the_lab, node = serving
-    rc, res, msg = restart(the_lab, lab_standin_fault="crash-first-decode")
-    assert rc != 0
-    a = res["a"]
-    assert a["failure"]["phase"] == "generate"
-    assert a["failure"]["cause"] == "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller'"
-    assert_rolled_back(node, a)
-
-
-def test_hang_before_ready_times_out_and_rolls_back(serving, bystander):
-    the_lab, node = serving
-    rc, res, msg = restart(the_lab, "-e", "sglang_service_ready_timeout=4", lab_standin_fault="hang")
-    assert rc != 0
-    a = res["a"]
-    assert a["failure"]["phase"] == "ready" and "not ready after 4s" in a["failure"]["cause"]
-    assert "Capture cuda graph begin" in a["failure"]["cause"]
-    assert_rolled_back(node, a)
-
-
-def test_wrong_accept_length_fails_verify_and_rolls_back(serving, bystander):
-    the_lab, node = serving
-    rc, res, msg = restart(the_lab, lab_standin_fault="wrong-accept")
-    assert rc != 0
-    a = res["a"]
-    assert a["failure"]["phase"] == "verify"
-    assert "accept_length: average accept length 1.0" in a["failure"]["cause"]
     assert_rolled_back(node, a)
 
 
@@ -245,3 +230,20 @@ def test_a_profile_slower_than_no_speculation_is_reported(serving, bystander):
     assert any("tok/s with speculation against 90 without" in w for w in warnings), warnings
     rc, res, msg = restart(the_lab)
     assert rc == 0, msg
+
+
+def test_a_stray_of_the_service_user_is_stopped_by_policy_own(serving, bystander):
+    """The seed's hand-started `nohup python -m sglang.launch_server &`, as the service user, outside the unit."""
+    the_lab, node = serving
+    podman_exec(node, "sh", "-c", "runuser -u sglang -- sleep 600 > /dev/null 2>&1 &")
+    pid = podman_exec(node, "sh", "-c", "for i in $(seq 50); do p=$(pgrep -u sglang -x sleep) && break; sleep 0.1; done; echo $p").strip()
+    assert pid.isdigit(), pid
+    podman_exec(node, "lab-gpu", "hold", "--pid", pid, "--gpu", "1", "--mib", "30000", "--name", "python3")
+    rc, res, msg = restart(the_lab, "-e", "sglang_service_stop_policy=none")
+    assert rc != 0 and res["a"]["outcome"] == "gpus_not_clean", "policy none: refused, nothing stopped"
+    assert f"GPU 1: pid {pid} holds 30000 MiB (user sglang" in msg
+    rc, res, msg = restart(the_lab)  # the default policy, own
+    assert rc == 0, msg
+    gpus = next(p for p in res["a"]["phases"] if p["phase"] == "gpus")
+    assert gpus["detail"]["stopped"] == {pid: "SIGTERM"}
+    assert podman_exec(node, "sh", "-c", f"test -d /proc/{pid} && echo alive || echo gone").strip() == "gone"

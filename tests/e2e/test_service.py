@@ -71,11 +71,13 @@ def test_the_units_gpu_gate_refuses_busy_gpus_and_says_who(node1):
         start = subprocess.run(["podman", "exec", node, "systemctl", "start", "sglang-main.service"], capture_output=True, text=True)
         assert start.returncode != 0
         journal = podman_exec(node, "journalctl", "-u", "sglang-main.service", "--no-pager", "-o", "cat")
+        assert "/opt/ml-env/bin/python -m lab_sglang_standin" not in subprocess.run(
+            ["podman", "exec", node, "ps", "-eo", "args"], capture_output=True, text=True).stdout, "the server must not have started"
     finally:
+        # Stop it first: Restart=on-failure would start it again once the GPU is free.
+        subprocess.run(["podman", "exec", node, "systemctl", "stop", "sglang-main.service"], check=False)
         podman_exec(node, "lab-gpu", "release", "--pid", "4242")
         subprocess.run(["podman", "exec", node, "systemctl", "reset-failed", "sglang-main.service"], check=False)
         ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", inventory=the_lab.inventory)
     assert "sglang-gpu-gate: GPUs [0, 1, 2, 3, 4, 5, 6, 7] not clean after 2s; refusing to start." in journal
     assert "GPU 3: pid 4242 holds 8148 MiB" in journal
-    assert "/opt/ml-env/bin/python -m lab_sglang_standin" not in subprocess.run(
-        ["podman", "exec", node, "ps", "-eo", "args"], capture_output=True, text=True).stdout, "the server must not have started"
