@@ -539,6 +539,11 @@ def rollback(module: AnsibleModule, inst: Instance) -> dict:
     """Operator-asked rollback: the last-known-good configuration back, restarted and verified."""
     record = inst.known_good()
     res: dict = {"changed": False, "instance": inst.name, "unit": inst.unit, "profile": inst.p["profile"], "phases": []}
+    if inst.p["nnodes"] > 1:
+        res.update(outcome="not_recovered", changed=False, failure={"phase": "rollback", "cause": (
+            f"{inst.name} spans {inst.p['nnodes']} nodes: rolling its ranks back one node at a time would start them out "
+            "of step. Put the known-good settings back in group_vars and run restart (all its nodes in one batch).")})  # fmt: skip
+        return res
     if record is None:
         res.update(outcome="not_recovered", failure={"phase": "rollback", "cause": f"no last-known-good configuration of "
                    f"{inst.name} is recorded in {inst.kg_dir}: a restart records one when it succeeds"})  # fmt: skip
@@ -682,6 +687,10 @@ def main() -> None:
     if p["action"] == "rollback" and res["outcome"] == "rolled_back":
         module.exit_json(**res)
     msg = f"{inst.name}: {res['failure']['phase']} failed: {res['failure']['cause']}"
+    if p["action"] == "rollback":
+        if (res.get("rollback") or {}).get("outcome") == "failed":
+            msg += f"; {inst.unit} is stopped."
+        module.fail_json(msg=msg, **res)
     if res["outcome"] == "rolled_back":
         msg += f". Rolled back to the last-known-good configuration (profile {res['rollback']['to_profile']}): serving."
     elif res["outcome"] == "not_recovered":

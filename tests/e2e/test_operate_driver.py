@@ -117,13 +117,21 @@ def test_unreachable_host(drive, tmp_path):
 
 
 def test_ctrl_c_stops_and_says_where_hosts_were(drive):
-    run, _ = drive
+    run, node = drive
     proc = run("restart", "-e", main_with(env={"LAB_STANDIN_READY_S": "6"}), json_out=False, popen=True)
     time.sleep(12)  # into the restart
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; hosts were left so:" in err and f"{NODE}: " in err
+    # The restart under way goes on on the host, to its end: the new configuration is recorded as known-good.
+    deadline = time.monotonic() + 90
+    record = ""
+    while time.monotonic() < deadline and "LAB_STANDIN_READY_S" not in record:
+        time.sleep(1)
+        record = subprocess.run(["podman", "exec", node, "cat", "/var/lib/sglang/known-good/main/record.json"],
+                                capture_output=True, text=True).stdout  # fmt: skip
+    assert "LAB_STANDIN_READY_S" in record, "the interrupted restart did not finish on the host"
 
 
 def test_history_and_compare(drive):
