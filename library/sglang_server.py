@@ -675,7 +675,8 @@ def main() -> None:
             module.exit_json(**status(inst))
         if p["action"] == "verify":
             v = inst.verify()
-            res = {"changed": False, "outcome": "verified" if v["ok"] else "verify_failed", "instance": inst.name, "verify": v}
+            res = {"changed": False, "outcome": "verified" if v["ok"] else "verify_failed", "instance": inst.name,
+                   "profile": p["profile"], "verify": v}  # fmt: skip
             if not v["ok"]:
                 module.fail_json(msg=f"{inst.name}: verification failed: " + "; ".join(v["failed_checks"]), **res)
             module.exit_json(**res)
