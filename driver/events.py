@@ -200,7 +200,7 @@ class Tracker:
                 out.append({"host": h.name, "instance": name, "outcome": res.get("outcome"),
                             "profile": res.get("profile") or res.get("configured_profile"),
                             "running_profile": v.get("running_profile") or res.get("running_profile"),
-                            "config_hash": kg.get("config_hash") or (res.get("known_good") or {}).get("config_hash"),
+                            "config_hash": kg.get("config_hash"),
                             "downtime_s": res.get("downtime_s"), "tokens_per_s": v.get("tokens_per_s"),
                             "accept_length": v.get("accept_length") if v else res.get("accept_length")})  # fmt: skip
         return out

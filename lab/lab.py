@@ -61,8 +61,6 @@ class Lab:
 
 
 def podman(*args: str, check: bool = True, capture: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    if stdin is not None:
-        args = ("exec", "-i", *args[1:]) if args[0] == "exec" else args
     proc = subprocess.run(["podman", *args], text=True, capture_output=capture, check=False, input=stdin)
     if check and proc.returncode != 0:
         raise LabError(f"podman {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -152,7 +150,7 @@ def up(lab: Lab, nodes: int, gpus: int, timeout: float) -> list[dict[str, object
         port = published_port(name)
         wait_ready(name, port, timeout)
         podman("exec", name, "lab-gpu", "init", "--gpus", str(gpus), "--seed", hostname)
-        podman("exec", name, "sh", "-c", f"mkdir -p {DROPIN.rsplit('/', 1)[0]} && cat > {DROPIN}", stdin=DROPIN_TEXT)
+        podman("exec", "-i", name, "sh", "-c", f"mkdir -p {DROPIN.rsplit('/', 1)[0]} && cat > {DROPIN}", stdin=DROPIN_TEXT)
         hosts.append({"name": hostname, "container": name, "port": port, "gpus": gpus})
     write_inventory(lab, hosts, key)
     return hosts

@@ -101,8 +101,9 @@ def main() -> None:
             policy = "none" if module.check_mode else p["stop_policy"]
             waited = wait_clean(gpus, p["timeout"], p["interval"], p["max_used_mib"], policy,
                                 p["service_unit"], p["service_user"], p["kill_grace"])  # fmt: skip
-            result["wait"] = {k: v for k, v in waited.items() if k != "gpus"}
-            result["gpus"] = waited["gpus"]
+            # The state as the wait last saw it, not as it was before.
+            result["wait"] = {k: v for k, v in waited.items() if k not in ("gpus", "processes")}
+            result.update(gpus=waited["gpus"], processes=waited["processes"])
             result["changed"] = bool(waited["stopped"])
             if not waited["clean"]:
                 module.fail_json(msg=waited["message"], **result)

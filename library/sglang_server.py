@@ -123,6 +123,13 @@ class Instance:
 
     # ------------------------------------------------------------------ pieces
 
+    def running(self, props: dict) -> tuple[list[str], str | None]:
+        """The main process's argv, and the profile it is: the configured one, another known one, or None."""
+        argv = cmdline(props["MainPID"]) if props["MainPID"] else []
+        if argv and argv == self.p["expected_argv"]:
+            return argv, self.p["profile"]
+        return argv, next((name for name, a in self.p["profiles_argv"].items() if a == argv), None)
+
     def failure_from_journal(self, phase: str, props: dict, fallback: str) -> Failed:
         detected = time.monotonic()
         lines: list[str] = []
@@ -233,10 +240,7 @@ class Instance:
         props = show(self.unit)
         check("unit", props["ActiveState"] == "active" and props["SubState"] == "running" and props["NRestarts"] == 0,
               f"{self.unit} {props['ActiveState']}/{props['SubState']}, restarted {props['NRestarts']} times since started")  # fmt: skip
-        running = cmdline(props["MainPID"]) if props["MainPID"] else []
-        profile = next((name for name, argv in p["profiles_argv"].items() if argv == running), None)
-        if running == p["expected_argv"]:
-            profile = p["profile"]
+        running, profile = self.running(props)
         check("drift", running == p["expected_argv"],
               f"running profile {profile}" if running == p["expected_argv"] else
               f"running command line differs from the rendered configuration: {drift_summary(p['expected_argv'], running)}; "
@@ -598,9 +602,7 @@ def restart_phase(inst: Instance, res: dict, phases: list[dict], t_start: float)
 def status(inst: Instance) -> dict:
     p = inst.p
     props = show(inst.unit)
-    running = cmdline(props["MainPID"]) if props["MainPID"] else []
-    profile = p["profile"] if running == p["expected_argv"] else next(
-        (n for n, a in p["profiles_argv"].items() if a == running), None)  # fmt: skip
+    running, profile = inst.running(props)
     out = {"changed": False, "outcome": "status", "instance": inst.name, "unit": inst.unit,
            "state": f"{props['ActiveState']}/{props['SubState']}", "restarts": props["NRestarts"],
            "main_pid": props["MainPID"], "running_profile": profile, "configured_profile": p["profile"],

@@ -205,12 +205,13 @@ def wait_clean(
         missing = sorted(wanted - {g["index"] for g in snap["gpus"]})
         if missing:
             return {"clean": False, "waited_s": clock() - start, "polls": polls, "offenders": [], "busy": [],
-                    "stopped": stopped, "missing": missing, "gpus": snap["gpus"],
+                    "stopped": stopped, "missing": missing, "gpus": snap["gpus"], "processes": snap["processes"],
                     "message": f"GPUs {missing} are not on this host (it has {sorted(g['index'] for g in snap['gpus'])})"}  # fmt: skip
         procs, busy = offenders(snap, wanted, max_used_mib)
         if not procs and not busy:
             return {"clean": True, "waited_s": clock() - start, "polls": polls, "offenders": [], "busy": [],
-                    "stopped": stopped, "gpus": snap["gpus"], "message": f"GPUs {sorted(wanted)} clean"}  # fmt: skip
+                    "stopped": stopped, "gpus": snap["gpus"], "processes": snap["processes"],
+                    "message": f"GPUs {sorted(wanted)} clean"}  # fmt: skip
         to_stop = sorted({p["pid"] for p in procs if p["pid"] not in stopped and may_stop(p, policy, service_unit, service_user)})
         if to_stop:
             stopped.update(terminate(to_stop, kill_grace, interval))
@@ -226,6 +227,6 @@ def wait_clean(
                 hint = (" Processes of other users or units are never stopped: stop them yourself, or rerun with the "
                         "stop policy 'force' to have them killed.")  # fmt: skip
             return {"clean": False, "waited_s": clock() - start, "polls": polls, "offenders": procs, "busy": busy,
-                    "stopped": stopped, "refused": refused, "gpus": snap["gpus"],
+                    "stopped": stopped, "refused": refused, "gpus": snap["gpus"], "processes": snap["processes"],
                     "message": f"GPUs {sorted(wanted)} not clean after {timeout:g}s: " + "; ".join(lines) + "." + hint}  # fmt: skip
         sleep(interval)

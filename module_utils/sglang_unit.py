@@ -42,30 +42,6 @@ def journal_since(unit: str, since_epoch: float, lines: int = 80) -> list[str]:
     return subprocess.run(args, capture_output=True, text=True, check=False, timeout=30).stdout.splitlines()
 
 
-def cause_of(lines: list[str]) -> str | None:
-    """The line that says why: a traceback's last line, SGLang's argparse error, the GPU gate's refusal."""
-    tb_end = None
-    for i, line in enumerate(lines):
-        if "Traceback (most recent call last)" in line:
-            tb_end = i
-    if tb_end is not None:
-        for line in lines[tb_end + 1:]:
-            m = re.search(r"\b([A-Za-z_.]*(?:Error|Exception|Interrupt)\b:?.*)$", line)
-            if m and not line.startswith((" ", "\t")):
-                return m.group(1).strip()
-    for line in reversed(lines):
-        m = re.search(r"Main process exited, code=\w+, status=\d+/(\w+)", line)
-        if m and m.group(1) == "SYS":
-            return m.group(0) + " (a system call the unit's SystemCallFilter denies)"
-    for pattern in (r"error: .*", r"sglang-gpu-gate: .*refusing.*", r"sglang-gpu-gate: (?!GPUs \[[\d, ]*\] clean).*",
-                    r"Main process exited, code=\w+, status=.*"):
-        for line in reversed(lines):
-            m = re.search(pattern, line)
-            if m:
-                return m.group(0).strip()
-    return None
-
-
 def traceback_of(lines: list[str]) -> list[str]:
     """The last traceback in the log, from its first line to the exception line."""
     start = None
@@ -77,9 +53,30 @@ def traceback_of(lines: list[str]) -> list[str]:
     out = []
     for line in lines[start:]:
         out.append(line)
-        if len(out) > 1 and re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line.strip()) and not line.startswith(" "):
+        if len(out) > 1 and EXCEPTION_LINE.match(line):
             break
     return out
+
+
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(?:Error|Exception|Interrupt)\b:?.*$")
+
+
+def cause_of(lines: list[str]) -> str | None:
+    """The line that says why: a traceback's last line, SGLang's argparse error, the GPU gate's refusal."""
+    tb = traceback_of(lines)
+    if len(tb) > 1 and EXCEPTION_LINE.match(tb[-1]):
+        return tb[-1].strip()
+    for line in reversed(lines):
+        m = re.search(r"Main process exited, code=\w+, status=\d+/(\w+)", line)
+        if m and m.group(1) == "SYS":
+            return m.group(0) + " (a system call the unit's SystemCallFilter denies)"
+    for pattern in (r"error: .*", r"sglang-gpu-gate: .*refusing.*", r"sglang-gpu-gate: (?!GPUs \[[\d, ]*\] clean).*",
+                    r"Main process exited, code=\w+, status=.*"):
+        for line in reversed(lines):
+            m = re.search(pattern, line)
+            if m:
+                return m.group(0).strip()
+    return None
 
 
 class HttpError(RuntimeError):
