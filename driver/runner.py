@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -78,7 +79,7 @@ def run(job: Job, on_event: Callable[[dict], None], cancelled: Callable[[], bool
             playbook=str(REPO / job.playbook),
             inventory=str(Path(job.inventory).resolve()) if job.inventory else None,
             limit=job.limit,
-            cmdline=" ".join(_quote(a) for a in cmdline) or None,
+            cmdline=shlex.join(cmdline) or None,
             envvars={**envvars, **{k: v for k, v in os.environ.items() if k.startswith("ANSIBLE_")}},
             verbosity=job.verbosity or None,
             event_handler=handler,
@@ -92,8 +93,3 @@ def run(job: Job, on_event: Callable[[dict], None], cancelled: Callable[[], bool
             sink.close()
         shutil.rmtree(private, ignore_errors=True)
 
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)

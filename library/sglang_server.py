@@ -230,7 +230,7 @@ class Instance:
 
     # ------------------------------------------------------------------ verify
 
-    def verify(self, measure: bool = True) -> dict:
+    def verify(self) -> dict:
         p = self.p
         checks: list[dict] = []
 
@@ -280,7 +280,7 @@ class Instance:
             got = info.get("speculative_algorithm")
             check("speculative_algorithm", str(got).upper() == expected_algo.upper(),
                   f"server reports speculative_algorithm {got}, configured {expected_algo}")  # fmt: skip
-        if measure and p["load_requests"] > 0:
+        if p["load_requests"] > 0:
             try:
                 runs = [generate(self.base, p["prompt"], p["load_max_new_tokens"]) for _ in range(p["load_requests"])]
             except HttpError as exc:

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 UNIT_PROPS = ("ActiveState", "SubState", "MainPID", "NRestarts", "ExecMainStatus", "ExecMainCode", "InvocationID",
-              "ActiveEnterTimestampMonotonic", "ExecMainExitTimestampMonotonic", "Result")  # fmt: skip
+              "ExecMainExitTimestampMonotonic")  # fmt: skip
 
 
 def systemctl(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
