@@ -1,4 +1,5 @@
-"""The ExecStartPre GPU gate (roles/sglang_service/files/sglang-gpu-gate) on real GPUs.
+"""The ExecStartPre GPU gate (roles/sglang_service/files/sglang-gpu-gate over module_utils/sglang_deploy/gpu.py,
+laid out as on a host) on real GPUs.
 
 Run on a GPU host (the `device` machine): python3 bench/gpu_gate_on_device.py OUT_DIR
 1. clean GPUs: the gate passes;
@@ -13,15 +14,35 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GATE = [sys.executable, str(REPO / "roles" / "sglang_service" / "files" / "sglang-gpu-gate")]
+def host_layout() -> Path:
+    """The gate as roles/sglang_service/tasks/gate.yml installs it: the entry point beside its package."""
+    lib = Path(tempfile.mkdtemp()) / "sglang-deploy"
+    (lib / "sglang_deploy").mkdir(parents=True)
+    for name in ("__init__.py", "gpu.py", "procinfo.py"):
+        shutil.copy(REPO / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
+    shutil.copy(REPO / "roles" / "sglang_service" / "files" / "sglang-gpu-gate", lib / "sglang-gpu-gate")
+    return lib / "sglang-gpu-gate"
+
+
+GATE = [sys.executable, str(host_layout())]
+sys.path.insert(0, str(REPO / "module_utils"))
+from sglang_deploy import gpu  # noqa: E402  - the modules' verdict, beside the gate's
+
+
+def module_verdict() -> dict:
+    """What the modules (sglang_server's wait, gpu_state) conclude on the same state, without waiting."""
+    res = gpu.wait_clean([0], timeout=0.3, interval=0.1, max_used_mib=1024)
+    return {"clean": res["clean"], "message": res["message"]}
 HOLD = (
     "import sys, time, torch\n"
     "x = torch.empty(int(sys.argv[1]) * 2**20, dtype=torch.uint8, device='cuda:0')\n"
@@ -59,12 +80,16 @@ def main() -> int:
 
     t = time.monotonic()
     r = subprocess.run([*GATE, "--gpus", "0", "--timeout", "10"], capture_output=True, text=True)
-    report["clean"] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t}
+    report["clean"] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t,
+                       "module": module_verdict()}  # fmt: skip
 
     p = holder(20000)
     t = time.monotonic()
     r = subprocess.run([*GATE, "--gpus", "0", "--timeout", "2"], capture_output=True, text=True)
-    report["busy"] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t, "holder_pid": p.pid}
+    report["busy"] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t,
+                      "holder_pid": p.pid, "module": module_verdict()}  # fmt: skip
+    report["same_verdict"] = (report["clean"]["rc"] == 0) == report["clean"]["module"]["clean"] and (
+        report["busy"]["rc"] == 1) == (not report["busy"]["module"]["clean"])
     apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory,process_name", "--format=csv,noheader,nounits"], capture_output=True, text=True)
     report["busy_apps"] = apps.stdout
     p.kill()

@@ -1,4 +1,4 @@
-"""library/gpu_state and the wait for clean GPUs (module_utils/sglang_gpu) on real GPUs.
+"""library/gpu_state and the wait for clean GPUs (module_utils/sglang_deploy/gpu.py) on real GPUs.
 
 Run on a GPU host (the `device` machine), with ansible-core installed:
     python3 bench/gpu_state_on_device.py OUT_DIR [RUNS]
@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "module_utils"))
-import sglang_gpu  # noqa: E402
+from sglang_deploy import gpu as sglang_gpu  # noqa: E402
 from gpu_gate_on_device import holder  # noqa: E402  (bench/ is on sys.path: a real process holding GPU memory)
 
 def module(args: dict) -> tuple[int, dict]:

@@ -8,6 +8,10 @@ import time
 
 from driver import exitcodes
 from driver.events import WAITS, Tracker
+from module_utils.sglang_deploy import outcomes
+
+# Results shown green: the host ended well, or the instance serves (a restart's rollback shows yellow).
+GOOD = outcomes.SUCCESS | {outcomes.ROLLED_BACK, "ok"}
 
 
 class Progress:
@@ -111,8 +115,8 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         table.add_column(col, justify=justify)
     details = []
     for row in tracker.rows():
-        style = "green" if row["result"] in ("restarted", "verified", "ok", "status", "rolled_back") else "red"
-        if row["result"] == "rolled_back" and tracker.command == "restart":
+        style = "green" if row["result"] in GOOD else "red"
+        if row["result"] == outcomes.ROLLED_BACK and tracker.command == "restart":
             style = "yellow"
         table.add_row(row["host"], row["instance"] or "-", row["phase"], f"[{style}]{row['result']}[/{style}]",
                       f"{row['seconds']}" if row["seconds"] is not None else "-",

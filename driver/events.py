@@ -4,6 +4,10 @@ A Tracker is fed every event (live, or replayed from a recorded stream) and know
 host, the phase it is in and since when, what each SGLang instance's module reported
 (sglang_server: outcome, phases, failure with its traceback, verification, tok/s, accept
 length), and why a task failed. exit_code() maps all of it to driver/exitcodes.py.
+
+Everything is read from structured fields: the module a task runs and its role for the
+phase, a result's ``outcome`` and ``phases`` (names from module_utils/sglang_deploy/outcomes.py)
+for what happened. Task names and the files tasks live in are free to change.
 """
 
 from __future__ import annotations
@@ -13,10 +17,24 @@ import re
 from dataclasses import dataclass, field
 
 from driver import exitcodes
+from module_utils.sglang_deploy import outcomes
 
 PROFILE_LINE = re.compile(r"^\w+day \d+ \w+ \d{4} ")
-VALIDATION_FILES = ("/validate.yml", "/render.yml", "/preflight.yml")
+
+# A host's phases, as the progress display and the summary name them.
+WAITING, PLAY, VALIDATE, CONFIGURE, PATCH = "waiting", "play", "validate", "configure", "patch"
+SERVER_MODULE = "sglang_server"  # its phase is the command's own (restart, rollback, verify, status)
+# The modules that say which phase a host is in wherever they run (short names: see module_of).
+MODULE_PHASES = {
+    "validate_argument_spec": VALIDATE,  # Ansible's check of a role's arguments
+    "sglang_validate": VALIDATE,
+    "sglang_stage": CONFIGURE,
+    "sglang_patch": PATCH,
+    "gpu_state": outcomes.GPUS,
+}
 ROLE_PHASES = {"gpu_node": "node", "cuda": "cuda", "ml_env": "ml-env", "sglang": "sglang"}
+# Ansible's modules that change a host: in a role not named above (sglang_service), writing the configuration.
+WRITING_MODULES = frozenset({"template", "copy", "file", "systemd_service", "systemd"})
 WAITS = {
     "restart": "stop, clean GPUs, start, ready (model load, CUDA graphs), generate, verify",
     "rollback": "stop, clean GPUs, start the last-known-good, ready, generate, verify",
@@ -45,7 +63,7 @@ class Failure:
 @dataclass
 class HostState:
     name: str
-    phase: str = "waiting"
+    phase: str = WAITING
     phase_since: float = 0.0
     task: str = ""
     started: float = 0.0
@@ -59,29 +77,46 @@ class HostState:
         return max(0.0, (self.finished or self.phase_since) - self.started) if self.started else 0.0
 
 
+def module_of(data: dict) -> str:
+    """The short name of the module a task runs: ansible.builtin.copy and a collection's copy are both copy."""
+    action = data.get("resolved_action") or data.get("task_action") or ""
+    return action.rsplit(".", 1)[-1]
+
+
 def phase_of(command: str, data: dict) -> str:
-    path = data.get("task_path") or ""
+    """The phase a task stands for, from its module and role; PLAY when neither says (the caller keeps the
+    phase the host is in: includes, facts and checks belong to the phase they lead into)."""
+    module = module_of(data)
     role = data.get("role") or ""
-    if any(f in path for f in VALIDATION_FILES) or (data.get("task") or "").startswith("Validating arguments"):
-        return "validate"
-    if "/server.yml" in path:
+    if module == SERVER_MODULE:
         return command if command in WAITS else "restart"
-    if "/configure.yml" in path or "handlers" in path:
-        return "configure"
+    if module in MODULE_PHASES:
+        return MODULE_PHASES[module]
     if role in ROLE_PHASES:
         return ROLE_PHASES[role]
-    return "play"
+    if role and module in WRITING_MODULES:
+        return CONFIGURE
+    return PLAY
+
+
+def refused_setting(data: dict) -> bool:
+    """A failure that means "a setting was refused" from a module that returns no outcome: Ansible's check of
+    the role's arguments, or sglang_validate listing the problems it found (it fails with none listed when
+    SGLang's parser could not run at all, which is no verdict on the configuration)."""
+    module = module_of(data)
+    if module == "validate_argument_spec":
+        return True
+    return module == "sglang_validate" and bool((data.get("res") or {}).get("problems"))
 
 
 def classify(data: dict) -> int:
-    """The exit code a failed task stands for."""
+    """The exit code a failed task stands for: the module's outcome where it reports one."""
     res = data.get("res") or {}
     if res.get("unreachable"):
         return exitcodes.UNREACHABLE
     if res.get("outcome") in exitcodes.OUTCOME_CODES:
         return exitcodes.OUTCOME_CODES[res["outcome"]]
-    path = data.get("task_path") or ""
-    if any(f in path for f in VALIDATION_FILES) or (data.get("task") or "").startswith("Validating arguments"):
+    if refused_setting(data):
         return exitcodes.INVALID_CONFIG
     return exitcodes.FAILED
 
@@ -110,53 +145,57 @@ class Tracker:
         return self.hosts[name]
 
     def handle(self, event: dict) -> None:
+        """Feed one event: Ansible's own output, the end of the play, or a host's task starting or ending."""
         kind = event.get("event", "")
         data = event.get("event_data") or {}
         now = timestamp(event)
         if now:
             self.first = self.first or now
             self.last = max(self.last, now)
-        name = data.get("host")
         if kind == "verbose" and event.get("stdout", "").strip():
             if not PROFILE_LINE.match(event["stdout"]):  # the task timer's lines say nothing here
                 self.messages.append(event["stdout"].rstrip())
-            return
-        if kind == "playbook_on_stats":
-            self.stats = {k: data.get(k) or {} for k in ("ok", "failures", "dark", "changed", "skipped")}
-            for h in self.hosts.values():
-                if h.status == "running":
-                    h.status = "ok"
-                h.finished = h.finished or now
-            return
-        if not name:
-            return
-        h = self.host(name)
+        elif kind == "playbook_on_stats":
+            self.on_stats(data, now)
+        elif data.get("host"):
+            self.on_host_event(kind, self.host(data["host"]), data, now)
+
+    def on_stats(self, data: dict, now: float) -> None:
+        """The play is over: every host still running ended well."""
+        self.stats = {k: data.get(k) or {} for k in ("ok", "failures", "dark", "changed", "skipped")}
+        for h in self.hosts.values():
+            if h.status == "running":
+                h.status = "ok"
+            h.finished = h.finished or now
+
+    def on_host_event(self, kind: str, h: HostState, data: dict, now: float) -> None:
+        res = data.get("res") or {}
         if kind == "runner_on_start":
-            h.started = h.started or now
-            phase = phase_of(self.command, data)
-            if phase == "play" and h.phase != "waiting":
-                phase = h.phase  # includes and the play's own tasks: still the phase they lead into
-            if phase != h.phase:
-                h.phase, h.phase_since = phase, now
-            h.task = data.get("task") or ""
-        elif kind in ("runner_item_on_ok", "runner_item_on_failed"):
-            res = data.get("res") or {}
-            if res.get("instance") and res.get("outcome"):
-                h.instances[res["instance"]] = res
+            self.on_start(h, data, now)
+        elif kind in ("runner_item_on_ok", "runner_item_on_failed", "runner_on_ok"):
+            record_instance(h, res)
             if kind == "runner_item_on_failed" and not data.get("ignore_errors"):
                 self.fail(h, data, now)
         elif kind == "runner_on_failed" and not data.get("ignore_errors"):
-            res = data.get("res") or {}
-            if not res.get("results"):  # loop tasks: their items said why
-                self.fail(h, data, now)
-            elif not h.failures:
+            record_instance(h, res)
+            if not res.get("results") or not h.failures:  # a loop task's items said why, unless none did
                 self.fail(h, data, now)
         elif kind == "runner_on_unreachable":
-            if (data.get("res") or {}).get("results") and h.failures:
+            if res.get("results") and h.failures:
                 return  # a loop task's summary of the items already recorded
             h.status = "unreachable"
-            h.failures.append(Failure(exitcodes.UNREACHABLE, data.get("task") or "", message_of(data.get("res") or {})))
+            h.failures.append(Failure(exitcodes.UNREACHABLE, data.get("task") or "", message_of(res)))
             h.finished = now
+
+    def on_start(self, h: HostState, data: dict, now: float) -> None:
+        """A task starts on a host: its module or role may move the host into another phase."""
+        h.started = h.started or now
+        phase = phase_of(self.command, data)
+        if phase == PLAY and h.phase != WAITING:
+            phase = h.phase  # includes, facts and checks: still the phase they lead into
+        if phase != h.phase:
+            h.phase, h.phase_since = phase, now
+        h.task = data.get("task") or ""
 
     def fail(self, h: HostState, data: dict, now: float) -> None:
         code = classify(data)
@@ -180,14 +219,9 @@ class Tracker:
         """One row per host and instance: host, instance, phase, result, duration, tok/s, accept length, detail."""
         rows = []
         for h in sorted(self.hosts.values(), key=lambda x: x.name):
-            if not h.instances:
-                f = h.failures[-1] if h.failures else None
-                rows.append({"host": h.name, "instance": "", "phase": h.phase, "result": h.status,
-                             "seconds": round(h.duration, 1), "tokens_per_s": None, "accept_length": None,
-                             "detail": f.message if f else ""})  # fmt: skip
-                continue
-            for name, res in sorted(h.instances.items()):
-                rows.append(instance_row(h, name, res))
+            rows += [instance_row(h, name, res) for name, res in sorted(h.instances.items())]
+            if not h.instances or unexplained_failure(h):
+                rows.append(host_row(h))
         return rows
 
     def measurements(self) -> list[dict]:
@@ -235,25 +269,92 @@ class Tracker:
         return lines
 
 
+def unexplained_failure(h: HostState) -> bool:
+    """A host failed, yet no instance's result says so (a task after the modules that reported, such as
+    sglang_stage's "staged"): the host's own row must show the failure, or the summary reads all green."""
+    failing = (res.get("outcome") in exitcodes.OUTCOME_CODES for res in h.instances.values())
+    return bool(h.failures) and not any(failing)
+
+
+def host_row(h: HostState) -> dict:
+    """A host's row without an instance: where it got to and its last failure."""
+    f = h.failures[-1] if h.failures else None
+    return {
+        "host": h.name,
+        "instance": "",
+        "phase": h.phase,
+        "result": h.status,
+        "seconds": round(h.duration, 1),
+        "tokens_per_s": None,
+        "accept_length": None,
+        "detail": f.message if f else "",
+    }
+
+
+def record_instance(h: HostState, res: dict) -> None:
+    """Keep an instance's result: whatever module reported on it (validate, stage, server), the latest wins."""
+    if res.get("instance") and res.get("outcome"):
+        h.instances[res["instance"]] = res
+
+
 def instance_row(h: HostState, name: str, res: dict) -> dict:
+    """One instance's row in the summary, from its module's result."""
     v = res.get("verify") or (res.get("rollback") or {}).get("verify") or {}
-    failure = res.get("failure") or {}
-    rb = res.get("rollback") or {}
-    if failure:
-        detail = f"{failure.get('phase')}: {failure.get('cause')}"
-        if rb.get("attempted"):
-            detail += f" -> rollback to {rb.get('to_profile')}: {rb.get('outcome')}"
-    elif res.get("outcome") == "status":
-        detail = (f"{res.get('state')}, profile {res.get('running_profile') or '?'}"
-                  f"{' (DRIFT)' if res.get('drift') else ''}, health {res.get('health')}")  # fmt: skip
-    elif v.get("failed_checks"):
-        detail = "; ".join(v["failed_checks"])
-    else:
-        detail = "; ".join(v.get("warnings") or []) or (f"profile {v.get('running_profile')}" if v else "")
-    phases = res.get("phases") or []
-    reached = phases[-1]["phase"] if phases else h.phase
     seconds = res.get("downtime_s")
-    return {"host": h.name, "instance": name, "phase": reached, "result": res.get("outcome"),
+    return {"host": h.name, "instance": name, "phase": phase_reached(h, res), "result": res.get("outcome"),
             "seconds": seconds if seconds is not None else round(h.duration, 1),
             "tokens_per_s": v.get("tokens_per_s") or (res.get("known_good") or {}).get("tokens_per_s"),
-            "accept_length": v.get("accept_length") or res.get("accept_length"), "detail": detail}  # fmt: skip
+            "accept_length": v.get("accept_length") or res.get("accept_length"),
+            "detail": detail_of(res, v)}  # fmt: skip
+
+
+def phase_reached(h: HostState, res: dict) -> str:
+    """The last phase the module reached (rollback phases come prefixed outcomes.ROLLBACK_PREFIX): where a
+    restart stopped is what the operator asks first. Without phases, the host's own."""
+    phases = res.get("phases") or []
+    if not phases:
+        return h.phase
+    return phases[-1].get("phase") or h.phase
+
+
+def detail_of(res: dict, v: dict) -> str:
+    """What the operator reads next to the outcome: who holds the lock, the cause, or verification."""
+    outcome = res.get("outcome")
+    if outcome == outcomes.LOCKED and (res.get("lock") or {}).get("holder"):
+        return lock_detail(res["lock"]["holder"])
+    if res.get("failure"):
+        return failure_detail(res["failure"], res.get("rollback") or {})
+    if outcome == outcomes.STATUS:
+        return (f"{res.get('state')}, profile {res.get('running_profile') or '?'}"
+                f"{' (DRIFT)' if res.get('drift') else ''}, health {res.get('health')}")  # fmt: skip
+    if v.get("failed_checks"):
+        return "; ".join(v["failed_checks"])
+    if outcome not in outcomes.SUCCESS and outcome != outcomes.ROLLED_BACK:
+        return message_of(res)  # a refusal without a failure record (invalid_config): the module's message
+    return "; ".join(v.get("warnings") or []) or (f"profile {v.get('running_profile')}" if v else "")
+
+
+def lock_detail(holder: dict) -> str:
+    """Who holds the instance's lock, so the operator can find that operation instead of guessing."""
+    return (
+        f"held by pid {holder.get('pid')} ({holder.get('command')}) from controller {holder.get('controller')}"
+        f" since {when(holder.get('since'))}"
+    )
+
+
+def when(since) -> str:
+    """A lock's start as UTC ISO 8601 when it comes as seconds since the epoch; as given otherwise."""
+    if isinstance(since, (int, float)) and not isinstance(since, bool):
+        return dt.datetime.fromtimestamp(since, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return str(since)
+
+
+def failure_detail(failure: dict, rollback: dict) -> str:
+    """The failed phase and its cause, then what the rollback did (or why there was none)."""
+    detail = f"{failure.get('phase')}: {failure.get('cause')}"
+    if rollback.get("attempted"):
+        target = rollback.get("to_profile") or f"generation {rollback.get('to_generation')}"
+        detail += f" -> rollback to {target}: {rollback.get('outcome')}"
+    elif rollback.get("why"):
+        detail += f" -> not rolled back: {rollback['why']}"
+    return detail

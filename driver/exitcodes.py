@@ -1,6 +1,12 @@
-"""The driver's exit codes: distinct for each way a run can end (README: "Exit codes")."""
+"""The driver's exit codes: distinct for each way a run can end (README: "Exit codes").
+
+Outcomes are the modules' own names (module_utils/sglang_deploy/outcomes.py, imported, never
+retyped), so a renamed or added outcome cannot silently fall through to FAILED.
+"""
 
 from __future__ import annotations
+
+from module_utils.sglang_deploy import outcomes
 
 OK = 0
 FAILED = 1  # a failure of another kind: see the output
@@ -11,6 +17,7 @@ ROLLED_BACK = 5  # the new configuration failed to start or verify; the last-kno
 NOT_RECOVERED = 6  # the new configuration failed and no known-good one could be started
 VERIFY_FAILED = 7  # the running server failed verification
 UNREACHABLE = 8  # a host could not be reached
+LOCKED = 9  # another operation holds the instance's lock; nothing was touched
 INTERRUPTED = 130  # Ctrl-C
 
 MEANING = {
@@ -23,21 +30,28 @@ MEANING = {
     NOT_RECOVERED: "start failed and not recovered: no server is running",
     VERIFY_FAILED: "verification failed",
     UNREACHABLE: "host unreachable",
+    LOCKED: "locked: another operation holds the instance's lock (nothing was touched)",
     INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
 # When hosts end differently, the most serious decides the exit code.
-SEVERITY = [NOT_RECOVERED, UNREACHABLE, FAILED, ROLLED_BACK, GPUS_NOT_CLEAN, VERIFY_FAILED, INVALID_CONFIG, OK]
+SEVERITY = [NOT_RECOVERED, UNREACHABLE, FAILED, ROLLED_BACK, GPUS_NOT_CLEAN, LOCKED, VERIFY_FAILED, INVALID_CONFIG, OK]
 
+# Every outcome a module fails with (outcomes.ALL less outcomes.SUCCESS) has a code: its own, or FAILED where
+# only the cause can say what to do (REFUSED: nothing to roll back to, a multi-node rollback).
 OUTCOME_CODES = {
-    "not_recovered": NOT_RECOVERED,
-    "rolled_back": ROLLED_BACK,
-    "gpus_not_clean": GPUS_NOT_CLEAN,
-    "verify_failed": VERIFY_FAILED,
+    outcomes.NOT_RECOVERED: NOT_RECOVERED,
+    outcomes.ROLLED_BACK: ROLLED_BACK,
+    outcomes.GPUS_NOT_CLEAN: GPUS_NOT_CLEAN,
+    outcomes.LOCKED: LOCKED,
+    outcomes.VERIFY_FAILED: VERIFY_FAILED,
+    outcomes.INVALID_CONFIG: INVALID_CONFIG,
+    outcomes.REFUSED: FAILED,
 }
 
 
 def worst(codes: list[int]) -> int:
+    """The code of the most serious way any host ended (SEVERITY), so one exit code can speak for all."""
     for code in SEVERITY:
         if code in codes:
             return code

@@ -4,7 +4,14 @@ each flag and variable with the name of the setting that produced it."""
 from __future__ import annotations
 
 import json
+import re
+import sys
+from pathlib import Path
 from typing import Any
+
+# One source of truth: the instance record's secret handling lives beside the modules.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "module_utils"))
+from sglang_deploy.procinfo import SECRET_FLAGS  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -64,6 +71,9 @@ def server_config(
         for key, value in layer.items():
             if key.startswith("-") or key != key.lower():
                 raise ConfigError(f"{where}.{key}: write flags as snake_case keys (tp_size for --tp-size)")
+            if flag_name(key) in SECRET_FLAGS and value not in (None, False, ""):
+                raise ConfigError(f"{where}.{key}: a secret on a command line and in the unit file; set "
+                                  "sglang_service_api_key instead (a root-only secrets file; the launcher passes it)")
             flags[key] = value
             origins[flag_name(key)] = f"{where}.{key}"
     fixed = {
@@ -124,17 +134,51 @@ def sglang_server_config(instance, profiles, profile, model_path, common_flags=N
         raise AnsibleFilterError(str(exc)) from exc
 
 
-def sglang_profile_argvs(instance, profiles, model_path, common_flags=None, common_env=None, listen_host="0.0.0.0",
-                        instance_index=0, prefix=None):  # fmt: skip
-    """{profile: the argv this instance would run with it}, to name the profile a running server runs."""
-    out = {}
-    for name in profiles:
+def sglang_instance(instance, index, profiles, profile, model_path, common_flags=None, common_env=None,
+                    listen_host="0.0.0.0", venv="/opt/ml-env", launch_module="sglang.launch_server",
+                    config_dir="/etc/sglang", launcher="/usr/local/libexec/sglang-deploy/sglang-launch"):  # fmt: skip
+    """The instance's record, rendered once: what the unit template, validation and the modules read."""
+    from ansible.errors import AnsibleFilterError
+
+    try:
+        return instance_record(instance, index, profiles, profile, model_path, common_flags, common_env, listen_host,
+                               venv, launch_module, config_dir, launcher)  # fmt: skip
+    except ConfigError as exc:
+        raise AnsibleFilterError(str(exc)) from exc
+
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# Directories under the state dir that are sglang-deploy's: StateDirectory=sglang/<name> must not be one.
+RESERVED_NAMES = ("known-good", "validated", "locks", "pending", "secrets", "instances")
+
+
+def instance_record(instance, index, profiles, profile, model_path, common_flags, common_env, listen_host, venv,
+                    launch_module, config_dir, launcher) -> dict[str, Any]:  # fmt: skip
+    name = str(instance.get("name") or "")
+    if not NAME.match(name) or name in RESERVED_NAMES:
+        raise ConfigError(f"sglang_instances[{index}].name {name!r}: use lowercase letters, digits, '-' and '_' "
+                          f"(it names the unit, its files and its lock), not one of {', '.join(RESERVED_NAMES)}")
+    conf = server_config(instance, profiles, profile, model_path, common_flags, common_env, listen_host, index)
+    # The launcher adds the API key from the secrets file in-process: never on the command line.
+    prefix = [f"{venv}/bin/python", launcher, launch_module]
+    others = {}
+    for other in profiles:
         try:
-            conf = server_config(instance, profiles, name, model_path, common_flags, common_env, listen_host, instance_index)
+            others[other] = prefix + server_config(instance, profiles, other, model_path, common_flags, common_env,
+                                                   listen_host, index)["argv"]  # fmt: skip
         except ConfigError:
             continue
-        out[name] = list(prefix or []) + conf["argv"]
-    return out
+    baseline = ((profiles[profile] or {}).get("baseline") or {}).get("output_tokens_per_s")
+    return {
+        "name": name, "unit": f"sglang-{name}.service", "unit_path": f"/etc/systemd/system/sglang-{name}.service",
+        "env_path": f"{config_dir}/{name}.env", "secrets_path": f"{config_dir}/secrets/{name}.env",
+        "pending_dir": f"{config_dir}/pending", "port": instance["port"], "gpus": list(instance["gpus"]),
+        "nnodes": int(instance.get("nnodes") or 1), "node_rank": int(instance.get("node_rank") or 0),
+        "dist_init_addr": instance.get("dist_init_addr") or None,
+        "profile": profile, "python": prefix[0], "server_argv": conf["argv"], "argv": prefix + conf["argv"],
+        "origins": conf["origins"], "env": conf["env"], "env_origins": conf["env_origins"], "profiles_argv": others,
+        "baseline": baseline,
+    }  # fmt: skip
 
 
 def systemd_quote(args: list[str]) -> str:
@@ -160,7 +204,7 @@ class FilterModule:
     def filters(self):
         return {
             "sglang_server_config": sglang_server_config,
-            "sglang_profile_argvs": sglang_profile_argvs,
+            "sglang_instance": sglang_instance,
             "systemd_quote": systemd_quote,
             "env_file_line": lambda item: env_file_line(*item),
         }

@@ -58,7 +58,9 @@ author: sglang-deploy
 
 RETURN = r"""
 gpus:
-  description: Every GPU of the host (index, uuid, name, memory_used_mib, memory_total_mib).
+  description:
+    - Every GPU of the host (index, uuid, name, memory_used_mib, memory_total_mib).
+    - A number nvidia-smi reports as C([N/A]) or C([Not Supported]) is null.
   type: list
   returned: success
 processes:
@@ -66,13 +68,15 @@ processes:
   type: list
   returned: success
 wait:
-  description: With wait, {clean, waited_s, polls, offenders, busy, stopped, message}.
+  description:
+    - With wait, the wait and its last verdict (the one the unit's GPU gate gives on the same state):
+      {clean, missing, offenders, busy, unknown_memory, lines, note, refused, stopped, waited_s, polls, message}.
   type: dict
   returned: when wait
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.sglang_gpu import NvidiaSmiError, snapshot, wait_clean
+from ansible.module_utils.sglang_deploy.gpu import NvidiaSmiError, snapshot, wait_clean
 
 
 def main() -> None:

@@ -1,34 +1,67 @@
-"""roles/sglang_service/files/sglang-gpu-gate against the lab's simulated nvidia-smi (a PATH shim)."""
+"""roles/sglang_service/files/sglang-gpu-gate, installed as on the host, against the lab's simulated nvidia-smi.
+
+The gate runs from a temporary directory laid out as tasks/gate.yml lays it out on the
+host (the gate beside its sglang_deploy package), never from the repository, so these
+tests prove that the layout works, not only the code.
+"""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 GATE = REPO / "roles" / "sglang_service" / "files" / "sglang-gpu-gate"
+GATE_YML = REPO / "roles" / "sglang_service" / "tasks" / "gate.yml"
+PACKAGE = REPO / "module_utils" / "sglang_deploy"
+GATE_PACKAGE = ("__init__.py", "gpu.py", "procinfo.py", "launch.py")  # what gate.yml installs beside the gate
+HOST_GATE = "/usr/local/libexec/sglang-deploy/sglang-gpu-gate"
 sys.path.insert(0, str(REPO / "lab" / "gpu_sim"))
 import nvsim  # noqa: E402
+
+
+def install_gate(root: Path) -> Path:
+    """The host layout under root: root/sglang-gpu-gate and root/sglang_deploy/{GATE_PACKAGE}; the gate's path."""
+    (root / "sglang_deploy").mkdir(parents=True)
+    for name in GATE_PACKAGE:
+        shutil.copy2(PACKAGE / name, root / "sglang_deploy" / name)
+    shutil.copy2(GATE, root / "sglang-gpu-gate")
+    return root / "sglang-gpu-gate"
+
+
+@pytest.fixture(scope="session")
+def installed_gate(tmp_path_factory) -> Path:
+    return install_gate(tmp_path_factory.mktemp("libexec") / "sglang-deploy")
+
+
+def simulated(where: Path, count: int = 4, seed: str = "gate") -> tuple[str, dict]:
+    """`count` simulated GPUs under where, and an environment whose nvidia-smi reads them: (state file, env)."""
+    state = where / "state.json"
+    nvsim.write_state(nvsim.default_state(count, seed=seed), str(state))
+    bin_dir = where / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "nvidia-smi"
+    shim.write_text(
+        f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO / 'lab' / 'gpu_sim')!r})\n"
+        "import nvsim\nnvsim.main_nvidia_smi()\n"
+    )
+    shim.chmod(0o755)
+    return str(state), {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LAB_GPU_STATE": str(state)}
 
 
 @pytest.fixture
 def gpus(tmp_path):
     """4 simulated GPUs, and an nvidia-smi on PATH that reads them."""
-    state = tmp_path / "state.json"
-    nvsim.write_state(nvsim.default_state(4, seed="gate"), str(state))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    shim = bin_dir / "nvidia-smi"
-    shim.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO / 'lab' / 'gpu_sim')!r})\nimport nvsim\nnvsim.main_nvidia_smi()\n")
-    shim.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LAB_GPU_STATE": str(state)}
-    return str(state), env
+    return simulated(tmp_path)
 
 
 @contextlib.contextmanager
@@ -43,11 +76,89 @@ def holding(state, argv, gpu, mib):
         holder.wait()
 
 
-def gate(env, *args, **kw):
-    return subprocess.Popen([sys.executable, str(GATE), *args], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+def run_gate(gate_path: Path, env: dict, *args: str, **kw) -> subprocess.Popen:
+    """The gate at gate_path, started as a unit's ExecStartPre would be, from an unrelated working directory."""
+    argv = [sys.executable, str(gate_path), *args]
+    return subprocess.Popen(argv, env=env, text=True, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
-def test_clean_gpus_pass_at_once(gpus):
+@pytest.fixture
+def gate(installed_gate):
+    """Start the installed gate: gate(env, *args) -> Popen."""
+    return lambda env, *args, **kw: run_gate(installed_gate, env, *args, **kw)
+
+
+# ---------------------------------------------------------------- the host layout
+
+
+def test_gate_yml_installs_the_layout_these_tests_run():
+    tasks = {t["name"]: t for t in yaml.safe_load(GATE_YML.read_text())}
+    package = tasks["Install the GPU logic the gate runs"]
+    assert tuple(package["loop"]) == GATE_PACKAGE
+    copy = package["ansible.builtin.copy"]
+    assert copy["src"] == "{{ role_path }}/../../module_utils/sglang_deploy/{{ item }}"
+    assert copy["dest"] == "{{ sglang_service_gate_path | dirname }}/sglang_deploy/{{ item }}"
+    entries = {e["src"]: e["dest"] for e in tasks["Install the GPU gate and the launcher"]["loop"]}
+    assert entries == {"sglang-gpu-gate": "{{ sglang_service_gate_path }}", "sglang-launch": "{{ sglang_service_launcher_path }}"}
+    defaults = yaml.safe_load((REPO / "roles" / "sglang_service" / "defaults" / "main.yml").read_text())
+    assert defaults["sglang_service_gate_path"] == HOST_GATE
+
+
+def test_what_the_gate_imports_is_only_the_standard_library_and_the_files_installed_beside_it():
+    shipped = {name[:-3] for name in GATE_PACKAGE} - {"__init__"}
+    for name in GATE_PACKAGE:
+        for node in ast.walk(ast.parse((PACKAGE / name).read_text())):
+            if isinstance(node, ast.Import):
+                tops = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                tops = {node.module.split(".")[0]}
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 1 and (node.module in shipped or {a.name for a in node.names} <= shipped), name
+                continue
+            else:
+                continue
+            assert tops <= set(sys.stdlib_module_names), f"{name} imports {tops - set(sys.stdlib_module_names)}"
+
+
+def test_the_gate_uses_the_package_beside_it_not_one_on_pythonpath(gpus, gate, tmp_path):
+    _, env = gpus
+    decoy = tmp_path / "decoy" / "sglang_deploy"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy on PYTHONPATH was imported')\n")
+    proc = gate({**env, "PYTHONPATH": str(decoy.parent)}, "--gpus", "0")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "clean after" in out
+
+
+def test_the_gate_run_through_a_link_finds_its_package(gpus, installed_gate, tmp_path):
+    """gate.yml points the old path (/usr/local/libexec/sglang-gpu-gate) at the new gate with a link."""
+    _, env = gpus
+    link = tmp_path / "old-libexec" / "sglang-gpu-gate"
+    link.parent.mkdir()
+    link.symlink_to(installed_gate)
+    proc = run_gate(link, env, "--gpus", "0,1")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out.startswith("sglang-gpu-gate: GPUs [0, 1] clean after ")
+
+
+def test_the_gate_without_its_package_exits_2_and_says_where_it_looked(gpus, tmp_path):
+    _, env = gpus
+    lone = tmp_path / "lone" / "sglang-gpu-gate"
+    lone.parent.mkdir()
+    shutil.copy2(GATE, lone)
+    proc = run_gate(lone, env, "--gpus", "0")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert f"sglang-gpu-gate: cannot load sglang_deploy.gpu beside {lone}" in err
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- the verdict, as the unit sees it
+
+
+def test_clean_gpus_pass_at_once(gpus, gate):
     _, env = gpus
     proc = gate(env, "--gpus", "0,1")
     out, err = proc.communicate(timeout=30)
@@ -55,7 +166,7 @@ def test_clean_gpus_pass_at_once(gpus):
     assert out.startswith("sglang-gpu-gate: GPUs [0, 1] clean after ")
 
 
-def test_a_process_on_the_instances_gpus_is_refused_and_named(gpus):
+def test_a_process_on_the_instances_gpus_is_refused_and_named(gpus, gate):
     state, env = gpus
     with holding(state, ["sleep", "30"], gpu=1, mib=8148) as holder:
         proc = gate(env, "--gpus", "0,1", "--timeout", "0.5")
@@ -66,15 +177,15 @@ def test_a_process_on_the_instances_gpus_is_refused_and_named(gpus):
     assert "command sleep 30" in err
 
 
-def test_other_gpus_being_busy_does_not_matter(gpus):
+def test_other_gpus_being_busy_does_not_matter(gpus, gate):
     state, env = gpus
     nvsim.lab_gpu(["hold", "--pid", "4242", "--gpu", "3", "--mib", "9000", "--pinned"], path=state)
     proc = gate(env, "--gpus", "0,1,2", "--timeout", "0.5")
-    proc.communicate(timeout=30)
-    assert proc.returncode == 0
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
 
 
-def test_waits_for_a_process_to_go_then_passes(gpus):
+def test_waits_for_a_process_to_go_then_passes(gpus, gate):
     state, env = gpus
     with holding(state, ["sleep", "30"], gpu=0, mib=20000):
         proc = gate(env, "--gpus", "0", "--timeout", "20")
@@ -85,9 +196,10 @@ def test_waits_for_a_process_to_go_then_passes(gpus):
     assert "clean after" in out
 
 
-def test_memory_still_being_released_is_waited_for(gpus):
+def test_memory_still_being_released_is_waited_for(gpus, gate):
     state, env = gpus
-    nvsim.lab_gpu(["hold", "--pid", "999999", "--gpu", "2", "--mib", "30000", "--release-seconds", "1.0", "--pinned"], path=state)
+    hold = ["hold", "--pid", "999999", "--gpu", "2", "--mib", "30000", "--release-seconds", "1.0", "--pinned"]
+    nvsim.lab_gpu(hold, path=state)
     nvsim.lab_gpu(["release", "--pid", "999999"], path=state)
     proc = gate(env, "--gpus", "2", "--timeout", "0.3", "--max-used-mib", "100")
     _, err = proc.communicate(timeout=30)
@@ -99,7 +211,7 @@ def test_memory_still_being_released_is_waited_for(gpus):
     assert "clean after" in out
 
 
-def test_nvidia_smi_failure_and_missing_gpus_are_errors(gpus):
+def test_nvidia_smi_failure_and_missing_gpus_are_errors(gpus, gate):
     state, env = gpus
     proc = gate(env, "--gpus", "7")
     _, err = proc.communicate(timeout=30)
@@ -109,10 +221,11 @@ def test_nvidia_smi_failure_and_missing_gpus_are_errors(gpus):
     proc = gate(env, "--gpus", "0")
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
-    assert "nvidia-smi failed (rc=18): Failed to initialize NVML: Driver/library version mismatch" in err
+    assert "nvidia-smi failed (exit 18): Failed to initialize NVML: Driver/library version mismatch" in err
+    assert "reload the nvidia modules" in err and "Traceback" not in err
 
 
-def test_an_offenders_multi_line_command_is_shown_on_one_line(gpus):
+def test_an_offenders_multi_line_command_is_shown_on_one_line(gpus, gate):
     """Seen on a real H200: `python3 -c '<script>'` holders have newlines in their command line."""
     state, env = gpus
     with holding(state, [sys.executable, "-c", "import time\ntime.sleep(30)"], gpu=0, mib=100) as holder:
@@ -120,3 +233,11 @@ def test_an_offenders_multi_line_command_is_shown_on_one_line(gpus):
         _, err = proc.communicate(timeout=30)
     (line,) = [x for x in err.splitlines() if f"pid {holder.pid}" in x]
     assert line.endswith("-c import time time.sleep(30))")
+
+
+def test_a_malformed_gpu_list_is_a_usage_error(gpus, gate):
+    _, env = gpus
+    proc = gate(env, "--gpus", "0,x")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "--gpus: '0,x' is not a comma-separated list of GPU indices" in err

@@ -1,4 +1,4 @@
-"""module_utils/sglang_gpu (the GPU state and the wait for clean GPUs) and library/gpu_state.
+"""module_utils/sglang_deploy/gpu (the GPU state, the verdict, the wait), procinfo, and library/gpu_state.
 
 Parsers run on the real H200 captures (tests/vectors); the wait and the stop policy on
 the lab's simulated nvidia-smi (a PATH shim) with real processes holding its GPUs.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,14 +18,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "module_utils"))
-import sglang_gpu  # noqa: E402
+from sglang_deploy import gpu, procinfo  # noqa: E402
 import test_gpu_gate  # noqa: E402
 from test_gpu_gate import holding, nvsim  # noqa: E402
 
 gpus = test_gpu_gate.gpus  # the fixture: 4 simulated GPUs and an nvidia-smi that reads them
 from test_nvsim import UUIDS_2GPU, VEC  # noqa: E402
 
-TWO_GPUS_BUSY = "2 GPUs: process 564 holds 8 GB on each GPU; process 565 holds 3 GB on GPU 1 and a 518 MiB context on GPU 0"
+TWO_GPUS_BUSY = (
+    "2 GPUs: process 564 holds 8 GB on each GPU; process 565 holds 3 GB on GPU 1 and a 518 MiB context on GPU 0"
+)
 
 
 def vector(title: str, startswith: str, endswith: str = "") -> str:
@@ -36,24 +39,132 @@ def test_real_capture_gpus_and_processes():
     # The module queries index,uuid,name,memory.used,memory.total: same fields, fewer columns.
     rows = [r.split(", ") for r in gpus_out.splitlines()]
     text = "\n".join(", ".join([r[0], r[1], r[2], r[4], r[5]]) for r in rows)
-    parsed = sglang_gpu.parse_gpus(text)
+    parsed = gpu.parse_gpus(text)
     assert [(g["index"], g["uuid"], g["memory_used_mib"], g["memory_total_mib"]) for g in parsed] == [
-        (0, UUIDS_2GPU[0], 8681, 143771), (1, UUIDS_2GPU[1], 11543, 143771)]  # fmt: skip
-    apps = sglang_gpu.parse_apps(vector(TWO_GPUS_BUSY, "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader"), parsed)
+        (0, UUIDS_2GPU[0], 8681, 143771),
+        (1, UUIDS_2GPU[1], 11543, 143771),
+    ]
+    apps = gpu.parse_apps(
+        vector(
+            TWO_GPUS_BUSY, "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader"
+        ),
+        parsed,
+    )
     assert [(a["pid"], a["gpu"], a["used_mib"], a["process_name"]) for a in apps] == [
-        (564, 0, 8148, "python3"), (565, 0, 518, "python3"), (564, 1, 8148, "python3"), (565, 1, 3380, "python3")]  # fmt: skip
+        (564, 0, 8148, "python3"),
+        (565, 0, 518, "python3"),
+        (564, 1, 8148, "python3"),
+        (565, 1, 3380, "python3"),
+    ]
 
 
 def test_header_and_units_are_understood():
     with_units = vector(TWO_GPUS_BUSY, "nvidia-smi --query-compute-apps=", "--format=csv")
     gpus = [{"index": 0, "uuid": UUIDS_2GPU[0]}, {"index": 1, "uuid": UUIDS_2GPU[1]}]
-    apps = sglang_gpu.parse_apps(with_units, gpus)
-    assert [(a["pid"], a["gpu"], a["used_mib"]) for a in apps] == [(564, 0, 8148), (565, 0, 518), (564, 1, 8148), (565, 1, 3380)]
+    apps = gpu.parse_apps(with_units, gpus)
+    assert [(a["pid"], a["gpu"], a["used_mib"]) for a in apps] == [
+        (564, 0, 8148),
+        (565, 0, 518),
+        (564, 1, 8148),
+        (565, 1, 3380),
+    ]
 
 
 def test_not_available_memory_is_none_not_a_crash():
-    apps = sglang_gpu.parse_apps(f"77, {UUIDS_2GPU[0]}, [N/A], python3", [{"index": 0, "uuid": UUIDS_2GPU[0]}])
+    apps = gpu.parse_apps(f"77, {UUIDS_2GPU[0]}, [N/A], python3", [{"index": 0, "uuid": UUIDS_2GPU[0]}])
     assert apps[0]["used_mib"] is None and apps[0]["gpu"] == 0
+
+
+@pytest.mark.parametrize("missing", ["[N/A]", "[Not Supported]"])
+def test_unavailable_values_parse_as_none_in_every_numeric_field(missing):
+    gpus_ = gpu.parse_gpus(f"{missing}, {UUIDS_2GPU[0]}, NVIDIA H200, {missing}, {missing}")
+    assert gpus_ == [
+        {"index": None, "uuid": UUIDS_2GPU[0], "name": "NVIDIA H200", "memory_used_mib": None, "memory_total_mib": None}
+    ]
+    apps = gpu.parse_apps(f"{missing}, {UUIDS_2GPU[0]}, {missing}, python3", [{"index": 0, "uuid": UUIDS_2GPU[0]}])
+    assert [(a["pid"], a["gpu"], a["used_mib"]) for a in apps] == [(None, 0, None)]
+
+
+def test_a_row_cut_short_is_an_nvidia_smi_error_not_a_traceback():
+    with pytest.raises(gpu.NvidiaSmiError, match="a GPU row with 2 fields, expected 5: 0, GPU-x"):
+        gpu.parse_gpus("0, GPU-x")
+
+
+def test_a_process_name_with_commas_is_kept_whole():
+    apps = gpu.parse_apps(f"77, {UUIDS_2GPU[0]}, 100, worker,rank0", [{"index": 0, "uuid": UUIDS_2GPU[0]}])
+    assert apps[0]["process_name"] == "worker,rank0"
+
+
+def test_gpu_keeps_every_public_name_sglang_gpu_had():
+    names = (
+        "GPU_QUERY APP_QUERY NvidiaSmiError parse_csv parse_gpus parse_apps run_nvidia_smi read_proc unit_of describe "
+        "snapshot offenders may_stop alive terminate format_offender wait_clean"
+    ).split()
+    assert [n for n in names if not hasattr(gpu, n)] == []
+
+
+# ---------------------------------------------------------------- the verdict on one snapshot
+
+
+def snap_of(gpus_: list[tuple[int | None, int | None]], procs: list[tuple[int | None, int, int | None]] = ()) -> dict:
+    """A snapshot: GPUs as (index, memory.used), processes as (pid, gpu, used MiB)."""
+    return {
+        "gpus": [{"index": i, "uuid": f"GPU-{i}", "memory_used_mib": used} for i, used in gpus_],
+        "processes": [
+            {"pid": pid, "gpu": g, "gpu_uuid": f"GPU-{g}", "used_mib": used, "process_name": "python3"}
+            for pid, g, used in procs
+        ],
+    }
+
+
+def test_verdict_clean_names_nothing():
+    v = gpu.verdict(snap_of([(0, 3), (1, 0)]), [0, 1], 1024)
+    assert v["clean"] and v["missing"] == v["lines"] == v["unknown_memory"] == []
+    assert v["message"] == "GPUs [0, 1] clean"
+
+
+def test_verdict_unknown_memory_is_not_busy_but_is_named():
+    v = gpu.verdict(snap_of([(0, None), (1, 0)]), [0, 1], 1024)
+    assert v["clean"] and v["busy"] == [] and v["unknown_memory"] == [0]
+    assert (
+        v["message"] == "GPUs [0, 1] clean (memory.used not reported for GPUs [0]: judged by their process lists alone)"
+    )
+
+
+def test_verdict_a_process_with_unknown_memory_still_offends():
+    v = gpu.verdict(snap_of([(0, None)], [(77, 0, None)]), [0], 1024)
+    assert not v["clean"] and [p["pid"] for p in v["offenders"]] == [77]
+    assert v["lines"] == ["GPU 0: pid 77 holds ? MiB (user ?, unit ?, command python3)"]
+
+
+def test_verdict_names_a_busy_gpu_once_with_its_process_and_alone_without():
+    v = gpu.verdict(snap_of([(0, 9000), (1, 5000)], [(77, 0, 8148)]), [0, 1], 1024)
+    assert [g["index"] for g in v["busy"]] == [0, 1]
+    assert v["lines"] == [
+        "GPU 0: pid 77 holds 8148 MiB (user ?, unit ?, command python3)",
+        "GPU 1: 5000 MiB used with no process listed (memory still being released?)",
+    ]
+
+
+def test_verdict_other_gpus_and_processes_of_unknown_gpus_do_not_matter():
+    v = gpu.verdict(snap_of([(0, 0), (1, 9000)], [(77, 1, 8148), (78, None, 100)]), [0], 1024)
+    assert v["clean"]
+
+
+def test_verdict_a_gpu_without_an_index_leaves_the_wanted_one_missing():
+    v = gpu.verdict(snap_of([(None, 0), (1, 0)]), [0, 1], 1024)
+    assert not v["clean"] and v["missing"] == [0]
+    assert v["message"] == "GPUs [0] are not on this host (it has [1, ?])"
+
+
+def test_a_process_without_a_pid_is_waited_for_never_stopped():
+    snap = snap_of([(0, 100)], [(None, 0, 100)])
+    ticks = iter(range(100))
+    res = gpu.wait_clean(
+        [0], timeout=3, policy="force", clock=lambda: next(ticks), sleep=lambda s: None, take_snapshot=lambda: snap
+    )
+    assert not res["clean"] and res["stopped"] == {} and len(res["refused"]) == 1 and res["polls"] > 1
+    assert "GPU 0: pid ? holds 100 MiB" in res["message"]
 
 
 @pytest.fixture
@@ -66,7 +177,7 @@ def sim(gpus, monkeypatch):
 
 def test_snapshot_names_pid_user_unit_and_command_line(sim):
     with holding(sim, ["sleep", "30"], gpu=2, mib=4096) as holder:
-        snap = sglang_gpu.snapshot()
+        snap = gpu.snapshot()
     assert len(snap["gpus"]) == 4
     (proc,) = snap["processes"]
     assert (proc["pid"], proc["gpu"], proc["used_mib"]) == (holder.pid, 2, 4096)
@@ -76,24 +187,26 @@ def test_snapshot_names_pid_user_unit_and_command_line(sim):
 @pytest.mark.parametrize("mode,words", [("driver-mismatch", "reload the nvidia modules"), ("no-driver", "not loaded")])
 def test_nvidia_smi_failures_are_explained(sim, mode, words):
     nvsim.lab_gpu(["fail", mode], path=sim)
-    with pytest.raises(sglang_gpu.NvidiaSmiError) as exc:
-        sglang_gpu.snapshot()
+    with pytest.raises(gpu.NvidiaSmiError) as exc:
+        gpu.snapshot()
     assert "nvidia-smi failed" in str(exc.value) and words in str(exc.value)
 
 
 def test_missing_nvidia_smi_is_explained(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(sglang_gpu.NvidiaSmiError, match="not installed"):
-        sglang_gpu.snapshot()
+    with pytest.raises(gpu.NvidiaSmiError, match="not installed"):
+        gpu.snapshot()
 
 
 def test_wait_returns_when_memory_is_released(sim):
     holder = subprocess.Popen(["sleep", "30"])
-    nvsim.lab_gpu(["hold", "--pid", str(holder.pid), "--gpu", "0", "--mib", "60000", "--release-seconds", "0.6"], path=sim)
+    nvsim.lab_gpu(
+        ["hold", "--pid", str(holder.pid), "--gpu", "0", "--mib", "60000", "--release-seconds", "0.6"], path=sim
+    )
     killed_at = time.monotonic()
     holder.kill()
     holder.wait()
-    res = sglang_gpu.wait_clean([0], timeout=10, interval=0.05, max_used_mib=1024)
+    res = gpu.wait_clean([0], timeout=10, interval=0.05, max_used_mib=1024)
     assert res["clean"], res["message"]
     # Listed no more at once, but clean only once memory fell under 1024 MiB (about 0.59 s).
     assert 0.4 < time.monotonic() - killed_at < 3 and res["polls"] > 2
@@ -101,7 +214,7 @@ def test_wait_returns_when_memory_is_released(sim):
 
 def test_timeout_names_every_offender_and_stops_nothing_by_default(sim):
     with holding(sim, ["sleep", "30"], gpu=1, mib=8148) as holder:
-        res = sglang_gpu.wait_clean([0, 1], timeout=0.3, interval=0.05)
+        res = gpu.wait_clean([0, 1], timeout=0.3, interval=0.05)
         assert holder.poll() is None  # still running: policy none
     assert not res["clean"] and res["stopped"] == {}
     assert f"GPU 1: pid {holder.pid} holds 8148 MiB (user {getpass.getuser()}" in res["message"]
@@ -110,54 +223,69 @@ def test_timeout_names_every_offender_and_stops_nothing_by_default(sim):
 
 def test_other_gpus_do_not_matter(sim):
     with holding(sim, ["sleep", "30"], gpu=3, mib=8148):
-        assert sglang_gpu.wait_clean([0, 1], timeout=0.2, interval=0.05)["clean"]
+        assert gpu.wait_clean([0, 1], timeout=0.2, interval=0.05)["clean"]
 
 
 def test_policy_own_stops_the_service_users_process_but_not_others(sim):
     me = getpass.getuser()
     with holding(sim, ["sleep", "30"], gpu=0, mib=8148) as holder:
-        res = sglang_gpu.wait_clean([0], timeout=5, interval=0.05, policy="own", service_user="someone-else")
+        res = gpu.wait_clean([0], timeout=5, interval=0.05, policy="own", service_user="someone-else")
         assert not res["clean"] and holder.poll() is None and res["refused"]
-        res = sglang_gpu.wait_clean([0], timeout=5, interval=0.05, policy="own", service_user=me, kill_grace=2)
+        res = gpu.wait_clean([0], timeout=5, interval=0.05, policy="own", service_user=me, kill_grace=2)
         assert res["clean"], res["message"]
         assert res["stopped"] == {holder.pid: "SIGTERM"} and holder.wait(timeout=5) == -15
 
 
 def test_policy_own_escalates_to_sigkill(sim):
-    with holding(sim, [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)"],
-                 gpu=0, mib=100) as holder:  # fmt: skip
+    with holding(
+        sim,
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)"],
+        gpu=0,
+        mib=100,
+    ) as holder:
         time.sleep(0.3)  # let it ignore SIGTERM first
-        res = sglang_gpu.wait_clean([0], timeout=5, interval=0.05, policy="own", service_user=getpass.getuser(), kill_grace=0.5)
+        res = gpu.wait_clean(
+            [0], timeout=5, interval=0.05, policy="own", service_user=getpass.getuser(), kill_grace=0.5
+        )
         assert res["clean"] and res["stopped"] == {holder.pid: "SIGKILL"}
 
 
 def test_force_stops_anyone(sim):
     with holding(sim, ["sleep", "30"], gpu=0, mib=100) as holder:
-        res = sglang_gpu.wait_clean([0], timeout=5, interval=0.05, policy="force", kill_grace=2)
+        res = gpu.wait_clean([0], timeout=5, interval=0.05, policy="force", kill_grace=2)
         assert res["clean"] and holder.pid in res["stopped"]
 
 
 def test_a_missing_gpu_is_named(sim):
-    res = sglang_gpu.wait_clean([0, 7], timeout=1, interval=0.05)
-    assert not res["clean"] and res["missing"] == [7] and "GPUs [7] are not on this host (it has [0, 1, 2, 3])" in res["message"]
-
-
-def run_module(env: dict, args: dict) -> tuple[int, dict]:
-    """library/gpu_state.py run as Ansible runs it (arguments as JSON), on this machine."""
-    argfile = Path(env["LAB_GPU_STATE"]).with_name("args.json")
-    argfile.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    shim = Path(env["LAB_GPU_STATE"]).with_name("ansible_shim")
-    shim.mkdir(exist_ok=True)
-    mu = shim / "ansible_module_utils_shim.py"
-    mu.write_text(
-        "import sys, importlib, types\n"
-        f"sys.path.insert(0, {str(REPO / 'module_utils')!r})\n"
-        "import ansible.module_utils, sglang_gpu\n"
-        "sys.modules['ansible.module_utils.sglang_gpu'] = sglang_gpu\n"
-        f"sys.argv = ['gpu_state', {str(argfile)!r}]\n"
-        f"exec(compile(open({str(REPO / 'library' / 'gpu_state.py')!r}).read(), 'gpu_state', 'exec'), {{'__name__': '__main__'}})\n"
+    res = gpu.wait_clean([0, 7], timeout=1, interval=0.05)
+    assert (
+        not res["clean"]
+        and res["missing"] == [7]
+        and "GPUs [7] are not on this host (it has [0, 1, 2, 3])" in res["message"]
     )
-    proc = subprocess.run([sys.executable, str(mu)], env=env, capture_output=True, text=True, timeout=60)
+
+
+def run_module(env: dict, args: dict, workdir: Path | None = None) -> tuple[int, dict]:
+    """library/gpu_state.py run as Ansible runs it (arguments as JSON, the package as ansible.module_utils.X).
+
+    Files go to workdir (default: beside LAB_GPU_STATE).
+    """
+    workdir = workdir or Path(env["LAB_GPU_STATE"]).parent
+    argfile = workdir / "args.json"
+    argfile.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
+    runner = workdir / "ansible_module_runner.py"
+    module = REPO / "library" / "gpu_state.py"
+    runner.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'module_utils')!r})\n"
+        "import ansible.module_utils, sglang_deploy, sglang_deploy.gpu\n"
+        "sys.modules['ansible.module_utils.sglang_deploy'] = sglang_deploy\n"
+        "sys.modules['ansible.module_utils.sglang_deploy.gpu'] = sglang_deploy.gpu\n"
+        f"sys.argv = ['gpu_state', {str(argfile)!r}]\n"
+        f"exec(compile(open({str(module)!r}).read(), 'gpu_state', 'exec'), {{'__name__': '__main__'}})\n"
+    )
+    proc = subprocess.run([sys.executable, str(runner)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip(), f"gpu_state printed no result (exit {proc.returncode}): {proc.stderr}"
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -175,3 +303,71 @@ def test_module_refuses_slow_polling(gpus):
     _, env = gpus
     rc, out = run_module(env, {"wait": True, "interval": 1.0})
     assert rc == 1 and "interval is 1.0: poll at least every 0.25 s" in out["msg"]
+
+
+# ---------------------------------------------------------------- procinfo
+
+
+def started(argv: list[str]) -> subprocess.Popen:
+    """A process whose exec has finished: /proc shows its own command line, not an empty one mid-exec."""
+    proc = subprocess.Popen(argv)
+    deadline = time.monotonic() + 10
+    while not procinfo.read_proc(proc.pid, "cmdline") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc
+
+
+def test_cmdline_is_the_argv_and_empty_once_the_process_is_gone():
+    argv = [sys.executable, "-c", "import time; time.sleep(30)", "two words", ""]
+    proc = started(argv)
+    try:
+        assert procinfo.cmdline(proc.pid) == argv
+    finally:
+        proc.kill()
+        proc.wait()
+    assert procinfo.cmdline(proc.pid) == []
+
+
+def test_describe_puts_the_command_on_one_line_cut_to_400_chars():
+    proc = started([sys.executable, "-c", "import time\ntime.sleep(30)", "x" * 1000])
+    try:
+        info = procinfo.describe(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert info["user"] == getpass.getuser() and info["alive"] is True
+    assert info["cmdline"] == f"{sys.executable} -c import time time.sleep(30) {'x' * 1000}"[:400]
+    assert len(info["cmdline"]) == 400
+
+
+def test_describe_of_a_gone_process_is_all_unknown():
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    assert procinfo.describe(proc.pid) == {"user": None, "unit": None, "cmdline": None, "alive": False}
+
+
+def test_a_zombie_is_not_alive():
+    proc = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while "Z" not in procinfo.read_proc(proc.pid, "stat").rsplit(")", 1)[-1][:3] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        assert os.path.exists(f"/proc/{proc.pid}"), "not reaped yet: still in /proc"
+        assert procinfo.alive(proc.pid) is False
+    finally:
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    "cgroup,unit",
+    [
+        ("0::/system.slice/sglang-main.service\n", "sglang-main.service"),
+        ("0::/user.slice/user-1000.slice/session-3.scope\n", "session-3.scope"),
+        ("12:pids:/system.slice/sglang-main.service/worker\n0::/\n", "sglang-main.service"),
+        ("0::/\n", None),
+        ("", None),
+    ],
+)
+def test_unit_of_reads_the_innermost_unit_from_the_cgroup(monkeypatch, cgroup, unit):
+    monkeypatch.setattr(procinfo, "read_proc", lambda pid, name: cgroup if name == "cgroup" else "")
+    assert procinfo.unit_of(1234) == unit

@@ -1,7 +1,8 @@
-"""library/sglang_patch.py: atomic, idempotent, recorded application of a patch series.
+"""sglang_deploy.patch (library/sglang_patch.py is its adapter): atomic, idempotent, recorded
+application of a patch series.
 
-Runs the module as Ansible runs it (a JSON args file) against a small installed
-distribution made here, with a RECORD like pip writes. The real series against
+Runs the series against a small installed distribution made here, with a RECORD like pip
+writes; the adapter itself runs as Ansible runs it (a JSON args file). The real series against
 the real SGLang 0.5.23 is exercised by molecule/stack.
 """
 
@@ -20,6 +21,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 MODULE = REPO / "library" / "sglang_patch.py"
+sys.path.insert(0, str(REPO / "module_utils"))
+from sglang_deploy.patch import PatchError, patch_series  # noqa: E402
 
 ORIGINAL = """class Worker:
     def __init__(self, cfg):
@@ -48,7 +51,11 @@ PATCH_2 = make_patch("Document build.", STEP_1, STEP_2)
 # Written against a tree that has moved on: its context is not in 1.2.3.
 _ELSEWHERE = ORIGINAL.replace("def build(self, cfg):", "def build(self, cfg, extra):")
 CONFLICT = make_patch("Context that is not there.", _ELSEWHERE, _ELSEWHERE.replace("return cfg", "return cfg, extra"))
-BREAKS_SYNTAX = make_patch("Leaves a syntax error.", ORIGINAL, ORIGINAL.replace("        return cfg\n", "        return (\n        return cfg\n"))
+BREAKS_SYNTAX = make_patch(
+    "Leaves a syntax error.",
+    ORIGINAL,
+    ORIGINAL.replace("        return cfg\n", "        return (\n        return cfg\n"),
+)
 
 
 def record_line(root: Path, rel: str) -> str:
@@ -66,20 +73,42 @@ def site(tmp_path: Path) -> Path:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pkg\nVersion: 1.2.3\n")
     (info / "RECORD").write_text(
-        "\n".join([record_line(root, "pkg/worker.py"), record_line(root, "pkg/__init__.py"), "pkg-1.2.3.dist-info/RECORD,,"])
+        "\n".join(
+            [record_line(root, "pkg/worker.py"), record_line(root, "pkg/__init__.py"), "pkg-1.2.3.dist-info/RECORD,,"]
+        )
         + "\n"
     )
     return root
 
 
 def run(tmp_path: Path, check_mode: bool = False, **args) -> dict:
+    """patch_series as the module calls it; a refusal as the module reports it (failed, msg)."""
+    args.setdefault("package", "pkg")
+    args.setdefault("version", "1.2.3")
+    try:
+        return patch_series(check_mode=check_mode, **args)
+    except PatchError as exc:
+        return {"failed": True, "msg": str(exc), "report": []}
+
+
+def run_module(tmp_path: Path, check_mode: bool = False, **args) -> dict:
+    """library/sglang_patch.py as Ansible runs it, module_utils/ as ansible.module_utils' (as Ansible ships it)."""
     args.setdefault("package", "pkg")
     args.setdefault("version", "1.2.3")
     if check_mode:
         args["_ansible_check_mode"] = True
     path = tmp_path / f"args-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    proc = subprocess.run([sys.executable, str(MODULE), str(path)], capture_output=True, text=True, check=False)
+    code = (
+        "import sys, runpy, ansible.module_utils as mu; mu.__path__.append(sys.argv[1]); "
+        "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "module_utils"), str(MODULE), str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return json.loads(proc.stdout)
 
 
@@ -93,7 +122,12 @@ def tree(root: Path) -> dict[str, bytes]:
 
 def test_applies_in_order_and_records_a_manifest(tmp_path, site):
     manifest = tmp_path / "state" / "patches.json"
-    res = run(tmp_path, site_packages=str(site), patches=series(("0001.patch", PATCH_1), ("0002.patch", PATCH_2)), manifest=str(manifest))
+    res = run(
+        tmp_path,
+        site_packages=str(site),
+        patches=series(("0001.patch", PATCH_1), ("0002.patch", PATCH_2)),
+        manifest=str(manifest),
+    )
     assert res.get("failed") is not True, res
     assert res["changed"] is True
     text = (site / "pkg" / "worker.py").read_text()
@@ -128,7 +162,8 @@ def test_a_failing_patch_changes_nothing_and_names_patch_file_and_hunk(tmp_path,
     )
     assert res["failed"] is True
     assert res["msg"] == (
-        "patch 0002-conflict.patch does not apply to pkg 1.2.3: pkg/worker.py: hunk #1 FAILED at line 5. Nothing was changed."
+        "patch 0002-conflict.patch does not apply to pkg 1.2.3: pkg/worker.py: hunk #1 FAILED at line 5. "
+        "Nothing was changed."
     )
     assert tree(site) == before
     assert not manifest.exists()
@@ -145,7 +180,13 @@ def test_a_series_that_breaks_syntax_changes_nothing(tmp_path, site):
 def test_check_mode_reports_a_change_but_writes_nothing(tmp_path, site):
     before = tree(site)
     manifest = tmp_path / "patches.json"
-    res = run(tmp_path, check_mode=True, site_packages=str(site), patches=series(("0001.patch", PATCH_1)), manifest=str(manifest))
+    res = run(
+        tmp_path,
+        check_mode=True,
+        site_packages=str(site),
+        patches=series(("0001.patch", PATCH_1)),
+        manifest=str(manifest),
+    )
     assert res["changed"] is True
     assert tree(site) == before
     assert not manifest.exists()
@@ -177,7 +218,10 @@ def test_an_applied_series_without_its_manifest_is_recognised(tmp_path, site):
     res = run(tmp_path, site_packages=str(site), patches=s, manifest=str(manifest))
     assert res.get("failed") is not True, res
     assert tree(site) == patched
-    assert json.loads(manifest.read_text())["files"]["pkg/worker.py"]["before"] == hashlib.sha256(ORIGINAL.encode()).hexdigest()
+    assert (
+        json.loads(manifest.read_text())["files"]["pkg/worker.py"]["before"]
+        == hashlib.sha256(ORIGINAL.encode()).hexdigest()
+    )
 
 
 def test_wrong_installed_version_is_refused(tmp_path, site):
@@ -220,3 +264,42 @@ def test_the_shipped_series_targets_only_files_of_the_pinned_wheel():
     for p in shipped:
         text = p.read_text()
         assert "+++ b/sglang/srt/speculative/eagle_worker_v2.py" in text
+
+
+def test_the_module_applies_the_series_once_and_reports_the_manifest(tmp_path, site):
+    manifest = tmp_path / "patches.json"
+    args = dict(site_packages=str(site), patches=series(("0001.patch", PATCH_1)), manifest=str(manifest))
+    res = run_module(tmp_path, **args)
+    assert res.get("failed") is not True, res
+    assert res["changed"] is True
+    assert res["manifest"] == json.loads(manifest.read_text())
+    again = run_module(tmp_path, **args)
+    assert again["changed"] is False
+
+
+def test_the_module_fails_with_the_reason_and_changes_nothing(tmp_path, site):
+    before = tree(site)
+    res = run_module(tmp_path, site_packages=str(site), patches=series(("0002-conflict.patch", CONFLICT)))
+    assert res["failed"] is True
+    assert res["msg"].startswith("patch 0002-conflict.patch does not apply to pkg 1.2.3: pkg/worker.py: hunk #1 FAILED")
+    assert tree(site) == before
+
+
+def test_the_module_in_check_mode_writes_nothing(tmp_path, site):
+    before = tree(site)
+    manifest = tmp_path / "patches.json"
+    res = run_module(
+        tmp_path,
+        check_mode=True,
+        site_packages=str(site),
+        patches=series(("0001.patch", PATCH_1)),
+        manifest=str(manifest),
+    )
+    assert res["changed"] is True
+    assert tree(site) == before and not manifest.exists()
+
+
+def test_the_module_refuses_an_item_without_name_or_content(tmp_path, site):
+    res = run_module(tmp_path, site_packages=str(site), patches=[{"name": "0001.patch"}])
+    assert res["failed"] is True
+    assert res["msg"] == "every item of patches needs a 'name' and a 'content'"

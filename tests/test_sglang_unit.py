@@ -1,18 +1,12 @@
-"""module_utils/sglang_unit: the cause of a failed start, found in a journal; metrics; and the
-profile argvs that let verify name the profile a server runs."""
+"""sglang_deploy.unit and .http: the cause of a failed start, found in a journal; metrics; and the
+instance record's profile argvs that let verify name the profile a server runs."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "module_utils"))
-sys.path.insert(0, str(REPO / "filter_plugins"))
-import sglang_config  # noqa: E402
-import sglang_unit  # noqa: E402
+from filter_plugins import sglang_config
+from sglang_deploy import http as sglang_http
+from sglang_deploy import unit as sglang_unit
 
 # What a crash on the first decode leaves in the journal (SGLang's scheduler log shape).
 DECODE_CRASH = """\
@@ -49,9 +43,9 @@ def test_other_causes(lines, cause):
 
 def test_metric_reads_a_series_with_labels():
     text = '# HELP x\nsglang:spec_accept_length{model_name="m"} 2.75\nsglang:gen_throughput 91.5\n'
-    assert sglang_unit.metric(text, "sglang:spec_accept_length") == 2.75
-    assert sglang_unit.metric(text, "sglang:gen_throughput") == 91.5
-    assert sglang_unit.metric(text, "sglang:nope") is None
+    assert sglang_http.metric(text, "sglang:spec_accept_length") == 2.75
+    assert sglang_http.metric(text, "sglang:gen_throughput") == 91.5
+    assert sglang_http.metric(text, "sglang:nope") is None
 
 
 def test_has_failed_counts_auto_restart():
@@ -67,8 +61,45 @@ def test_profile_argvs_tell_profiles_apart():
         "b": {"flags": {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 2}},
         "bad": {"flags": {"--oops": 1}},  # cannot render: left out
     }
-    argvs = sglang_config.sglang_profile_argvs({"name": "main", "port": 30000, "gpus": [0, 1]}, profiles, "/m",
-                                               prefix=["/opt/ml-env/bin/python", "-m", "sglang.launch_server"])  # fmt: skip
+    record = sglang_config.instance_record({"name": "main", "port": 30000, "gpus": [0, 1]}, 0, profiles, "a", "/m",
+                                           None, None, "0.0.0.0", "/opt/ml-env", "sglang.launch_server", "/etc/sglang",
+                                           "/l/sglang-launch")  # fmt: skip
+    argvs = record["profiles_argv"]
     assert set(argvs) == {"a", "b"} and argvs["a"] != argvs["b"]
-    assert argvs["a"][:3] == ["/opt/ml-env/bin/python", "-m", "sglang.launch_server"]
+    assert argvs["a"][:3] == ["/opt/ml-env/bin/python", "/l/sglang-launch", "sglang.launch_server"]
     assert argvs["a"][argvs["a"].index("--speculative-num-steps") + 1] == "3"
+    assert record["argv"] == argvs["a"] and record["unit"] == "sglang-main.service"
+    assert record["server_argv"] == record["argv"][3:], "validation sees SGLang's flags alone"
+
+
+def test_no_command_line_carries_an_api_key_and_one_that_does_is_masked():
+    from sglang_deploy.instance import masked
+
+    record = sglang_config.instance_record({"name": "main", "port": 30000, "gpus": [0]}, 0, {"a": {"flags": {}}}, "a",
+                                           "/m", None, None, "0.0.0.0", "/v", "sglang.launch_server", "/etc/sglang",
+                                           "/l/sglang-launch")  # fmt: skip
+    assert "--api-key" not in record["argv"], "the launcher adds it in-process, from the secrets file"
+    assert sglang_config.systemd_quote(["a$b"]) == '"a$$b"', "a $ is escaped: systemd expands nothing"
+    by_hand = [*record["argv"], "--api-key", "s3cr3t"]
+    assert "s3cr3t" not in masked(by_hand) and masked(by_hand)[-1] == "<secret>"
+    assert masked(["x", "--api-key=s3cr3t"]) == ["x", "--api-key=<secret>"]
+
+
+def test_a_secret_flag_in_a_profile_is_refused():
+    with pytest.raises(sglang_config.ConfigError, match="sglang_profiles.a.flags.api_key: a secret on a command line"):
+        sglang_config.server_config({"name": "m", "port": 1, "gpus": [0]}, {"a": {"flags": {"api_key": "k"}}}, "a", "/m")
+
+
+@pytest.mark.parametrize("name", ["../etc", "a/b", "Main", "known-good", "validated", "", "-x"])
+def test_an_instance_name_that_would_be_a_path_or_a_reserved_directory_is_refused(name):
+    """The name names the unit, its files, its lock and StateDirectory=sglang/<name>: never a path, never one of ours."""
+    with pytest.raises(sglang_config.ConfigError, match=r"sglang_instances\[0\]\.name"):
+        sglang_config.instance_record({"name": name, "port": 1, "gpus": [0]}, 0, {"a": {}}, "a", "/m", None, None,
+                                      "0.0.0.0", "/v", "m", "/etc/sglang", "/l")  # fmt: skip
+    from sglang_deploy.instance import NAME, Instance
+
+    if NAME.match(name):
+        return  # a reserved name is a valid word: the renderer refuses it, the modules need not
+    with pytest.raises((ValueError, TypeError)):
+        Instance.from_params({"name": name, "unit": "u", "unit_path": "/u", "env_path": "/e", "secrets_path": "/s",
+                              "pending_dir": "/p", "port": 1, "gpus": [0], "argv": [], "profile": "a"})  # fmt: skip

@@ -34,6 +34,7 @@ Knobs (environment, set through the instance's env):
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import signal
@@ -245,9 +246,22 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return json.loads(self.rfile.read(length) or b"{}")
 
+    def authorized(self, path: str) -> bool:
+        """SGLang 0.5.23's rule (srt/utils/auth.py): /health*, /ready*, /metrics* are open; the rest need the key."""
+        key = self.state.args.api_key
+        if not key or path.startswith(("/health", "/ready", "/metrics")):
+            return True
+        kind, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        if kind.lower() == "bearer" and hmac.compare_digest(token, key):
+            return True
+        self.reply(401, {"error": "Unauthorized"})
+        return False
+
     def do_GET(self) -> None:  # noqa: N802
         st = self.state
         path = self.path.split("?", 1)[0]
+        if not self.authorized(path):
+            return None
         if path in ("/health", "/ready"):
             return self.reply(200 if st.ready else 503)
         if not st.ready:
@@ -271,6 +285,8 @@ class Handler(BaseHTTPRequestHandler):
         if not st.ready:
             return self.reply(503)
         path = self.path.split("?", 1)[0]
+        if not self.authorized(path):
+            return None
         req = self.body()
         if path == "/generate":
             params = req.get("sampling_params") or {}
@@ -295,6 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)  # SGLang's parser: exits 2 with its message on a bad flag
     knobs = Knobs(dict(os.environ), args)
+    # As SGLang 0.5.23 does at start (entrypoints/engine.py: only watermark secrets are redacted, the API key is
+    # not), so that masking the journal in what the modules report is tested.
+    log("server_args=ServerArgs(" + ", ".join(f"{k}={v!r}" for k, v in sorted(vars(args).items())) + ")")
+    # As SGLang's launcher checks its port at start: the installed SGLang's own code (srt/utils/network.py), so an
+    # upgrade broken there dies here, while SGLang's parser (validation) never runs it.
+    from sglang.srt.utils.network import is_port_available
+
+    if not is_port_available(args.port):
+        log(f"port {args.port} is in use")
     log(f"LAB STAND-IN for sglang.launch_server {VERSION}: model {args.model_path}, tp {args.tp_size}, "
         f"GPUs {gpus()}, speculative {args.speculative_algorithm}, faults {sorted(knobs.faults) or 'none'}")  # fmt: skip
     CHILDREN.extend(start_schedulers(args, knobs))

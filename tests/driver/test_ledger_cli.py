@@ -62,7 +62,8 @@ def test_every_command_has_a_playbook_that_exists():
 
 def test_exit_codes_are_distinct_and_documented_in_help():
     codes = [exitcodes.OK, exitcodes.INVALID_CONFIG, exitcodes.GPUS_NOT_CLEAN, exitcodes.ROLLED_BACK,
-             exitcodes.NOT_RECOVERED, exitcodes.VERIFY_FAILED, exitcodes.UNREACHABLE, exitcodes.INTERRUPTED]  # fmt: skip
+             exitcodes.NOT_RECOVERED, exitcodes.VERIFY_FAILED, exitcodes.UNREACHABLE, exitcodes.LOCKED,
+             exitcodes.INTERRUPTED]  # fmt: skip
     assert len(set(codes)) == len(codes)
     out = subprocess.run([sys.executable, "-m", "driver", "--help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     for code in codes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -64,6 +65,33 @@ def lab_gpu_state(container: str, change: list[str], restore: list[str]):
         yield
     finally:
         podman_exec(container, "lab-gpu", *restore)
+
+
+ALL_GPUS = [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def main_with(**kw) -> str:
+    """-e for lab-node1's one instance `main` on all 8 GPUs, with kw (env, profile, ...)."""
+    return json.dumps({"sglang_instances": [{"name": "main", "port": 30000, "gpus": ALL_GPUS, **kw}]})
+
+
+def driver_runner(the_lab, ledger: Path, default_limit: str | None):
+    """run(*args) -> (exit code, the --json document, the process): python -m driver against the lab."""
+
+    def run(*args: str, limit: str | None = default_limit, inventory=None, json_out: bool = True, popen: bool = False):
+        cmd = [sys.executable, "-m", "driver", *args, "-i", str(inventory or the_lab.inventory)]
+        if limit:
+            cmd += ["--limit", limit]
+        if json_out:
+            cmd.append("--json")
+        env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger), "COLUMNS": "200"}
+        if popen:
+            return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
+        doc = json.loads(proc.stdout) if json_out and proc.stdout.strip().startswith("{") else None
+        return proc.returncode, doc, proc
+
+    return run
 
 
 @pytest.fixture(scope="session")

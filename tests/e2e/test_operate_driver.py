@@ -13,16 +13,11 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, ansible, lab_gpu_state, podman_exec
+from conftest import REPO, ansible, driver_runner, lab_gpu_state, main_with, podman_exec
 
 pytestmark = pytest.mark.lab
 
 NODE = "lab-node1"
-ALL = [0, 1, 2, 3, 4, 5, 6, 7]
-
-
-def main_with(**kw) -> str:
-    return json.dumps({"sglang_instances": [{"name": "main", "port": 30000, "gpus": ALL, **kw}]})
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +25,7 @@ def drive(deployed, tmp_path_factory):
     the_lab, hosts = deployed
     node = next(h["container"] for h in hosts if h["name"] == NODE)
     ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
-
-    def run(*args: str, limit: str | None = NODE, inventory=None, json_out: bool = True, popen: bool = False):
-        cmd = [sys.executable, "-m", "driver", *args, "-i", str(inventory or the_lab.inventory)]
-        if limit:
-            cmd += ["--limit", limit]
-        if json_out:
-            cmd.append("--json")
-        env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger), "COLUMNS": "200"}
-        if popen:
-            return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
-        doc = json.loads(proc.stdout) if json_out and proc.stdout.strip().startswith("{") else None
-        return proc.returncode, doc, proc
+    run = driver_runner(the_lab, ledger, NODE)
 
     def history(*args: str):
         env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger)}
@@ -54,7 +37,7 @@ def drive(deployed, tmp_path_factory):
     run.the_lab = the_lab
     yield run, node
     podman_exec(node, "systemctl", "stop", "sglang-main.service")
-    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/var/lib/sglang/restart-pending")
+    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/etc/sglang/pending")
     ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", NODE, "--tags", "sglang_service_configure",
             inventory=the_lab.inventory)  # fmt: skip
 
@@ -129,7 +112,8 @@ def test_ctrl_c_stops_and_says_where_hosts_were(drive):
     record = ""
     while time.monotonic() < deadline and "LAB_STANDIN_READY_S" not in record:
         time.sleep(1)
-        record = subprocess.run(["podman", "exec", node, "cat", "/var/lib/sglang/known-good/main/record.json"],
+        record = subprocess.run(["podman", "exec", node, "sh", "-c",
+                                 "cat $(ls -1 /var/lib/sglang/known-good/main/generations/*.json | tail -n 1)"],
                                 capture_output=True, text=True).stdout  # fmt: skip
     assert "LAB_STANDIN_READY_S" in record, "the interrupted restart did not finish on the host"
 

@@ -51,6 +51,18 @@ def restart(the_lab, *extra: str, select=("a",), **a_env):
                "-e", json.dumps({"sglang_service_instances_selected": list(select)}), *extra)  # fmt: skip
 
 
+def latest_record(node: str, name: str) -> tuple[str, dict]:
+    """The newest known-good generation of an instance: (its path, its record)."""
+    gens = f"/var/lib/sglang/known-good/{name}/generations"
+    newest = podman_exec(node, "sh", "-c", f"ls -1 {gens} | tail -n 1").strip()
+    assert newest.endswith(".json"), f"no known-good generation of {name}"
+    return f"{gens}/{newest}", json.loads(podman_exec(node, "cat", f"{gens}/{newest}"))
+
+
+def unit_state(node: str, name: str) -> str:
+    return podman_exec(node, "systemctl", "show", "-p", "ActiveState", "--value", f"sglang-{name}.service").strip()
+
+
 def main_pid(node: str, name: str) -> int:
     return int(podman_exec(node, "systemctl", "show", "-p", "MainPID", "--value", f"sglang-{name}.service"))
 
@@ -74,7 +86,8 @@ def serving(deployed):
     for name in ("a", "b"):
         podman_exec(node, "systemctl", "disable", "--now", f"sglang-{name}.service")
         podman_exec(node, "rm", "-rf", f"/etc/systemd/system/sglang-{name}.service", f"/etc/sglang/{name}.env",
-                    f"/var/lib/sglang/known-good/{name}")  # fmt: skip
+                    f"/etc/sglang/pending/sglang-{name}.service", f"/etc/sglang/pending/{name}.env",
+                    f"/etc/sglang/secrets/{name}.env", f"/var/lib/sglang/known-good/{name}")  # fmt: skip
     podman_exec(node, "systemctl", "daemon-reload")
 
 
@@ -100,13 +113,17 @@ def test_restart_phases_and_known_good_record(serving, bystander):
     rc, res, msg = restart(the_lab)
     assert rc == 0, msg
     a = res["a"]
-    assert [p["phase"] for p in a["phases"]] == ["preflight", "stop", "gpus", "start", "generate", "verify"]
+    assert [p["phase"] for p in a["phases"]] == ["lock", "preflight", "stop", "gpus", "promote", "start", "generate",
+                                                 "verify", "record"]  # fmt: skip
     assert all(p["ok"] for p in a["phases"])
     assert a["verify"]["accept_length"] > 1.5 and a["verify"]["running_profile"] == "eagle3_topk1"
-    record = json.loads(podman_exec(node, "cat", "/var/lib/sglang/known-good/a/record.json"))
+    path, record = latest_record(node, "a")
     assert record["profile"] == "eagle3_topk1" and record["config_hash"] == a["known_good"]["config_hash"]
+    assert record["generation"] == a["known_good"]["generation"]
     assert set(record["files"]) == {"/etc/systemd/system/sglang-a.service", "/etc/sglang/a.env"}
-    assert podman_exec(node, "stat", "-c", "%a", "/var/lib/sglang/known-good/a/record.json").strip() == "600"
+    assert record["software"]["venv"] == record["argv"][0].rsplit("/bin/python", 1)[0]
+    assert podman_exec(node, "stat", "-c", "%a", path).strip() == "600"
+    assert podman_exec(node, "systemctl", "is-enabled", "sglang-a.service").strip() == "enabled"
 
 
 @pytest.mark.parametrize(
@@ -117,7 +134,7 @@ def test_restart_phases_and_known_good_record(serving, bystander):
         # the seed's: loads, serves /health, dies on the first decode
         ("crash-first-decode", [], "generate", "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller'"),
         # never ready: the ready timeout, and the last log line says where it hangs
-        ("hang", ["-e", "sglang_service_ready_timeout=4"], "ready", "not ready after 4s"),
+        ("hang", ["-e", "sglang_service_ready_timeout=4"], "start", "not ready after 4s"),
         # speculation accepts nothing (an EAGLE/EAGLE3 mix-up): verify fails
         ("wrong-accept", [], "verify", "accept_length: average accept length 1.0"),
     ],
@@ -128,7 +145,7 @@ def test_fault_is_reported_with_its_cause_and_rolled_back(serving, bystander, fa
     assert rc != 0
     a = res["a"]
     assert a["failure"]["phase"] == phase and cause in a["failure"]["cause"], a["failure"]
-    if phase in ("start", "generate"):
+    if fault in ("crash-startup", "crash-first-decode"):
         assert any("Traceback (most recent call last)" in line for line in a["failure"]["traceback"])
     if fault == "hang":
         assert "Capture cuda graph begin" in a["failure"]["cause"]
@@ -140,9 +157,12 @@ def test_without_rollback_the_failed_unit_is_stopped_and_explained(serving, byst
     the_lab, node = serving
     rc, res, msg = restart(the_lab, "-e", "sglang_service_rollback=false", lab_standin_fault="crash-startup")
     assert rc != 0
-    assert res["a"]["outcome"] == "not_recovered" and res["a"]["rollback"] == {"attempted": False, "why": "rollback is off"}
-    assert "Not rolled back: rollback is off; sglang-a.service is stopped." in msg
-    assert podman_exec(node, "systemctl", "show", "-p", "ActiveState", "--value", "sglang-a.service").strip() != "active"
+    why = "rollback is off (sglang_service_rollback)"
+    assert res["a"]["outcome"] == "not_recovered" and res["a"]["rollback"] == {"attempted": False, "why": why}
+    assert f"Not rolled back: {why}; sglang-a.service is stopped" in msg
+    assert unit_state(node, "a") in ("inactive", "failed"), "stopped, never activating (a crash loop)"
+    assert "LAB_STANDIN_FAULT" not in podman_exec(node, "cat", "/etc/sglang/a.env"), "the known-good files are back on disk"
+    assert "LAB_STANDIN_FAULT" in podman_exec(node, "cat", "/var/lib/sglang/known-good/a/failed/a.env"), "the failed one kept"
     rc, res, msg = restart(the_lab)  # and the good configuration serves again
     assert rc == 0, msg
 

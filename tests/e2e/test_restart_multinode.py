@@ -45,7 +45,7 @@ def nodes(deployed):
     yield the_lab, {h["name"]: h["container"] for h in hosts}
     for h in hosts:
         podman_exec(h["container"], "sh", "-c", "systemctl disable --now sglang-mn.service; rm -rf /etc/systemd/system/sglang-mn.service "
-                    "/etc/sglang/mn.env /var/lib/sglang/known-good/mn /var/lib/sglang/restart-pending; systemctl daemon-reload")  # fmt: skip
+                    "/etc/sglang/mn.env /var/lib/sglang/known-good/mn /etc/sglang/pending/*mn*; systemctl daemon-reload")  # fmt: skip
 
 
 def restart(the_lab, inv):
@@ -69,7 +69,8 @@ def test_every_rank_stops_before_any_starts_and_both_are_recorded(nodes, tmp_pat
     for host, container in containers.items():
         argv = podman_exec(container, "sh", "-c", "tr '\\0' ' ' < /proc/$(systemctl show -p MainPID --value sglang-mn.service)/cmdline")
         assert f"--node-rank {0 if host == 'lab-node1' else 1}" in argv and "--nnodes 2" in argv
-        assert json.loads(podman_exec(container, "cat", "/var/lib/sglang/known-good/mn/record.json"))["profile"] == "eagle3_topk1"
+        newest = "cat $(ls -1 /var/lib/sglang/known-good/mn/generations/*.json | tail -n 1)"
+        assert json.loads(podman_exec(container, "sh", "-c", newest))["profile"] == "eagle3_topk1"
 
 
 def test_a_failing_rank_is_reported_and_not_rolled_back_across_nodes(nodes, tmp_path):

@@ -1,5 +1,5 @@
-"""The sglang_service role on lab nodes: units rendered, verified, enabled, hardened; a changed
-flag changes exactly its files and schedules the safe restart instead of restarting."""
+"""The sglang_service role on lab nodes: units rendered, verified, hardened, not enabled before a restart
+verified them; a changed flag changes exactly its files and never restarts."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ def node1(deployed):
     return the_lab, hosts[0]["container"]
 
 
-def test_unit_is_enabled_verified_and_not_started(node1):
+def test_unit_is_written_verified_not_enabled_and_not_started(node1):
     _, node = node1
-    assert podman_exec(node, "systemctl", "is-enabled", "sglang-main.service").strip() == "enabled"
+    enabled = subprocess.run(["podman", "exec", node, "systemctl", "is-enabled", "sglang-main.service"], capture_output=True, text=True)
+    assert enabled.stdout.strip() == "disabled", "never verified: a boot must not start it (a verified restart enables it)"
     state = subprocess.run(["podman", "exec", node, "systemctl", "is-active", "sglang-main.service"], capture_output=True, text=True)
     assert state.stdout.strip() == "inactive", "deploy must not start servers: the safe restart does"
     podman_exec(node, "systemd-analyze", "verify", "/etc/systemd/system/sglang-main.service")
@@ -38,18 +39,15 @@ def test_security_exposure_is_at_most_4(node1):
     assert exposure <= 4.0, out
 
 
-def test_a_changed_flag_changes_exactly_its_files_and_schedules_a_safe_restart(node1):
+def test_a_changed_flag_changes_exactly_its_files_and_never_restarts(node1):
+    """Never verified, so nothing to protect: written as the unit's (a verified one is staged: test_restart.py)."""
     the_lab, node = node1
-    podman_exec(node, "rm", "-f", "/var/lib/sglang/restart-pending")
     before = podman_exec(node, "systemctl", "show", "-p", "InactiveEnterTimestamp", "sglang-main.service")
     extra = ["--limit", "lab-node1", "-e", '{"sglang_server_flags": {"trust_remote_code": true, "mem_fraction_static": 0.85, "enable_metrics": true}}']
     proc = ansible("ansible-playbook", "playbooks/deploy.yml", *extra, inventory=the_lab.inventory)
-    assert changed_tasks(proc.stdout) == [
-        "sglang_service : Write each instance's unit",
-        "sglang_service : Schedule a safe restart",
-    ], proc.stdout[-4000:]
+    assert changed_tasks(proc.stdout) == ["sglang_service : Stage each instance's configuration"], proc.stdout[-4000:]
     assert "--mem-fraction-static 0.85" in podman_exec(node, "cat", "/etc/systemd/system/sglang-main.service")
-    assert podman_exec(node, "cat", "/var/lib/sglang/restart-pending").split() == ["main"]
+    assert podman_exec(node, "sh", "-c", "ls /etc/sglang/pending 2>/dev/null | wc -l").strip() == "0"
     after = podman_exec(node, "systemctl", "show", "-p", "InactiveEnterTimestamp", "sglang-main.service")
     assert before == after, "the unit must not have been restarted"
     # And back: the group_vars' value again.

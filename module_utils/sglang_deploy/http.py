@@ -1,0 +1,112 @@
+"""The server's HTTP API: health, a generation, server_info, metrics; authenticated when it has an API key.
+
+Every error a server can cause here (refused or dropped connection, a truncated body,
+malformed JSON, an unexpected shape) is raised as HttpError, so callers handle one kind.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+
+
+class HttpError(RuntimeError):
+    pass
+
+
+# The server is on this host: never through an http_proxy from the environment.
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def request(url: str, body: dict | None = None, timeout: float = 30.0, api_key: str | None = None) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with OPENER.open(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, exc.read()
+        except (OSError, http.client.HTTPException):
+            return exc.code, b""
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+        # URLError/OSError: refused, reset, timed out; HTTPException: IncompleteRead, BadStatusLine, a dropped
+        # connection mid-response; ValueError: a malformed URL.
+        raise HttpError(f"{url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}") from exc
+
+
+def json_of(url: str, data: bytes) -> dict:
+    try:
+        out = json.loads(data)
+    except ValueError as exc:
+        raise HttpError(f"{url}: not JSON ({exc}): {data[:200].decode(errors='replace')!r}") from exc
+    if not isinstance(out, dict):
+        raise HttpError(f"{url}: expected a JSON object, got {type(out).__name__}")
+    return out
+
+
+def get_json(url: str, timeout: float = 30.0, api_key: str | None = None) -> dict:
+    code, data = request(url, timeout=timeout, api_key=api_key)
+    if code != 200:
+        raise HttpError(f"{url}: HTTP {code}")
+    return json_of(url, data)
+
+
+def generate(base: str, prompt: str, max_new_tokens: int, timeout: float = 120.0, api_key: str | None = None) -> dict:
+    """One /generate request; {text, completion_tokens, seconds, accept_length}."""
+    t0 = time.monotonic()
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    code, data = request(f"{base}/generate", body, timeout=timeout, api_key=api_key)
+    seconds = time.monotonic() - t0
+    if code != 200:
+        raise HttpError(f"{base}/generate: HTTP {code}: {data[:300].decode(errors='replace')}")
+    out = json_of(f"{base}/generate", data)
+    meta = out.get("meta_info") if isinstance(out.get("meta_info"), dict) else {}
+    text = out.get("text") or ""
+    try:
+        tokens = int(meta.get("completion_tokens") or 0)
+    except (TypeError, ValueError):
+        tokens = 0
+    if not isinstance(text, str) or not text or not tokens:
+        raise HttpError(f"{base}/generate answered without generating: {data[:300].decode(errors='replace')}")
+    return {"text": text, "completion_tokens": tokens, "seconds": seconds, "accept_length": meta.get("spec_accept_length")}
+
+
+def healthy(base: str, timeout: float = 2.0, api_key: str | None = None) -> bool:
+    try:
+        return request(f"{base}/health", timeout=timeout, api_key=api_key)[0] == 200
+    except HttpError:
+        return False
+
+
+def metric(text: str, name: str) -> float | None:
+    """The first sample of a Prometheus series (any labels)."""
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)", text, re.M)
+    try:
+        return float(m.group(1)) if m else None
+    except ValueError:
+        return None
+
+
+def server_accept_length(base: str, info: dict, api_key: str | None = None) -> float | None:
+    """The server's average accept length: /server_info's internal state, else /metrics."""
+    states = info.get("internal_states") or [{}]
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        value = states[0].get("avg_spec_accept_length")
+        if value is not None:
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                return None
+    try:
+        code, data = request(f"{base}/metrics", timeout=10, api_key=api_key)
+        return metric(data.decode(errors="replace"), "sglang:spec_accept_length") if code == 200 else None
+    except HttpError:
+        return None

@@ -1,0 +1,120 @@
+"""One instance's rendered record: its unit, paths, argv, GPUs and port, as the role renders it once.
+
+The filter plugin (filter_plugins/sglang_config.py, ``sglang_instance``) builds the record on
+the controller; the unit template, validation and the modules read it. Nothing here
+rebuilds a unit name or a path from strings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from .procinfo import API_KEY_VAR, masked  # noqa: F401 - one definition, shared with the gate's package
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+@dataclass
+class Instance:
+    name: str
+    unit: str
+    unit_path: str
+    env_path: str
+    secrets_path: str
+    pending_dir: str
+    port: int
+    gpus: list[int]
+    argv: list[str]
+    profile: str
+    service_user: str = "sglang"
+    profiles_argv: dict[str, list[str]] = field(default_factory=dict)
+    nnodes: int = 1
+    node_rank: int = 0
+    state_dir: str = "/var/lib/sglang"
+
+    dist_init_addr: str | None = None
+
+    @classmethod
+    def from_params(cls, p: dict) -> Instance:
+        names = cls.__dataclass_fields__
+        inst = cls(**{k: v for k, v in p.items() if k in names and v is not None})
+        if not NAME.match(inst.name):  # it names files and a lock: never a path
+            raise ValueError(f"instance name {inst.name!r}: lowercase letters, digits, '-' and '_' only")
+        return inst
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def serves_http(self) -> bool:
+        """Only rank 0 of an instance spanning nodes has an HTTP server."""
+        return self.node_rank == 0
+
+    @property
+    def config_files(self) -> list[str]:
+        """The versioned configuration: rolled back, recorded. Secrets are not among them."""
+        return [self.unit_path, self.env_path]
+
+    def pending_path(self, live: str) -> str:
+        return os.path.join(self.pending_dir, os.path.basename(live))
+
+    @property
+    def pending_files(self) -> dict[str, str]:
+        """{live path: its pending path} for the files a deploy staged."""
+        return {live: self.pending_path(live) for live in self.config_files if os.path.exists(self.pending_path(live))}
+
+    @property
+    def kg_dir(self) -> str:
+        return os.path.join(self.state_dir, "known-good", self.name)
+
+    @property
+    def venv(self) -> str | None:
+        """The virtualenv the unit runs: argv[0] is <venv>/bin/python."""
+        if not self.argv or not self.argv[0].endswith("/bin/python"):
+            return None
+        return os.path.dirname(os.path.dirname(self.argv[0]))
+
+    def api_key(self) -> str | None:
+        """The instance's API key: the secrets file's current one (the launcher passes the same to SGLang)."""
+        return read_env_file(self.secrets_path).get(API_KEY_VAR) or None
+
+    def secret_values(self) -> list[str]:
+        """Every value of the secrets file: a module never reports them (Ansible's no_log_values)."""
+        return [v for v in read_env_file(self.secrets_path).values() if v]
+
+    def profile_of(self, running: list[str]) -> str | None:
+        """The profile a running command line is: the configured one, another known one, or None."""
+        if not running:
+            return None
+        if masked(running) == masked(self.argv):
+            return self.profile
+        return next((name for name, a in self.profiles_argv.items() if masked(a) == masked(running)), None)
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """NAME="value" lines as the role writes them (env_file_line): quotes, \\\\, \\" and \\$ undone."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        name, value = line.split("=", 1)
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            value = value[1:-1]
+            chars, i = [], 0
+            while i < len(value):
+                if value[i] == "\\" and i + 1 < len(value):
+                    i += 1
+                chars.append(value[i])
+                i += 1
+            value = "".join(chars)
+        out[name.strip()] = value
+    return out

@@ -1,0 +1,166 @@
+"""Known-good generations: what a safe restart started and verified, with the software it ran.
+
+Each generation is one JSON file under <state_dir>/known-good/<instance>/generations/,
+root-only (0700 directory, 0600 files): the unit and configuration files as they were at
+start (never the secrets file), their hashes, the argv as started (secrets masked), and
+the software: the virtualenv the unit runs and its generation.json (SGLang version, lock
+hash, patch series hash) and the patch manifest's hash. The newest is the known-good one;
+older ones are kept up to `keep`. Because the unit names its virtualenv, putting a
+generation's files back also puts its software back, as long as that virtualenv is kept
+(the sglang role never prunes one a record names).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+from .instance import Instance, masked
+
+FAILED_DIR = "failed"
+REQUIRED = {"argv", "files", "profile", "config_hash"}  # what a rollback needs of a generation
+
+
+def content_hash(files: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(path.encode() + b"\0" + files[path].encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def argv_hash(argv: list[str]) -> str:
+    return hashlib.sha256("\0".join(masked(argv)).encode()).hexdigest()[:16]
+
+
+def file_sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def read_files(paths: list[str]) -> dict[str, str]:
+    files = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            files[path] = fh.read()
+    return files
+
+
+def write_atomic(path: str, content: str, mode: int) -> None:
+    """Write to a temporary file beside it, then rename: a reader sees the old or the new file, never half."""
+    tmp = f"{path}.sglang-deploy.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(content)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def software_of(venv: str | None) -> dict:
+    """The software a unit runs: its virtualenv's generation.json and patch manifest hash."""
+    if not venv:
+        return {}
+    meta = os.path.join(venv, "sglang-deploy")
+    out: dict = {"venv": venv}
+    try:
+        with open(os.path.join(meta, "generation.json"), encoding="utf-8") as fh:
+            out.update(json.load(fh))
+    except (OSError, ValueError):
+        out["generation"] = None
+    out["patch_manifest_sha256"] = file_sha256(os.path.join(meta, "patches.json"))
+    return out
+
+
+class Store:
+    """The known-good generations of one instance."""
+
+    def __init__(self, inst: Instance, keep: int = 5):
+        self.inst = inst
+        self.keep = max(1, keep)
+        self.dir = os.path.join(inst.kg_dir, "generations")
+
+    def snapshot(self) -> dict:
+        """The live configuration now: files, their hash."""
+        files = read_files(self.inst.config_files)
+        return {"files": files, "config_hash": content_hash(files)}
+
+    def records(self) -> list[str]:
+        try:
+            names = sorted(n for n in os.listdir(self.dir) if n.endswith(".json"))
+        except FileNotFoundError:
+            names = []
+        return [os.path.join(self.dir, n) for n in names]
+
+    def latest(self) -> dict | None:
+        for path in reversed(self.records()):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    record = json.load(fh)
+                if not isinstance(record, dict) or not REQUIRED <= set(record):
+                    continue
+                record["path"] = path
+                return record
+            except (OSError, ValueError):
+                continue  # a damaged record is skipped, never fatal
+        return None
+
+    def record(self, started: dict, argv: list[str], verify: dict) -> dict:
+        """Record what started as a new generation; returns its summary."""
+        inst = self.inst
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        os.chmod(inst.kg_dir, 0o700)
+        now = time.time()
+        record = {
+            "instance": inst.name, "unit": inst.unit, "profile": inst.profile, "argv": masked(argv),
+            "files": started["files"], "config_hash": started["config_hash"], "argv_hash": argv_hash(argv),
+            "software": software_of(inst.venv),
+            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "tokens_per_s": verify.get("tokens_per_s"), "accept_length": verify.get("accept_length"),
+            "checks": [{k: c.get(k) for k in ("name", "ok", "severity")} for c in verify.get("checks") or []],
+        }  # fmt: skip
+        # Ordered by a sequence number, not the clock: a clock stepped back must not make an older generation newest.
+        generation = f"{self.next_sequence():06d}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}-{record['config_hash']}"
+        record["generation"] = generation
+        write_atomic(os.path.join(self.dir, generation + ".json"), json.dumps(record, indent=1, sort_keys=True), 0o600)
+        self.prune()
+        legacy = os.path.join(inst.kg_dir, "record.json")  # the one record before generations held secrets inline
+        if os.path.exists(legacy):
+            os.unlink(legacy)
+        return summary(record)
+
+    def next_sequence(self) -> int:
+        numbers = [int(n.split("-", 1)[0]) for n in map(os.path.basename, self.records()) if n.split("-", 1)[0].isdigit()]
+        return max(numbers, default=0) + 1
+
+    def prune(self) -> list[str]:
+        removed = []
+        for path in self.records()[: -self.keep]:
+            os.unlink(path)
+            removed.append(path)
+        return removed
+
+    def restore(self, record: dict) -> dict:
+        """Put a generation's files back (the files now live are kept under failed/)."""
+        failed = os.path.join(self.inst.kg_dir, FAILED_DIR)
+        os.makedirs(failed, mode=0o700, exist_ok=True)
+        for path, content in record["files"].items():
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as fh:
+                    write_atomic(os.path.join(failed, os.path.basename(path)), fh.read(), 0o600)
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            write_atomic(path, content, 0o600 if path.endswith(".env") else 0o644)
+        return {"generation": record.get("generation"), "failed_kept_in": failed}
+
+
+def summary(record: dict) -> dict:
+    sw = record.get("software") or {}
+    return {"generation": record.get("generation"), "config_hash": record.get("config_hash"),
+            "profile": record.get("profile"), "recorded_at": record.get("recorded_at"),
+            "software": {k: sw.get(k) for k in ("generation", "sglang_version", "lock_sha256", "patch_series_sha256",
+                                                 "patch_manifest_sha256", "venv")}}  # fmt: skip

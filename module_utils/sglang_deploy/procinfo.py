@@ -1,0 +1,113 @@
+"""A process's command line, user and systemd unit, read from /proc.
+
+One helper for every place that names a process: the GPU wait and the unit's gate
+(who holds a GPU), verify and status (whose processes are on the instance's GPUs).
+Every reader answers "not known" (empty, None, False) instead of raising: a process
+can exit between nvidia-smi listing it and /proc being read, and a unit with
+``ProtectProc=invisible`` (the gate runs in one) cannot see other users' processes.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+
+CMDLINE_CHARS = 400  # enough to tell a server from a stray script, short enough for one journal line
+
+
+def read_proc(pid: int, name: str) -> str:
+    """/proc/<pid>/<name> as text, "" when the process is gone or hidden."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as fh:
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# SGLang flags whose value is a secret. The launcher (launch.py) passes the API key from the
+# environment, so no command line should hold one; any that does (a server started by hand)
+# is masked wherever a command line is compared, recorded or reported.
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+API_KEY_VAR = "SGLANG_API_KEY"
+MASK = "<secret>"
+
+
+def masked(argv: list[str]) -> list[str]:
+    """argv with the value of every secret-bearing flag replaced."""
+    out = []
+    hide = False
+    for arg in argv:
+        if hide:
+            out.append(MASK)
+            hide = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in SECRET_FLAGS:
+            out.append(f"{flag}={MASK}" if eq else flag)
+            hide = not eq
+        else:
+            out.append(arg)
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    """The process's argv as a list; [] when it is gone, hidden or a kernel thread."""
+    raw = read_proc(pid, "cmdline")
+    if not raw:
+        return []
+    args = raw.split("\0")
+    # The kernel ends every argument with NUL: the last split is the empty tail.
+    return args[:-1] if args[-1] == "" else args
+
+
+def user_of(pid: int) -> str | None:
+    """The name of the process's owner (its uid where no name maps to it), None when not visible."""
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def unit_of(pid: int) -> str | None:
+    """The systemd unit (service or scope) whose cgroup holds pid; None outside any unit or when not visible."""
+    for line in read_proc(pid, "cgroup").splitlines():
+        path = line.split(":", 2)[-1]
+        for part in reversed(path.split("/")):
+            if part.endswith((".service", ".scope")):
+                return part
+    return None
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie holds no GPU memory).
+
+    Where /proc hides the process (ProtectProc=invisible) signal 0 still tells
+    whether it exists: EPERM means it does.
+    """
+    stat = read_proc(pid, "stat")
+    if stat:
+        parts = stat.rsplit(")", 1)
+        return len(parts) == 2 and parts[1].split()[:1] != ["Z"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def describe(pid: int) -> dict:
+    """{user, unit, cmdline, alive} of a process, None where it cannot be seen.
+
+    cmdline is joined on one line (whitespace runs, newlines of `python -c` scripts
+    included, become one space) and cut to CMDLINE_CHARS, for messages and journals.
+    """
+    joined = " ".join(" ".join(masked(cmdline(pid))).split())[:CMDLINE_CHARS]
+    return {"user": user_of(pid), "unit": unit_of(pid), "cmdline": joined or None, "alive": alive(pid)}

@@ -1,0 +1,722 @@
+"""The safe restart, the rollback, verify and status of one instance: a state machine.
+
+The phases and what a failure in each leads to are data (RESTART, ROLLBACK, MULTINODE).
+Each phase is one method of Machine; every exception raised in it (a refused systemctl, a
+timeout, a dropped HTTP connection, malformed JSON, an OSError, SIGTERM of the module, a
+bug) becomes a failure of that phase. Then, by the phase's rule:
+
+    REFUSE    nothing running was touched: report the refusal (lock held, GPUs not clean)
+    RECOVER   put the last known-good generation back, start and verify it; when that is
+              impossible or fails too, contain: the unit stopped, never crash-looping,
+              and the files on disk the known-good ones (or, with none, the unit disabled)
+    WARN      the server runs and verified; report what could not be done (recording)
+
+So a restart ends in exactly one of: restarted (and verified), rolled back (and serving),
+not recovered (stopped, with the cause); or a refusal that touched nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import gpu, outcomes, procinfo, unit
+from .checks import Thresholds
+from .checks import verify as run_checks
+from .gpu import format_offender, may_stop
+from .http import HttpError, generate, healthy
+from .instance import Instance, masked
+from .known_good import Store, content_hash, write_atomic
+from .lock import InstanceLock, Locked, peek
+from .stage import promote, read_text, stage_complete
+
+REFUSE, RECOVER, WARN = "refuse", "recover", "warn"
+
+
+class Failure(Exception):
+    def __init__(self, phase: str, cause: str, **details):
+        super().__init__(cause)
+        self.phase, self.cause, self.details = phase, cause, details
+
+    def as_dict(self) -> dict:
+        return {"phase": self.phase, "cause": self.cause, **self.details}
+
+
+class Terminated(Exception):
+    """The module got SIGTERM: the phase in progress fails, and the machine ends in a defined state."""
+
+
+@dataclass(frozen=True)
+class Step:
+    phase: str
+    run: Callable[[Machine], dict | None]
+    on_fail: str = RECOVER
+    refusal: str = ""  # the outcome of a REFUSE step's failure
+
+
+@dataclass
+class Settings:
+    ready_timeout: float = 900.0
+    gpu_timeout: float = 120.0
+    gpu_interval: float = 0.1
+    max_used_mib: int = 1024
+    stop_policy: str = "own"
+    rollback: bool = True
+    patch_manifest: str | None = None
+    known_good_keep: int = 5
+    controller: str = ""
+    command: str = ""
+    phase: str = "all"
+    expected_config_hash: str | None = None
+    check_mode: bool = False
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+
+@dataclass
+class Ports:
+    """The machine's side effects; the unit tests replace them with fakes."""
+
+    systemctl: Callable = unit.systemctl
+    show: Callable = unit.show
+    journal: Callable = unit.journal
+    snapshot: Callable = gpu.snapshot
+    wait_clean: Callable = gpu.wait_clean
+    cmdline: Callable = procinfo.cmdline
+    clock: Callable = time.monotonic
+    wall: Callable = time.time  # the epoch time each phase began: comparable across hosts and with the controller
+    sleep: Callable = time.sleep
+    lock_dir: str = "/run/sglang-deploy/locks"
+
+
+def sigterm(signum, frame):
+    raise Terminated("the module was sent SIGTERM (the controller gave up or was stopped)")
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM fails the phase in progress (then the defined ending); SIGHUP (a dropped SSH session) is ignored."""
+    signal.signal(signal.SIGTERM, sigterm)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+class Machine:
+    def __init__(self, inst: Instance, settings: Settings, ports: Ports | None = None):
+        self.inst, self.s, self.ports = inst, settings, ports or Ports()
+        self.store = Store(inst, settings.known_good_keep)
+        self.lock: InstanceLock | None = None
+        self.started: dict | None = None  # the live configuration as it was started
+        self.argv: list[str] = []  # the main process's argv once ready
+        self.verified: dict | None = None
+        self.target: dict | None = None  # the known-good generation a rollback puts back
+
+    # ------------------------------------------------------------------ the phases
+
+    def take_lock(self) -> dict:
+        self.lock = InstanceLock(self.inst.name, self.operation, self.s.controller, self.s.command, self.ports.lock_dir)
+        try:
+            holder = self.lock.acquire()
+        except Locked as exc:
+            self.lock = None
+            raise Failure(outcomes.LOCK, str(exc), lock={"holder": exc.holder}, checked=True) from None
+        return {"holder": holder}
+
+    def preflight(self) -> dict:
+        """Refuse before touching anything: another configuration than this run's staged, or GPUs held by others."""
+        self.check_staged()
+        try:
+            snap = self.ports.snapshot()
+        except gpu.NvidiaSmiError as exc:
+            raise Failure(outcomes.PREFLIGHT, f"{exc}. Nothing was stopped.", checked=True) from None
+        i = self.inst
+        foreign = [p for p in snap["processes"] if p["gpu"] in i.gpus and p.get("unit") != i.unit
+                   and not may_stop(p, self.s.stop_policy, i.unit, i.service_user)]  # fmt: skip
+        if foreign:
+            raise Failure(outcomes.PREFLIGHT, "GPUs held by processes outside this service: " +
+                          "; ".join(format_offender(x) for x in foreign) +
+                          ". Nothing was stopped. Stop them, or rerun with stop policy 'force'.",
+                          offenders=foreign, checked=True)  # fmt: skip
+        return {"processes": len([x for x in snap["processes"] if x["gpu"] in i.gpus]), "pending": self.pending}
+
+    def check_staged(self) -> None:
+        """The configuration this run would start (pending, else the unit's) is complete and the one it staged."""
+        i = self.inst
+        try:
+            target = {live: read_text(i.pending_files.get(live, live)) for live in i.config_files}
+        except OSError as exc:
+            raise Failure(outcomes.PREFLIGHT, f"the configuration to start cannot be read ({exc}): run deploy again. "
+                          "Nothing was stopped.", kind=outcomes.REFUSED) from None  # fmt: skip
+        if i.pending_files and not stage_complete(i):
+            raise Failure(outcomes.PREFLIGHT, f"the pending configuration of {i.name} is incomplete (a deploy was "
+                          "interrupted?): run deploy again. Nothing was stopped.", kind=outcomes.REFUSED)  # fmt: skip
+        expected = self.s.expected_config_hash
+        if expected and content_hash(target) != expected:
+            raise Failure(outcomes.PREFLIGHT, f"the configuration staged for {i.name} is not the one this run rendered "
+                          f"(hash {content_hash(target)}, this run {expected}): another controller staged it. "
+                          "Nothing was stopped.", kind=outcomes.REFUSED)  # fmt: skip
+
+    def stop(self) -> dict:
+        out = self.ports.systemctl("stop", self.inst.unit)
+        if out.returncode != 0:
+            raise Failure(outcomes.STOP, f"systemctl stop {self.inst.unit} failed: {out.stderr.strip()}")
+        props = self.ports.show(self.inst.unit)
+        if props["MainPID"]:
+            raise Failure(outcomes.STOP, f"{self.inst.unit} still has main pid {props['MainPID']} after stop")
+        return {"state": unit.state(props)}
+
+    def wait_gpus(self) -> dict:
+        i, s = self.inst, self.s
+        res = self.ports.wait_clean(i.gpus, s.gpu_timeout, s.gpu_interval, s.max_used_mib, s.stop_policy, i.unit,
+                                    i.service_user)  # fmt: skip
+        if not res["clean"]:
+            raise Failure(outcomes.GPUS, res["message"], offenders=res.get("offenders"), busy=res.get("busy"))
+        return {"waited_s": round(res["waited_s"], 3), "polls": res["polls"], "stopped": res["stopped"]}
+
+    def promote(self) -> dict:
+        out = promote(self.inst, reload=lambda: self.systemctl_ok("daemon-reload"))
+        if not out["promoted"] and self.ports.show(self.inst.unit).get("NeedDaemonReload") == "yes":
+            self.systemctl_ok("daemon-reload")  # the unit's file changed on disk: start what it says
+            out["reloaded"] = True
+        return out
+
+    def restore(self) -> dict:
+        out = self.store.restore(self.target)
+        self.systemctl_ok("daemon-reload")
+        return out
+
+    def start(self) -> dict:
+        """systemctl start, then wait until ready; fail fast when the new invocation fails or exits."""
+        i, p = self.inst, self.ports
+        self.started = self.store.snapshot()
+        p.systemctl("reset-failed", i.unit)
+        before = p.show(i.unit).get("InvocationID")
+        self.systemctl_ok("start", "--no-block", i.unit)
+        t0 = p.clock()
+        running_since = None
+        while True:
+            props = p.show(i.unit)
+            # Until the start job runs, the unit is still the stopped one (same invocation).
+            if props.get("InvocationID") != before and unit.has_failed(props):
+                raise self.failure_from_journal(outcomes.START, props, f"{i.unit} exited while starting")
+            if props["ActiveState"] == "active" and not i.serves_http:
+                running_since = running_since or p.clock()  # a rank above 0: running, and still running 2 s on
+                if p.clock() - running_since >= 2.0:
+                    self.argv = p.cmdline(props["MainPID"])
+                    if self.s.phase == "start":
+                        self.save_started()  # the confirm phase (this node's next call) records it
+                    return {"main_pid": props["MainPID"], "running_after_s": round(p.clock() - t0, 3)}
+            elif props["ActiveState"] == "active" and healthy(i.base, api_key=i.api_key()):
+                self.argv = p.cmdline(props["MainPID"])
+                return {"main_pid": props["MainPID"], "ready_after_s": round(p.clock() - t0, 3)}
+            if p.clock() - t0 >= self.s.ready_timeout:
+                lines = p.journal(i.unit, props.get("InvocationID") or None)
+                raise Failure(outcomes.START, f"{i.unit} not ready after {self.s.ready_timeout:g}s (unit "
+                              f"{unit.state(props)}; /health never answered 200). "
+                              f"Last log line: {lines[-1] if lines else 'none'}",
+                              journal_tail=lines[-40:], traceback=unit.traceback_of(lines))  # fmt: skip
+            p.sleep(0.1)
+
+    def generation(self) -> dict:
+        i, t, p = self.inst, self.s.thresholds, self.ports
+        if not i.serves_http:
+            return {"skipped": "rank above 0: rank 0 serves"}
+        try:
+            out = generate(i.base, t.prompt, t.max_new_tokens, api_key=i.api_key())
+            return {k: v for k, v in out.items() if k != "text"}
+        except HttpError as exc:
+            # The seed's failure: the server loaded, then died on its first decode.
+            t0 = p.clock()
+            props = p.show(i.unit)
+            while p.clock() - t0 < 2.0 and not unit.has_failed(props):
+                p.sleep(0.05)
+                props = p.show(i.unit)
+            if unit.has_failed(props):
+                raise self.failure_from_journal(outcomes.GENERATE, props, f"the server died on its first generation ({exc})")
+            raise Failure(outcomes.GENERATE, f"generation failed: {exc}") from None
+
+    def verify(self) -> dict:
+        v = run_checks(self.inst, self.s.thresholds, self.ports, self.s.patch_manifest)
+        self.verified = v
+        if not v["ok"]:
+            raise Failure(outcomes.VERIFY, "verification failed: " + "; ".join(v["failed_checks"]), verify=v)
+        return {"checks": len(v["checks"]), "warnings": v["warnings"]}
+
+    def record(self) -> dict:
+        """What started and verified becomes a known-good generation, if it is still what runs."""
+        now = self.store.snapshot()
+        props = self.ports.show(self.inst.unit)
+        argv = self.ports.cmdline(props["MainPID"]) if props["MainPID"] else []
+        if self.started is None or now["config_hash"] != self.started["config_hash"] or masked(argv) != masked(self.argv):
+            put_back = ""
+            if self.started is not None and now["config_hash"] != self.started["config_hash"]:
+                # What is on disk is not what verified: a crash or a boot must start what did.
+                for path, content in self.started["files"].items():
+                    write_atomic(path, content, 0o600 if path.endswith(".env") else 0o644)
+                self.systemctl_ok("daemon-reload")
+                put_back = "; the files that started and verified were put back"
+            raise Failure(outcomes.RECORD, "the unit's configuration or command line changed during the restart "
+                          f"(another tool wrote it?): not recorded as known-good{put_back}")  # fmt: skip
+        summary = self.store.record(self.started, argv, self.verified or {})
+        try:
+            self.systemctl_ok("enable", self.inst.unit)  # verified: now it may start at boot
+            summary["enabled"] = True
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - recorded all the same: say so
+            summary.update(enabled=False, enable_error=as_failure(outcomes.RECORD, exc).cause)
+        return summary
+
+    def rank0_serving(self) -> dict:
+        """A rank above 0 confirms only once rank 0 serves the instance (it may have failed its start)."""
+        i = self.inst
+        host = (i.dist_init_addr or "").rsplit(":", 1)[0].strip("[]")
+        if not host:
+            raise Failure(outcomes.VERIFY, f"{i.name}: no dist_init_addr to reach rank 0 by")
+        if not healthy(f"http://{host}:{i.port}", timeout=10, api_key=i.api_key()):
+            raise Failure(outcomes.VERIFY, f"rank 0 of {i.name} ({host}:{i.port}) does not serve: this rank's start "
+                          "is not confirmed")  # fmt: skip
+        return {"rank0": f"{host}:{i.port}"}
+
+    def load_started(self) -> dict:
+        """The start phase's snapshot (written by this node's previous call), for the confirm phase's record."""
+        with open(self.started_path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        self.started, self.argv = saved["started"], saved["argv"]
+        return {"started_hash": self.started["config_hash"]}
+
+    def confirm(self) -> dict:
+        """A rank above 0, after every node's start phase: rank 0 serves, then this node's own checks."""
+        out = {**self.rank0_serving(), **self.load_started()}
+        return {**out, **self.verify()}
+
+    def save_started(self) -> None:
+        os.makedirs(os.path.dirname(self.started_path), mode=0o700, exist_ok=True)
+        write_atomic(self.started_path, json.dumps({"started": self.started, "argv": masked(self.argv)}), 0o600)
+
+    @property
+    def started_path(self) -> str:
+        return os.path.join(os.path.dirname(self.ports.lock_dir), "starts", f"{self.inst.name}.json")
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def operation(self) -> str:
+        return f"{self.action} {self.inst.name} (profile {self.inst.profile})"
+
+    action = "restart"
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.inst.pending_files)
+
+    def systemctl_ok(self, *args: str) -> None:
+        out = self.ports.systemctl(*args)
+        if out.returncode != 0:
+            raise unit.UnitError(f"systemctl {' '.join(args)} failed: {(out.stderr or '').strip()}")
+
+    def failure_from_journal(self, phase: str, props: dict, fallback: str) -> Failure:
+        p = self.ports
+        lines: list[str] = []
+        t0 = p.clock()
+        while p.clock() - t0 < 1.0:  # journald may lag the exit by a few ms
+            lines = p.journal(self.inst.unit, props.get("InvocationID") or None)
+            if lines:
+                break
+            p.sleep(0.05)
+        timing = {}
+        exited = props.get("ExecMainExitTimestampMonotonic") or 0
+        if exited:  # CLOCK_MONOTONIC in microseconds, the clock of time.monotonic()
+            timing = {"exit_to_detect_s": round(t0 - exited / 1e6, 3), "exit_to_report_s": round(p.clock() - exited / 1e6, 3)}
+        return Failure(phase, unit.cause_of(lines) or fallback, journal_tail=lines[-40:], traceback=unit.traceback_of(lines),
+                       unit_state=unit.state(props), exit=f"{props.get('ExecMainCode', '?')}/{props.get('ExecMainStatus', '?')}",
+                       **timing)  # fmt: skip
+
+    def run_steps(self, steps: tuple[Step, ...], log: list[dict], label: str = "") -> tuple[Step, Failure] | None:
+        """Run the steps in order; the first failure stops them and is returned with its step."""
+        for step in steps:
+            t0 = None
+            at = None
+            try:
+                at = round(self.ports.wall(), 3)
+                t0 = self.ports.clock()
+                detail = step.run(self) or {}
+                log.append({"phase": label + step.phase, "at": at, "seconds": round(self.ports.clock() - t0, 3),
+                            "ok": True, "detail": detail})  # fmt: skip
+            except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every exception ends in a defined state
+                failure = as_failure(step.phase, exc)
+                now = self.ports.clock()
+                log.append({"phase": label + step.phase, "at": at, "seconds": round(now - (t0 if t0 is not None else now), 3), "ok": False,
+                            "detail": failure.cause})  # fmt: skip
+                return step, failure
+        return None
+
+    def contain(self, res: dict) -> None:
+        """Stopped and not recovered: the unit stopped (no crash loop), the files on disk ones that may start at boot."""
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish containing: a second SIGTERM must not cut it short
+        except ValueError:  # not the main thread (tests): nothing to mask
+            previous = None
+        end: dict = {}
+        try:
+            end["stop"] = self.quietly(lambda: self.systemctl_ok("stop", self.inst.unit))
+            record = self.target or self.quietly_value(self.store.latest)
+            live = self.quietly_value(lambda: self.store.snapshot()["config_hash"])
+            if record and live != record.get("config_hash"):
+                self.target = record
+                failed = self.quietly(self.restore)
+                end["files"] = failed or f"known-good generation {record.get('generation')} put back, not started"
+                if failed:  # the failed files stay on disk: a boot must not start them
+                    end["disable"] = self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or "unit disabled"
+            elif not record:
+                end["files"] = self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or (
+                    "no known-good generation: the unit is disabled so that a boot does not start it")  # fmt: skip
+            props = self.quietly_value(lambda: self.ports.show(self.inst.unit)) or {}
+            end["unit_state"] = unit.state(props) if props else "unknown"
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        res["outcome"] = outcomes.NOT_RECOVERED
+        res["contained"] = end
+
+    @staticmethod
+    def quietly(fn: Callable[[], object]) -> str | None:
+        """Run a containment step; its failure is reported, never raised."""
+        try:
+            fn()
+            return None
+        except Exception as exc:  # noqa: BLE001
+            return f"failed: {type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def quietly_value(fn: Callable[[], object]):
+        try:
+            return fn()
+        except Terminated:
+            raise  # not "no value": the caller's defined ending handles it
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def as_failure(phase: str, exc: BaseException) -> Failure:
+    if isinstance(exc, Failure):
+        if exc.phase != phase:
+            exc.details.setdefault("raised_in", exc.phase)
+            exc.phase = phase
+        return exc
+    if isinstance(exc, (Terminated, KeyboardInterrupt)):
+        return Failure(phase, str(exc) or "interrupted (SIGINT)", interrupted=True)
+    kind = type(exc).__name__
+    known = (unit.UnitError, HttpError, gpu.NvidiaSmiError, OSError, TimeoutError, ValueError, LookupError)
+    if isinstance(exc, known) or kind == "TimeoutExpired":
+        return Failure(phase, f"{kind}: {exc}")
+    return Failure(phase, f"unexpected {kind}: {exc}", traceback=traceback.format_exc().splitlines()[-12:])
+
+
+# ---------------------------------------------------------------------- the machines as data
+
+LOCK = Step(outcomes.LOCK, Machine.take_lock, REFUSE, outcomes.LOCKED)
+PREFLIGHT = Step(outcomes.PREFLIGHT, Machine.preflight, REFUSE, outcomes.GPUS_NOT_CLEAN)
+STOP = Step(outcomes.STOP, Machine.stop)
+GPUS = Step(outcomes.GPUS, Machine.wait_gpus)
+PROMOTE = Step(outcomes.PROMOTE, Machine.promote)
+RESTORE = Step(outcomes.RESTORE, Machine.restore)
+START = Step(outcomes.START, Machine.start)
+GENERATE = Step(outcomes.GENERATE, Machine.generation)
+VERIFY = Step(outcomes.VERIFY, Machine.verify)
+RECORD = Step(outcomes.RECORD, Machine.record, WARN)
+CONFIRM = Step(outcomes.VERIFY, Machine.confirm)
+
+REFUSALS = (LOCK, PREFLIGHT)
+RESTART = (STOP, GPUS, PROMOTE, START, GENERATE, VERIFY)
+ROLLBACK = (RESTORE, STOP, GPUS, START, GENERATE, VERIFY)
+# One model over several nodes: one task per phase, each over every node (all ranks down before any starts).
+# No automatic rollback across nodes: a failure contains the instance on the failing node.
+MULTINODE = {
+    "stop": (STOP, GPUS),
+    "start": (PROMOTE, START, GENERATE, VERIFY),
+    "confirm": (CONFIRM,),
+}
+assert tuple(s.phase for s in (LOCK, PREFLIGHT, *RESTART, RECORD)) == outcomes.RESTART_PHASES
+assert tuple(s.phase for s in ROLLBACK) == outcomes.ROLLBACK_PHASES
+
+
+# ---------------------------------------------------------------------- actions
+
+
+def result(m: Machine) -> dict:
+    i = m.inst
+    return {"changed": False, "instance": i.name, "unit": i.unit, "profile": i.profile, "phases": []}
+
+
+def restart(m: Machine) -> dict:
+    res = result(m)
+    t0 = m.ports.clock()
+    try:
+        if refused(m, res, REFUSALS):
+            return res
+        if m.s.check_mode:
+            res.update(outcome=outcomes.WOULD_RESTART, pending=m.pending)
+            return res
+        res["changed"] = True
+        if m.s.phase != "all":
+            return multinode(m, res)
+        failed = m.run_steps(RESTART, res["phases"])
+        if failed is None:
+            finish_restarted(m, res)
+        else:
+            res["failure"] = failed[1].as_dict()
+            res["verify"] = failed[1].details.get("verify")
+            recover(m, res)
+        return res
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - between phases (SIGTERM, a bug): still a defined end
+        escaped(m, res, exc)
+        return res
+    finally:
+        end(m, res, t0)
+
+
+def end(m: Machine, res: dict, t0: float) -> None:
+    """Every restart and rollback ends here: SIGTERM ignored from now on, the lock released, one line said."""
+    ignore_sigterm()
+    res["downtime_s"] = round(m.ports.clock() - t0, 3)
+    if m.lock:
+        m.lock.release()
+    res["msg"] = message(m, res)
+
+
+def escaped(m: Machine, res: dict, exc: BaseException) -> None:
+    """An exception outside any phase: nothing touched yet is a refusal; every phase passed is a restart;
+    otherwise contain."""
+    ignore_sigterm()
+    failure = as_failure(res["phases"][-1]["phase"] if res["phases"] else outcomes.LOCK, exc)
+    if res.get("outcome") in (outcomes.RESTARTED, outcomes.ROLLED_BACK, outcomes.NOT_RECOVERED):
+        res.setdefault("note", f"after the outcome: {failure.cause}")
+        return
+    passed = {p["phase"] for p in res["phases"] if p["ok"]}
+    if res.get("changed") and {outcomes.START, outcomes.VERIFY} <= passed and m.action == "restart":
+        res.update(outcome=outcomes.RESTARTED, verify=m.verified, note=f"after verifying: {failure.cause}")
+        return
+    res.setdefault("failure", failure.as_dict())
+    if not res.get("changed"):
+        res.setdefault("outcome", outcomes.REFUSED)
+        return
+    m.contain(res)
+
+
+def ignore_sigterm() -> None:
+    """From the end of the last phase on, a SIGTERM must not cut the ending short."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread (tests)
+        pass
+
+
+def refused(m: Machine, res: dict, steps: tuple[Step, ...]) -> bool:
+    failed = m.run_steps(steps, res["phases"])
+    if failed is None:
+        return False
+    step, failure = failed
+    # The step's refusal when its own check said no; any other exception there touched nothing either.
+    outcome = failure.details.pop("kind", None) or (step.refusal if failure.details.pop("checked", False) else outcomes.REFUSED)
+    res.update(outcome=outcome, failure=failure.as_dict())
+    if "lock" in failure.details:
+        res["lock"] = failure.details["lock"]
+    return True
+
+
+def finish_restarted(m: Machine, res: dict) -> None:
+    res.update(outcome=outcomes.RESTARTED, verify=m.verified)
+    failed = m.run_steps((RECORD,), res["phases"])
+    if failed is None:
+        res["known_good"] = res["phases"][-1]["detail"]
+    else:
+        res["known_good"] = {"recorded": False, "why": failed[1].cause}
+
+
+def recover(m: Machine, res: dict) -> None:
+    """After a failure past the stop: the known-good generation back, started and verified; else contained."""
+    record = Machine.quietly_value(m.store.latest)
+    live = Machine.quietly_value(lambda: m.store.snapshot()["config_hash"])
+    started = any(p["phase"] == outcomes.START for p in res["phases"])  # before it, the files may be the known-good
+    why = ("rollback is off (sglang_service_rollback)" if not m.s.rollback else
+           "no known-good generation is recorded" if record is None else
+           "the failed configuration is the known-good one" if started and record.get("config_hash") == live else "")  # fmt: skip
+    if why:
+        res["rollback"] = {"attempted": False, "why": why}
+        m.contain(res)
+        return
+    m.target = record
+    rb = {"attempted": True, "to_generation": record.get("generation"), "to_profile": record.get("profile"),
+          "config_hash": record.get("config_hash"), "phases": []}  # fmt: skip
+    res["rollback"] = rb
+    m.inst.argv, m.inst.profile = record["argv"], record["profile"]
+    failed = m.run_steps(ROLLBACK, rb["phases"], outcomes.ROLLBACK_PREFIX)
+    if failed is None:
+        rb.update(outcome="serving", verify=m.verified)
+        res["outcome"] = outcomes.ROLLED_BACK
+    else:
+        rb.update(outcome="failed", failure=failed[1].as_dict())
+        m.contain(res)
+
+
+def multinode(m: Machine, res: dict) -> dict:
+    phase, i = m.s.phase, m.inst
+    steps = MULTINODE[phase]
+    if phase == "start" and not i.serves_http:
+        steps = (PROMOTE, START)  # verified in the confirm phase, once rank 0 serves
+    if phase == "confirm" and i.serves_http:
+        res.update(outcome=outcomes.RESTARTED, changed=False)  # rank 0 verified and recorded in its start phase
+        return res
+    failed = m.run_steps(steps, res["phases"])
+    if failed is not None:
+        res["failure"] = failed[1].as_dict()
+        res["rollback"] = {"attempted": False, "why": f"{i.name} spans {i.nnodes} nodes: no automatic rollback across nodes"}
+        m.contain(res)
+        return res
+    if phase == "stop":
+        res["outcome"] = outcomes.STOPPED
+    elif phase == "start" and not i.serves_http:
+        res["outcome"] = outcomes.STARTED
+    else:
+        finish_restarted(m, res)
+    return res
+
+
+def rollback(m: Machine) -> dict:
+    """The operator's rollback: the newest known-good generation back, restarted and verified."""
+    m.action = "rollback"
+    res = result(m)
+    t0 = m.ports.clock()
+    try:
+        if m.inst.nnodes > 1:
+            res.update(outcome=outcomes.REFUSED, failure={"phase": outcomes.RESTORE, "cause": (
+                f"{m.inst.name} spans {m.inst.nnodes} nodes: rolling its ranks back one node at a time would start them "
+                "out of step. Put the known-good settings back in group_vars and run restart (all its nodes at once).")})  # fmt: skip
+            return res
+        if refused(m, res, (LOCK,)):
+            return res
+        record = m.store.latest()
+        if record is None:
+            res.update(outcome=outcomes.REFUSED, failure={"phase": outcomes.RESTORE, "cause": (
+                f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
+                "it succeeds. Nothing was touched.")})  # fmt: skip
+            return res
+        res["rollback"] = {"attempted": True, "to_generation": record.get("generation"), "to_profile": record.get("profile"),
+                           "config_hash": record.get("config_hash")}  # fmt: skip
+        if m.s.check_mode:
+            res["outcome"] = outcomes.WOULD_ROLL_BACK
+            return res
+        res["changed"] = True
+        m.target = record
+        m.inst.argv, m.inst.profile = record["argv"], record["profile"]
+        failed = m.run_steps(ROLLBACK, res["phases"])
+        if failed is None:
+            res.update(outcome=outcomes.ROLLED_BACK, profile=record["profile"], verify=m.verified)
+            res["rollback"]["outcome"] = "serving"
+            done = m.run_steps((RECORD,), res["phases"])
+            res["known_good"] = res["phases"][-1]["detail"] if done is None else {"recorded": False, "why": done[1].cause}
+        else:
+            res["failure"] = failed[1].as_dict()
+            res["rollback"]["outcome"] = "failed"
+            m.contain(res)
+        return res
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - between phases (SIGTERM, a bug): still a defined end
+        escaped(m, res, exc)
+        return res
+    finally:
+        end(m, res, t0)
+
+
+def verify(m: Machine) -> dict:
+    res = {"changed": False, "instance": m.inst.name, "profile": m.inst.profile}
+    try:
+        v = run_checks(m.inst, m.s.thresholds, m.ports, m.s.patch_manifest)
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - e.g. nvidia-smi or systemctl failing
+        failure = as_failure(outcomes.VERIFY, exc)
+        v = {"ok": False, "checks": [{"name": "verify", "ok": False, "severity": "fail", "detail": failure.cause}],
+             "warnings": [], "failed_checks": [f"verify: {failure.cause}"]}  # fmt: skip
+    res.update(outcome=outcomes.VERIFIED if v["ok"] else outcomes.VERIFY_FAILED, verify=v)
+    res["msg"] = f"{m.inst.name}: verified" if v["ok"] else f"{m.inst.name}: verification failed: " + "; ".join(v["failed_checks"])
+    return res
+
+
+def status(m: Machine) -> dict:
+    i, p = m.inst, m.ports
+    out = {"changed": False, "outcome": outcomes.STATUS, "instance": i.name, "unit": i.unit, "configured_profile": i.profile}
+    errors = []
+
+    def part(name: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - status reports what it can
+            errors.append(f"{name}: {as_failure(name, exc).cause}")
+
+    def unit_part() -> None:
+        props = p.show(i.unit)
+        running = p.cmdline(props["MainPID"]) if props["MainPID"] else []
+        out.update(state=unit.state(props), restarts=props["NRestarts"], main_pid=props["MainPID"],
+                   running_profile=i.profile_of(running), drift=bool(running) and masked(running) != masked(i.argv),
+                   enabled=props.get("UnitFileState"))  # fmt: skip
+
+    def gpu_part() -> None:
+        snap = p.snapshot()
+        out["gpu_memory_mib"] = {g["index"]: g["memory_used_mib"] for g in snap["gpus"] if g["index"] in i.gpus}
+
+    def http_part() -> None:
+        out.update(health=None, accept_length=None)
+        if i.serves_http:
+            from .http import get_json, server_accept_length
+
+            key = i.api_key()
+            out["health"] = healthy(i.base, timeout=5, api_key=key)
+            if out["health"]:
+                info = get_json(f"{i.base}/server_info", timeout=5, api_key=key)
+                accept = server_accept_length(i.base, info, key) if info.get("speculative_algorithm") else None
+                out["accept_length"] = round(accept, 3) if accept is not None else None
+
+    def known_good_part() -> None:
+        from .known_good import summary
+
+        record = m.store.latest()
+        out["known_good"] = summary(record) if record else None
+        out["pending"] = m.pending
+        out["lock"] = peek(i.name, p.lock_dir)
+
+    for name, fn in (("unit", unit_part), ("gpus", gpu_part), ("http", http_part), ("known_good", known_good_part)):
+        part(name, fn)
+    out["errors"] = errors
+    out["msg"] = f"{i.name}: {out.get('state', '?')}, profile {out.get('running_profile') or '?'}" + (
+        f"; errors: {'; '.join(errors)}" if errors else "")  # fmt: skip
+    return out
+
+
+def message(m: Machine, res: dict) -> str:
+    """One line for the operator: what happened, and where the instance stands."""
+    i, outcome = m.inst, res.get("outcome")
+    f = res.get("failure") or {}
+    if outcome in (outcomes.RESTARTED, outcomes.STOPPED, outcomes.STARTED):
+        kg = res.get("known_good") or {}
+        extra = f" (not recorded as known-good: {kg['why']})" if kg.get("recorded") is False else ""
+        return f"{i.name}: {outcome}{extra}"
+    if outcome in (outcomes.WOULD_RESTART, outcomes.WOULD_ROLL_BACK):
+        return f"{i.name}: {outcome} (check mode)"
+    msg = f"{i.name}: {f.get('phase')} failed: {f.get('cause')}"
+    rb = res.get("rollback") or {}
+    if outcome == outcomes.ROLLED_BACK and m.action == "restart":
+        msg += f". Rolled back to the last-known-good configuration (profile {rb.get('to_profile')}): serving."
+    elif outcome == outcomes.ROLLED_BACK:
+        msg = f"{i.name}: rolled back to generation {rb.get('to_generation')} (profile {rb.get('to_profile')}): serving."
+    elif outcome == outcomes.NOT_RECOVERED:
+        if rb.get("attempted") and rb.get("failure"):
+            msg += f". Rollback failed too: {rb['failure'].get('phase')}: {rb['failure'].get('cause')}"
+        elif rb.get("why"):
+            msg += f". Not rolled back: {rb['why']}"
+        contained = res.get("contained") or {}
+        msg += f"; {i.unit} is stopped ({contained.get('unit_state', '?')})."
+        if contained.get("files"):
+            msg += f" {contained['files']}."
+    return msg
+

@@ -1,0 +1,275 @@
+"""driver/events.py from structured fields alone: the module a task runs, its role, and the module's
+outcome, phases, failure, rollback and lock. The events here carry no task file at all, so nothing
+can be read from one; tests/driver/test_replay.py covers the recorded streams of real runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from driver import cli, exitcodes
+from driver.events import Tracker
+from module_utils.sglang_deploy import outcomes
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = REPO / "driver"
+HOLDER = {
+    "pid": 4242,
+    "command": "python -m driver restart",
+    "controller": "ops-laptop",
+    "since": "2026-12-01T09:30:00Z",
+}
+
+
+def start(action: str, role: str | None = "sglang_service", host: str = "n1", resolved: bool = True) -> dict:
+    """A task starting, as ansible-runner reports it, less the task's file."""
+    data = {"host": host, "task": f"run {action}", "task_action": action.rsplit(".", 1)[-1], "role": role}
+    if resolved:
+        data["resolved_action"] = action
+    return {"event": "runner_on_start", "event_data": data}
+
+
+def item_failed(action: str, res: dict, host: str = "n1") -> dict:
+    """One loop item of a task failing, with the module's result."""
+    data = {"host": host, "task": f"run {action}", "task_action": action, "resolved_action": action, "res": res}
+    return {"event": "runner_item_on_failed", "event_data": data}
+
+
+def task_failed(action: str, res: dict, host: str = "n1") -> dict:
+    data = {"host": host, "task": f"run {action}", "task_action": action, "resolved_action": action, "res": res}
+    return {"event": "runner_on_failed", "event_data": data}
+
+
+def feed(command: str, *events: dict) -> Tracker:
+    tracker = Tracker(command)
+    for event in events:
+        assert "task_path" not in event["event_data"]
+        tracker.handle(event)
+    return tracker
+
+
+def phases_seen(command: str, *events: dict) -> list[str]:
+    tracker, seen = Tracker(command), []
+    for event in events:
+        tracker.handle(event)
+        phase = tracker.hosts["n1"].phase
+        if not seen or seen[-1] != phase:
+            seen.append(phase)
+    return seen
+
+
+# ------------------------------------------------------------------ phases
+
+
+def test_restart_phases_from_modules_and_roles():
+    events = [
+        start("ansible.builtin.include_role", role=None),
+        start("ansible.builtin.validate_argument_spec"),
+        start("ansible.builtin.set_fact"),
+        start("ansible.builtin.assert"),
+        start("sglang_validate"),
+        start("ansible.builtin.include_tasks"),
+        start("sglang_stage"),
+        start("ansible.builtin.systemd_service"),
+        start("ansible.builtin.include_role", role=None),
+        start("sglang_server"),
+        start("ansible.builtin.debug"),
+    ]
+    assert phases_seen("restart", *events) == ["play", "validate", "configure", "restart"]
+
+
+def test_deploy_phases_from_roles_and_the_patch_module():
+    events = [
+        start("ansible.builtin.gather_facts", role=None),
+        start("ansible.builtin.apt", role="gpu_node"),
+        start("ansible.builtin.command", role="cuda"),
+        start("ansible.builtin.pip", role="ml_env"),
+        start("ansible.builtin.pip", role="sglang"),
+        start("sglang_patch", role="sglang"),
+        start("ansible.builtin.validate_argument_spec"),
+        start("ansible.builtin.template"),
+    ]
+    expected = ["play", "node", "cuda", "ml-env", "sglang", "patch", "validate", "configure"]
+    assert phases_seen("deploy", *events) == expected
+
+
+@pytest.mark.parametrize("command", ["restart", "rollback", "verify", "status"])
+def test_the_server_module_runs_the_commands_own_phase(command):
+    assert phases_seen(command, start("ansible.builtin.set_fact"), start("sglang_server")) == ["play", command]
+
+
+def test_phase_from_task_action_alone_or_a_collections_name():
+    assert phases_seen("restart", start("validate_argument_spec", resolved=False)) == ["validate"]
+    assert phases_seen("restart", start("local.sglang.gpu_state")) == [outcomes.GPUS]
+
+
+def test_task_names_and_other_fields_do_not_move_the_phase():
+    event = start("ansible.builtin.debug")
+    event["event_data"]["task"] = "Validating arguments against arg spec 'main'"
+    assert phases_seen("restart", start("sglang_server"), event) == ["restart"]
+
+
+# ------------------------------------------------------------------ exit codes
+
+
+def test_invalid_config_outcome_exits_3_and_says_why():
+    msg = "--tp-size 8 but 4 GPUs (set by sglang_instances[0].gpus)"
+    res = {"instance": "main", "outcome": outcomes.INVALID_CONFIG, "msg": msg}
+    t = feed("restart", start("sglang_stage"), item_failed("sglang_stage", res))
+    assert t.exit_code("failed", 2) == exitcodes.INVALID_CONFIG == 3
+    (row,) = t.rows()
+    assert row["result"] == outcomes.INVALID_CONFIG and row["detail"].startswith("--tp-size 8 but 4 GPUs")
+
+
+def test_a_failed_argument_spec_check_exits_3():
+    res = {"failed": True, "msg": "Validation of arguments failed", "argument_errors": ["sglang_instances: bad"]}
+    check = "ansible.builtin.validate_argument_spec"
+    t = feed("restart", start(check), task_failed(check, res))
+    assert t.exit_code("failed", 2) == exitcodes.INVALID_CONFIG
+    assert t.rows()[0]["phase"] == "validate"
+
+
+def test_sglang_validate_problems_exit_3_but_a_parser_that_cannot_run_is_no_verdict():
+    problem = {"check": "flags", "key": "sglang_server_flags.x", "message": "--x is not a flag of SGLang"}
+    refused = feed("validate", item_failed("sglang_validate", {"failed": True, "msg": "--x", "problems": [problem]}))
+    assert refused.exit_code("failed", 2) == exitcodes.INVALID_CONFIG
+    broken = feed("validate", item_failed("sglang_validate", {"failed": True, "msg": "no python", "problems": []}))
+    assert broken.exit_code("failed", 2) == exitcodes.FAILED
+
+
+def test_a_failure_in_the_validate_phase_is_not_invalid_config_by_itself():
+    t = feed("restart", start("sglang_validate"), task_failed("ansible.builtin.assert", {"failed": True, "msg": "no"}))
+    assert t.hosts["n1"].phase == "validate" and t.exit_code("failed", 2) == exitcodes.FAILED
+
+
+def locked_result(**holder) -> dict:
+    return {
+        "instance": "main",
+        "outcome": outcomes.LOCKED,
+        "changed": False,
+        "phases": [{"phase": outcomes.LOCK, "seconds": 0.001, "ok": False, "detail": "held"}],
+        "failure": {"phase": outcomes.LOCK, "cause": "another operation holds the lock"},
+        "lock": {"holder": {**HOLDER, **holder}},
+        "msg": "main: locked",
+    }
+
+
+def test_locked_exits_with_its_own_code_and_names_the_holder():
+    t = feed("restart", start("sglang_server"), item_failed("sglang_server", locked_result()))
+    assert t.exit_code("failed", 2) == exitcodes.LOCKED == 9
+    (row,) = t.rows()
+    assert (row["phase"], row["result"]) == (outcomes.LOCK, outcomes.LOCKED)
+    holder = "held by pid 4242 (python -m driver restart) from controller ops-laptop since 2026-12-01T09:30:00Z"
+    assert row["detail"] == holder
+
+
+def test_a_lock_held_since_epoch_seconds_reads_as_utc():
+    t = feed("restart", item_failed("sglang_server", locked_result(since=1764581400)))
+    assert t.rows()[0]["detail"].endswith("since 2025-12-01T09:30:00Z")
+
+
+@pytest.mark.parametrize("codes,worst", [([9, 7], 9), ([4, 9], 4), ([9, 3], 9), ([5, 9], 5)])
+def test_locked_ranks_between_gpus_not_clean_and_verify_failed(codes, worst):
+    assert exitcodes.worst(codes) == worst
+
+
+def test_every_outcome_a_module_fails_with_has_a_code():
+    assert set(exitcodes.OUTCOME_CODES) == outcomes.ALL - outcomes.SUCCESS
+    assert len(set(exitcodes.OUTCOME_CODES.values())) == len(exitcodes.OUTCOME_CODES)
+    assert exitcodes.OUTCOME_CODES[outcomes.INVALID_CONFIG] == exitcodes.INVALID_CONFIG
+
+
+def test_help_from_the_repo_root_lists_the_locked_code():
+    """`python -m driver` imports module_utils.sglang_deploy.outcomes from the repository root, as is."""
+    cmd = [sys.executable, "-m", "driver", "--help"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert f"  9  {exitcodes.MEANING[exitcodes.LOCKED]}" in out
+
+
+def test_readme_lists_every_exit_code():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for code in exitcodes.MEANING:
+        assert f"\n| {code} | " in readme, code
+    order = ", ".join(str(c) for c in exitcodes.SEVERITY if c != exitcodes.OK)
+    assert f"the most serious decides: {order}." in readme
+
+
+# ------------------------------------------------------------------ the new result fields
+
+
+def test_rollback_phases_show_as_the_last_phase_reached_and_the_generation_rolled_back_to():
+    phases = [{"phase": p, "seconds": 0.1, "ok": p != outcomes.START} for p in outcomes.RESTART_PHASES[:6]]
+    phases += [{"phase": outcomes.ROLLBACK_PREFIX + p, "seconds": 0.1, "ok": True} for p in outcomes.ROLLBACK_PHASES]
+    verify = {"tokens_per_s": 101.0}
+    rollback = {"attempted": True, "outcome": outcomes.ROLLED_BACK, "to_generation": 3, "verify": verify}
+    res = {
+        "instance": "main",
+        "outcome": outcomes.ROLLED_BACK,
+        "phases": phases,
+        "downtime_s": 7.5,
+        "failure": {"phase": outcomes.START, "cause": "RuntimeError: CUDA error"},
+        "rollback": rollback,
+        "known_good": {"generation": 3, "config_hash": "abc", "software": {"sglang": "0.5.23"}},
+    }
+    t = feed("restart", start("sglang_server"), item_failed("sglang_server", res))
+    assert t.exit_code("failed", 2) == exitcodes.ROLLED_BACK
+    (row,) = t.rows()
+    assert row["phase"] == "rollback-verify" and row["tokens_per_s"] == 101.0
+    assert row["detail"] == "start: RuntimeError: CUDA error -> rollback to generation 3: rolled_back"
+    assert t.measurements()[0]["config_hash"] == "abc"
+
+
+def test_not_recovered_says_why_there_was_no_rollback():
+    res = {
+        "instance": "main",
+        "outcome": outcomes.NOT_RECOVERED,
+        "failure": {"phase": outcomes.START, "cause": "OOM"},
+        "rollback": {"attempted": False, "why": "no known-good generation"},
+    }
+    t = feed("restart", item_failed("sglang_server", res))
+    assert t.exit_code() == exitcodes.NOT_RECOVERED
+    assert t.rows()[0]["detail"] == "start: OOM -> not rolled back: no known-good generation"
+
+
+def test_a_result_without_a_loop_is_kept_too():
+    res = {"instance": "main", "outcome": outcomes.STAGED}
+    ok = {"event": "runner_on_ok", "event_data": {"host": "n1", "task_action": "sglang_stage", "res": res}}
+    t = feed("deploy", start("sglang_stage"), ok)
+    assert t.rows()[0]["result"] == outcomes.STAGED and t.exit_code("successful", 0) == exitcodes.OK
+
+
+def test_a_host_failure_after_its_instances_reported_is_not_hidden():
+    res = {"instance": "main", "outcome": outcomes.STAGED}
+    staged = {"event": "runner_item_on_ok", "event_data": {"host": "n1", "res": res}}
+    failed = task_failed("ansible.builtin.systemd_service", {"msg": "no unit"})
+    t = feed("deploy", start("sglang_stage"), staged, failed)
+    assert t.exit_code("failed", 2) == exitcodes.FAILED
+    rows = [(r["instance"], r["result"], r["detail"]) for r in t.rows()]
+    assert rows == [("main", outcomes.STAGED, ""), ("", "failed", "no unit")]
+
+
+# ------------------------------------------------------------------ nothing read from task files
+
+
+def string_literals(path: Path) -> list[str]:
+    """Every string constant in a file, docstrings included."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def test_the_driver_reads_no_task_file():
+    for path in sorted(DRIVER.glob("*.py")):
+        assert "task_path" not in path.read_text(encoding="utf-8"), path.name
+
+
+def test_the_only_yml_literals_are_what_the_driver_hands_to_ansible():
+    handed = {playbook for playbook, _ in cli.PLAYBOOKS.values()} | {"hosts.yml"}  # runner.py's default inventory
+    for path in sorted(DRIVER.glob("*.py")):
+        named = [s for s in string_literals(path) if ".yml" in s]
+        stray = [s for s in named if s not in handed and "inventory/lab/hosts.yml" not in s]  # that one: --help
+        assert not stray, f"{path.name}: {stray}"

@@ -1,0 +1,1759 @@
+"""sglang_deploy.restart (the state machine) against fakes of systemd, SGLang's HTTP server and nvidia-smi.
+
+The fakes, all behind restart.Ports:
+
+    Host        one instance's systemd unit (ActiveState/SubState, MainPID, NRestarts, an
+                InvocationID per start, UnitFileState, the exit timestamp), its journal, the
+                process table (cmdline) and nvidia-smi (snapshot, wait_clean); a fake clock;
+                every call recorded; faults injected per call ("the 2nd systemctl stop times out")
+    FakeServer  what `systemctl start` launches: an HTTP server on a free loopback port whose
+                behaviour is chosen per profile (the new configuration and the known-good one
+                can fail differently, so rollbacks succeed or fail)
+
+The unit runs what its loaded unit file's ExecStart says (secrets expanded from the
+EnvironmentFiles as systemd would), so a rollback really starts the known-good argv.
+Every phase x every failure kind that can occur there (and SIGTERM of the module) ends
+in exactly one defined outcome, and the test checks where the unit was left.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import urllib.request
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "module_utils"))
+from sglang_deploy import checks, gpu, http, known_good, lock, outcomes, restart, stage  # noqa: E402
+from sglang_deploy.checks import Thresholds, flag_value  # noqa: E402
+from sglang_deploy.instance import Instance, masked, read_env_file  # noqa: E402
+from sglang_deploy.known_good import Store  # noqa: E402
+from sglang_deploy.lock import InstanceLock  # noqa: E402
+from sglang_deploy.restart import Machine, Ports, Settings  # noqa: E402
+
+UNIT = "sglang-m.service"
+KEY = "s3cret-key"
+SECRET_REF = "${SGLANG_API_KEY}"  # as the unit renders --api-key (systemd expands it from the secrets file)
+CRASH_AT_START = [
+    "Loading the model from /models/m",
+    "Traceback (most recent call last):",
+    '  File "/opt/venv-new/lib/python3.11/site-packages/sglang/launch_server.py", line 11, in <module>',
+    "    from sglang.srt.speculative.eagle_worker import EAGLEWorker",
+    "ImportError: cannot import name 'EAGLEWorker' from 'sglang.srt.speculative.eagle_worker'",
+]
+CRASH_ON_GENERATE = [
+    "The server is fired up and ready to roll!",
+    "Traceback (most recent call last):",
+    '  File "/opt/venv/lib/python3.11/site-packages/sglang/srt/managers/scheduler.py", line 1402, in event_loop',
+    "    self.draft_worker.forward_batch_speculative_generation(batch)",
+    "AttributeError: 'NoneType' object has no attribute 'verified_id'",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- the fake SGLang server
+
+
+@dataclass
+class Behaviour:
+    """How a started server behaves (per profile)."""
+
+    crash_at_start: bool = False  # the unit fails at once, a traceback in its journal (Restart=on-failure)
+    health: int = 200  # 503: never healthy (the ready timeout)
+    health_generate: int = 200
+    generate_fault: str | None = None  # crash | incomplete | malformed | http500 | empty | bad-tokens | sigterm
+    good_generates: int = 0  # how many /generate requests succeed before the fault
+    server_info: str = "ok"  # ok | malformed | http500 | no_states (accept length from /metrics)
+    accept: float = 2.5  # spec_accept_length per request (1.0: no draft token ever accepted)
+    require_key: str | None = None  # a key the server demands whatever its argv says
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def reply(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def authorised(self) -> bool:
+        key = self.server.fake.key
+        if key and self.headers.get("Authorization") != f"Bearer {key}":
+            self.reply(401, b'{"error": "Unauthorized"}')
+            return False
+        return True
+
+    def do_GET(self) -> None:  # noqa: N802
+        fake = self.server.fake
+        b = fake.b
+        fake.requests.append(self.path)
+        if not self.authorised():
+            return
+        if self.path == "/health":
+            self.reply(b.health, b"")
+        elif self.path == "/health_generate":
+            self.reply(b.health_generate, b"")
+        elif self.path == "/server_info":
+            if b.server_info == "malformed":
+                self.reply(200, b'{"speculative_algorithm": "EAGLE", "internal_')
+            elif b.server_info == "http500":
+                self.reply(500, b"Internal Server Error")
+            else:
+                info = {"speculative_algorithm": "EAGLE"}
+                if b.server_info == "ok":
+                    info["internal_states"] = [{"avg_spec_accept_length": b.accept}]
+                self.reply(200, json.dumps(info).encode())
+        elif self.path == "/metrics":
+            self.reply(200, f'sglang:spec_accept_length{{model_name="m"}} {b.accept}\n'.encode(), "text/plain")
+        else:
+            self.reply(404, b"{}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        fake = self.server.fake
+        b = fake.b
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        fake.requests.append(self.path)
+        if not self.authorised():
+            return
+        with fake.lock:
+            fake.generates += 1
+            n = fake.generates
+        fault = b.generate_fault if n > b.good_generates else None
+        if fault == "crash":  # the seed: loaded, then died on its first decode; the connection drops
+            fake.host.crash(CRASH_ON_GENERATE)
+            fake.crash_close()
+            return
+        if fault == "incomplete":  # a Content-Length larger than the body, then the connection closes
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "4096")
+            self.end_headers()
+            self.wfile.write(b'{"text": " Paris, the capital')
+            return
+        if fault == "malformed":
+            self.reply(200, b'{"text": " Paris", "meta_info": {"completion_tok')
+            return
+        if fault == "http500":
+            self.reply(500, b"Internal Server Error: CUDA error: an illegal memory access was encountered")
+            return
+        if fault == "empty":
+            self.reply(200, json.dumps({"text": "", "meta_info": {"completion_tokens": 0}}).encode())
+            return
+        if fault == "bad-tokens":
+            self.reply(200, json.dumps({"text": " Paris", "meta_info": {"completion_tokens": "many"}}).encode())
+            return
+        if fault == "sigterm":  # the controller gives up while the module waits for the answer
+            fake.host.sigterm(thread=threading.main_thread())
+        tokens = body["sampling_params"]["max_new_tokens"]
+        out = {"text": " Paris. Paris is the capital and largest city of France.",
+               "meta_info": {"completion_tokens": tokens, "spec_accept_length": b.accept}}  # fmt: skip
+        self.reply(200, json.dumps(out).encode())
+
+
+class FakeServer:
+    """SGLang's HTTP API on 127.0.0.1:port, in a thread, until the unit stops (or crashes)."""
+
+    def __init__(self, host: Host, port: int, b: Behaviour, key: str | None):
+        self.host, self.b, self.key = host, b, key
+        self.generates = 0
+        self.requests: list[str] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.fake = self
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+        self.thread.start()
+        SERVERS.append(self)
+
+    def crash_close(self) -> None:
+        """From a handler thread: stop listening now (server_close would join this very thread)."""
+        with self.lock:
+            self.httpd.shutdown()
+            self.httpd.socket.close()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+SERVERS: list[FakeServer] = []
+
+
+# ---------------------------------------------------------------------------- the fake host
+
+
+@dataclass
+class UnitRec:
+    active: str = "inactive"
+    sub: str = "dead"
+    pid: int = 0
+    restarts: int = 0
+    invocation: str = ""
+    file_state: str = "disabled"
+    exit_us: int = 0
+    code: str = "exited"
+    status: int = 0
+    argv: list[str] = field(default_factory=list)
+    loaded: str = ""  # the unit file as systemd loaded it (daemon-reload)
+    server: FakeServer | None = None
+    pending_start: int = 0  # start --no-block: the job runs after this many more `show`s
+
+
+class Host:
+    """systemd, the journal, /proc and nvidia-smi of one host running one instance."""
+
+    def __init__(self, inst: Instance, lock_dir: str):
+        self.inst, self.lock_dir = inst, lock_dir
+        self.t = 1000.0
+        self.calls: list[tuple] = []
+        self.counts: Counter = Counter()
+        self.faults: dict[tuple[str, int], str] = {}
+        self.hooks: dict[tuple[str, int], Callable[[Host], None]] = {}
+        self.behaviours: dict[str, Behaviour] = {}
+        self.unit = UnitRec()
+        self.journals: dict[str, list[str]] = defaultdict(list)
+        self.pids = itertools.count(41000)
+        self.foreign = False  # a process of another user on GPU 0
+        self.starts: list[str] = []  # the profile of each start
+        self.start_lag = 1
+        self.sigterms = 0
+
+    # ------------------------------------------------------------ the test's controls
+
+    def inject(self, op: str, kind: str, nth: int = 1) -> None:
+        """The nth call of op (a systemctl verb, show, journal, cmdline, snapshot, wait_clean) fails (0: all)."""
+        self.faults[(op, nth)] = kind
+
+    def hook(self, op: str, fn: Callable[[Host], None], nth: int = 1) -> None:
+        self.hooks[(op, nth)] = fn
+
+    def behave(self, profile: str, **kw) -> None:
+        self.behaviours[profile] = Behaviour(**kw)
+
+    def systemctl_calls(self, *verbs: str) -> list[tuple]:
+        return [c for c in self.calls if c[0] == "systemctl" and (not verbs or c[1] in verbs)]
+
+    def sigterm(self, thread: threading.Thread | None = None) -> None:
+        assert signal.getsignal(signal.SIGTERM) in (restart.sigterm, signal.SIG_IGN), "install the handlers first"
+        self.sigterms += 1
+        if thread is None:
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            signal.pthread_kill(thread.ident, signal.SIGTERM)
+
+    # ------------------------------------------------------------ fault plumbing
+
+    def enter(self, op: str, record: tuple) -> str | None:
+        self.calls.append(record)
+        self.counts[op] += 1
+        n = self.counts[op]
+        if (op, n) in self.hooks:
+            self.hooks[(op, n)](self)
+        kind = self.faults.get((op, n), self.faults.get((op, 0)))
+        if kind == "timeout":
+            raise subprocess.TimeoutExpired(["systemctl", *record[1:]] if record[0] == "systemctl" else [op], 30)
+        if kind == "nvsmi":
+            raise gpu.NvidiaSmiError("nvidia-smi failed (exit 15): Unable to determine the device handle for "
+                                     "GPU0000:1B:00.0: Unknown Error (a GPU fell off the bus?)")  # fmt: skip
+        if kind == "oserror":
+            raise OSError(errno.EIO, "Input/output error")
+        if kind == "boom":
+            raise RuntimeError("boom: a bug in a port")
+        if kind == "sigint":
+            raise KeyboardInterrupt
+        return kind
+
+    def after(self, kind: str | None) -> None:
+        if kind == "sigterm":  # arrives while the call runs: the action happened, then the handler raises
+            self.sigterm()
+
+    # ------------------------------------------------------------ the ports
+
+    def ports(self) -> Ports:
+        return Ports(systemctl=self.systemctl, show=self.show, journal=self.journal, snapshot=self.snapshot,
+                     wait_clean=self.wait_clean, cmdline=self.cmdline, clock=self.clock, sleep=self.sleep,
+                     lock_dir=self.lock_dir)  # fmt: skip
+
+    def clock(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+    def systemctl(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+        verb = args[0]
+        kind = self.enter(verb, ("systemctl", *args))
+        cmd = ["systemctl", *args]
+        if kind == "rc":
+            return subprocess.CompletedProcess(cmd, 1, "", f"Failed to {verb} {args[-1]}: Access denied\n")
+        u = self.unit
+        if verb == "stop":
+            self.stop_unit(stays=kind == "stays")
+        elif verb == "start":
+            if u.active != "active":
+                u.pending_start = self.start_lag + 1
+        elif verb == "reset-failed":
+            if u.active == "failed":
+                u.active, u.sub = "inactive", "dead"
+        elif verb == "daemon-reload":
+            self.reload()
+        elif verb in ("enable", "disable"):
+            u.file_state = verb + "d"
+        self.after(kind)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def show(self, unit: str) -> dict:
+        kind = self.enter("show", ("show", unit))
+        u = self.unit
+        if u.pending_start:
+            u.pending_start -= 1
+            if not u.pending_start:
+                self.launch()
+        props = {"ActiveState": u.active, "SubState": u.sub, "MainPID": u.pid, "NRestarts": u.restarts,
+                 "ExecMainStatus": u.status, "ExecMainCode": u.code, "InvocationID": u.invocation,
+                 "ExecMainExitTimestampMonotonic": u.exit_us, "UnitFileState": u.file_state}  # fmt: skip
+        self.after(kind)
+        return props
+
+    def journal(self, unit: str, invocation: str | None = None) -> list[str]:
+        kind = self.enter("journal", ("journal", unit, invocation))
+        lines = list(self.journals[invocation]) if invocation else [x for v in self.journals.values() for x in v]
+        self.after(kind)
+        return lines
+
+    def cmdline(self, pid: int) -> list[str]:
+        kind = self.enter("cmdline", ("cmdline", pid))
+        out = list(self.unit.argv) if pid and pid == self.unit.pid else []
+        self.after(kind)
+        return out
+
+    def snapshot(self) -> dict:
+        kind = self.enter("snapshot", ("snapshot",))
+        out = self.gpus()
+        self.after(kind)
+        return out
+
+    def wait_clean(self, gpus, timeout, interval, max_used_mib, policy, unit, user) -> dict:
+        kind = self.enter("wait_clean", ("wait_clean", tuple(gpus), policy))
+        out = gpu.wait_clean(gpus, timeout, interval, max_used_mib, policy, unit, user, clock=self.clock,
+                             sleep=self.sleep, take_snapshot=lambda: self.gpus(dirty=kind == "dirty"))  # fmt: skip
+        self.after(kind)
+        return out
+
+    # ------------------------------------------------------------ systemd's side
+
+    def exec_argv(self) -> list[str]:
+        """ExecStart of the loaded unit, ${VAR} expanded from its EnvironmentFiles."""
+        env: dict[str, str] = {}
+        argv: list[str] = []
+        for line in self.unit.loaded.splitlines():
+            if line.startswith("EnvironmentFile="):
+                env.update(read_env_file(line.split("=", 1)[1].lstrip("-")))
+            elif line.startswith("ExecStart="):
+                argv = shlex.split(line.split("=", 1)[1])
+        out = []
+        for arg in argv:
+            for name, value in env.items():
+                arg = arg.replace("${" + name + "}", value)
+            out.append(arg)
+        return out
+
+    def reload(self) -> None:
+        try:
+            self.unit.loaded = Path(self.inst.unit_path).read_text()
+        except FileNotFoundError:
+            self.unit.loaded = ""
+
+    def boot(self) -> None:
+        """The unit as the test finds it: loaded, enabled, running and healthy (no call recorded)."""
+        self.reload()
+        self.unit.file_state = "enabled"
+        self.launch(Behaviour())
+
+    def launch(self, b: Behaviour | None = None) -> None:
+        u = self.unit
+        u.pending_start = 0
+        u.invocation, u.restarts, u.exit_us, u.status = uuid.uuid4().hex, 0, 0, 0
+        u.argv = self.exec_argv()
+        profile = flag_value(u.argv, "--served-model-name") or "?"
+        b = b or self.behaviours.get(profile) or Behaviour()
+        self.starts.append(profile)
+        if b.crash_at_start:
+            self.crash(CRASH_AT_START)
+            return
+        u.pid = next(self.pids)
+        u.active, u.sub = "active", "running"
+        if self.inst.serves_http:
+            u.server = FakeServer(self, self.inst.port, b, flag_value(u.argv, "--api-key") or b.require_key)
+
+    def crash(self, lines: list[str]) -> None:
+        """The main process died: Restart=on-failure puts the unit in auto-restart (a crash loop, unless stopped)."""
+        u = self.unit
+        u.active, u.sub, u.pid = "activating", "auto-restart", 0
+        u.restarts += 1
+        u.code, u.status, u.exit_us = "exited", 1, int(self.t * 1e6)
+        self.journals[u.invocation] += lines + [f"{UNIT}: Main process exited, code=exited, status=1/FAILURE"]
+        u.server = None  # its thread stops listening itself (crash_close)
+
+    def stop_unit(self, stays: bool = False) -> None:
+        u = self.unit
+        u.pending_start = 0
+        if stays:  # the main process ignores SIGTERM and outlives the stop job
+            return
+        if u.server:
+            u.server.close()
+            u.server = None
+        failed = u.sub in ("auto-restart", "failed")
+        u.active, u.sub = ("failed", "failed") if failed else ("inactive", "dead")
+        u.pid = 0
+
+    # ------------------------------------------------------------ nvidia-smi's side
+
+    def gpus(self, dirty: bool = False) -> dict:
+        u, inst = self.unit, self.inst
+        procs = []
+        if u.pid and u.active == "active":
+            procs = [{"gpu": g, "pid": u.pid, "used_mib": 70000, "user": "sglang", "unit": UNIT,
+                      "cmdline": " ".join(u.argv)[:80], "process_name": "python"} for g in inst.gpus]  # fmt: skip
+        if self.foreign:
+            procs.append({"gpu": inst.gpus[0], "pid": 999999, "used_mib": 2048, "user": "alice",
+                          "unit": "session-7.scope", "cmdline": "python train.py",
+                          "process_name": "python"})  # fmt: skip
+        used = {g: 0 for g in range(4)}
+        for p in procs:
+            used[p["gpu"]] += p["used_mib"]
+        if dirty:  # memory the driver has not released yet, no process listed
+            used[inst.gpus[0]] += 30000
+        return {"gpus": [{"index": g, "uuid": f"GPU-{g}", "name": "NVIDIA H200", "memory_used_mib": used[g],
+                          "memory_total_mib": 143771} for g in range(4)], "processes": procs}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the world of one test
+
+
+@dataclass
+class World:
+    tmp: Path
+    inst: Instance
+    host: Host
+    settings: Settings
+    files: dict[str, dict[str, str]]  # profile -> {path: content}
+    argv: dict[str, list[str]]  # profile -> argv as rendered (the secret a reference)
+    running: dict[str, list[str]]  # profile -> argv as the process runs (the secret expanded)
+    boot_invocation: str = ""
+
+    def machine(self, **kw) -> Machine:
+        return Machine(self.inst, replace(self.settings, **kw), self.host.ports())
+
+    def live(self) -> dict[str, str]:
+        return {p: Path(p).read_text() for p in self.inst.config_files}
+
+    def pending(self) -> list[str]:
+        d = Path(self.inst.pending_dir)
+        return sorted(x.name for x in d.iterdir() if not x.name.endswith(".staged")) if d.exists() else []
+
+    def generations(self) -> list[str]:
+        try:
+            return Store(self.inst).records()
+        except NotADirectoryError:
+            return []
+
+    def lock_free(self) -> bool:
+        probe = InstanceLock(self.inst.name, "probe", command="probe", lock_dir=self.host.lock_dir)
+        try:
+            probe.acquire()
+        except lock.Locked:
+            return False
+        probe.release()
+        return True
+
+
+def write_manifest(tmp: Path, path: Path, matches: bool) -> str:
+    """A patch manifest over one patched file (its hash right or wrong) and one that is missing."""
+    import hashlib
+
+    site = tmp / "site-packages"
+    site.mkdir(exist_ok=True)
+    (site / "eagle.py").write_text("patched\n")
+    files = {"eagle.py": {"after": hashlib.sha256(b"patched\n").hexdigest() if matches else "0" * 64}}
+    if not matches:
+        files["gone.py"] = {"after": "1" * 64}
+    path.write_text(json.dumps({"site_packages": str(site), "patches": [{"name": "0001-eagle-fix"}], "files": files}))
+    return str(path)
+
+
+def unit_text(inst: Instance, argv: list[str]) -> str:
+    return textwrap.dedent(f"""\
+        [Unit]
+        Description=SGLang instance {inst.name}
+
+        [Service]
+        User=sglang
+        EnvironmentFile={inst.env_path}
+        EnvironmentFile=-{inst.secrets_path}
+        ExecStart={shlex.join(argv)}
+        Restart=on-failure
+        """)
+
+
+def make_venv(root: Path, generation: str, version: str) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").write_text("#!/bin/sh\n")
+    meta = root / "sglang-deploy"
+    meta.mkdir()
+    (meta / "generation.json").write_text(json.dumps({"generation": generation, "sglang_version": version,
+                                                      "lock_sha256": f"lock-{generation}",
+                                                      "patch_series_sha256": f"series-{generation}"}))  # fmt: skip
+    return root
+
+
+def build(tmp: Path, *, new: str | None = "pending", known_good: bool = True, running: bool = True,
+          api_key: bool = False, nnodes: int = 1, node_rank: int = 0, keep: int = 2, **settings) -> World:  # fmt: skip
+    """new: pending (staged by deploy), live (written to the unit's files, not loaded), live-running, or None."""
+    venvs = {"good": make_venv(tmp / "venv-good", "g1", "0.4.6"), "new": make_venv(tmp / "venv-new", "g2", "0.4.7")}
+    port = free_port()
+    argv = {p: [f"{venvs[p]}/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host",
+                "127.0.0.1", "--port", str(port), "--served-model-name", p, "--speculative-algorithm", "EAGLE",
+                "--speculative-num-steps", "3" if p == "good" else "5"] + (["--api-key", SECRET_REF] if api_key else [])
+            for p in ("good", "new")}  # fmt: skip
+    running_argv = {p: [KEY if a == SECRET_REF else a for a in v] for p, v in argv.items()}
+    current = "good" if new is None else "new"
+    inst = Instance(name="m", unit=UNIT, unit_path=str(tmp / "systemd" / UNIT), env_path=str(tmp / "etc" / "m.env"),
+                    secrets_path=str(tmp / "etc" / "secrets" / "m.env"), pending_dir=str(tmp / "etc" / "pending"),
+                    port=port, gpus=[0, 1], argv=list(argv[current]), profile=current, profiles_argv=dict(argv),
+                    nnodes=nnodes, node_rank=node_rank, state_dir=str(tmp / "state"))  # fmt: skip
+    files = {p: {inst.unit_path: unit_text(inst, argv[p]), inst.env_path: f'SGLANG_PROFILE="{p}"\nNCCL_DEBUG="WARN"\n'}
+             for p in ("good", "new")}  # fmt: skip
+    for path, content in files["good"].items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(content)
+    Path(inst.secrets_path).parent.mkdir(parents=True)
+    Path(inst.secrets_path).write_text(f'SGLANG_API_KEY="{KEY}"\n')
+    if known_good:
+        good = Store(replace(inst, argv=argv["good"], profile="good"), keep)
+        good.record(good.snapshot(), running_argv["good"], {"ok": True, "checks": [], "tokens_per_s": 1234.5})
+    host = Host(inst, str(tmp / "run" / "locks"))
+    if new == "pending":  # as a deploy stages it: the files, then the manifest that makes the set complete
+        Path(inst.pending_dir).mkdir(parents=True)
+        for path, content in files["new"].items():
+            Path(inst.pending_path(path)).write_text(content)
+        manifest = {inst.pending_path(p): stage.digest(c) for p, c in files["new"].items()}
+        Path(stage.manifest_path(inst)).write_text(json.dumps(manifest))
+    if new == "live-running":
+        for path, content in files["new"].items():
+            Path(path).write_text(content)
+    if running:
+        host.boot()
+    if new == "live":
+        for path, content in files["new"].items():
+            Path(path).write_text(content)
+    s = Settings(ready_timeout=3.0, gpu_timeout=1.0, gpu_interval=0.1, known_good_keep=keep, controller="ctl-a",
+                 command="python -m driver restart",
+                 thresholds=Thresholds(load_requests=2, load_max_new_tokens=8))  # fmt: skip
+    s = replace(s, **settings)
+    return World(tmp, inst, host, s, files, argv, running_argv, host.unit.invocation)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch):
+    """No proxy between the module and the fake servers; nothing real is ever killed; every server stopped."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+
+    def no_kill(pids, grace, interval):
+        raise AssertionError(f"the test would kill real pids {pids}")
+
+    monkeypatch.setattr(gpu, "terminate", no_kill)
+    yield
+    while SERVERS:
+        SERVERS.pop().close()
+
+
+@pytest.fixture
+def handlers():
+    """The module's signal handlers (SIGTERM fails the phase), the test runner's restored afterwards."""
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGINT)
+    restart.install_signal_handlers()
+    yield
+    signal.signal(signal.SIGTERM, old[0])
+    signal.signal(signal.SIGHUP, old[1])
+    signal.signal(signal.SIGINT, old[2])
+
+
+@pytest.fixture
+def world(tmp_path) -> World:
+    return build(tmp_path)
+
+
+def health(w: World) -> int:
+    req = urllib.request.Request(f"{w.inst.base}/health")
+    if any(a == "--api-key" for a in w.inst.argv):
+        req.add_header("Authorization", f"Bearer {KEY}")
+    try:
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            return resp.status
+    except OSError:
+        return 0
+
+
+def serving(w: World, profile: str) -> None:
+    """The unit runs `profile`, active/running, never restarted, and answers /health."""
+    u = w.host.unit
+    assert (u.active, u.sub) == ("active", "running"), (u.active, u.sub)
+    assert u.pid and u.restarts == 0
+    assert u.argv == w.running[profile]
+    if w.inst.serves_http:
+        assert health(w) == 200
+
+
+def stopped(w: World) -> None:
+    """Stopped: inactive or failed, never activating / auto-restart (crash-looping on the GPUs)."""
+    u = w.host.unit
+    assert (u.active, u.sub) in (("inactive", "dead"), ("failed", "failed")), (u.active, u.sub)
+    assert u.pid == 0 and not u.pending_start and u.server is None
+    assert all(s.closed or s.httpd.socket.fileno() == -1 for s in SERVERS)
+
+
+def untouched(w: World) -> None:
+    """A refusal: no systemctl call at all, the old server still the same invocation, the staged files pending."""
+    assert w.host.systemctl_calls() == []
+    assert w.host.unit.invocation == w.boot_invocation
+    serving(w, "good")
+    assert w.live() == w.files["good"]
+    assert w.pending() == ["m.env", UNIT]
+
+
+# ---------------------------------------------------------------------------- the matrix
+
+
+@dataclass
+class Case:
+    id: str
+    setup: Callable[[World, pytest.MonkeyPatch], None]
+    outcome: str
+    phase: str  # the phase whose failure is reported (res["failure"]["phase"]); for record: known_good
+    cause: str = ""
+    rb_phase: str | None = None  # the rollback's failing phase
+    rb_cause: str = ""
+    interrupted: bool = False
+    pending_kept: bool = False  # the staged files are still pending afterwards (nothing was promoted)
+    failed_kept: bool = True  # on rollback, the failed files are kept under known-good/<instance>/failed/
+    lock_checked: bool = True  # afterwards the lock is free (see the test of a SIGTERM while taking it)
+
+
+def inject(op: str, kind: str, nth: int = 1):
+    return lambda w, mp: w.host.inject(op, kind, nth)
+
+
+def behave(profile: str, **kw):
+    return lambda w, mp: w.host.behave(profile, **kw)
+
+
+def both(*fns):
+    def run(w, mp):
+        for fn in fns:
+            fn(w, mp)
+
+    return run
+
+
+def hold_lock(w, mp):
+    other = InstanceLock("m", "restart m (profile new)", "ctl-b", "python -m driver restart", w.host.lock_dir)
+    other.acquire()
+    w.other_lock = other
+
+
+def lock_dir_is_a_file(w, mp):
+    Path(w.host.lock_dir).parent.mkdir(parents=True)
+    Path(w.host.lock_dir).write_text("not a directory")
+
+
+def sigterm_in_lock(w, mp):
+    mp.setattr(lock, "command_of", lambda pid: (w.host.sigterm(), "unreachable")[1])
+    w.settings = replace(w.settings, command="")
+
+
+def foreign(w, mp):
+    w.host.foreign = True
+
+
+def write_fails(module, path_of: Callable[[World], str], times: int = 1):
+    """module.write_atomic raises OSError (ENOSPC) for one path, the first `times` times."""
+
+    def setup(w, mp):
+        real, target, left = module.write_atomic, path_of(w), [times]
+
+        def write(path, content, mode):
+            if path == target and left[0]:
+                left[0] -= 1
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            real(path, content, mode)
+
+        mp.setattr(module, "write_atomic", write)
+
+    return setup
+
+
+def record_write_fails(w, mp):
+    real = known_good.write_atomic
+
+    def write(path, content, mode):
+        if "/generations/" in path:
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        real(path, content, mode)
+
+    mp.setattr(known_good, "write_atomic", write)
+
+
+def env_removed(w, mp):
+    """The env file vanishes once promoted (the promote's daemon-reload): the start's snapshot cannot read it."""
+    w.host.hook("daemon-reload", lambda h: os.unlink(w.inst.env_path))
+
+
+def generations_dir_is_a_file(w, mp):
+    gens = Path(w.inst.kg_dir, "generations")
+    for p in gens.iterdir():
+        p.unlink()
+    gens.rmdir()
+    gens.write_text("a file where the generations directory belongs")
+
+
+def env_changed_during_verify(w, mp):
+    w.host.hook("snapshot", lambda h: Path(w.inst.env_path).write_text('SGLANG_PROFILE="edited by hand"\n'), nth=2)
+
+
+NEW_FAILS_VERIFY = behave("new", accept=1.0)  # the trigger of every rollback case: the new server runs, verify fails
+R, N, REST = outcomes.ROLLED_BACK, outcomes.NOT_RECOVERED, outcomes.RESTARTED
+SAME = "the failed configuration is the known-good one"
+# A failure before the start phase ran (stop, gpus, a promote that wrote nothing) leaves the live files the
+# known-good ones: recover() starts the known-good again (a rollback), the new configuration still pending.
+PRE_START = R
+KEPT = {"pending_kept": True, "failed_kept": False}  # nothing promoted: still pending, nothing failed to keep
+
+CASES = [
+    # lock: a refusal, nothing touched
+    Case("lock-held", hold_lock, outcomes.LOCKED, "lock", "is locked by another operation"),
+    # Not another operation's lock: refused (nothing touched), never reported as "locked" with no holder.
+    Case("lock-oserror", lock_dir_is_a_file, outcomes.REFUSED, "lock", "FileExistsError", lock_checked=False),
+    Case("lock-sigterm", sigterm_in_lock, outcomes.REFUSED, "lock", "SIGTERM", interrupted=True, lock_checked=False),
+    # preflight: a refusal, nothing touched
+    Case("preflight-foreign-process", foreign, outcomes.GPUS_NOT_CLEAN, "preflight", "user alice"),
+    Case("preflight-nvsmi", inject("snapshot", "nvsmi"), outcomes.GPUS_NOT_CLEAN, "preflight", "Unknown Error"),
+    Case("preflight-sigterm", inject("snapshot", "sigterm"), outcomes.REFUSED, "preflight", "SIGTERM",
+         interrupted=True),  # fmt: skip
+    # stop / gpus: before the promotion the live files are the known-good ones: contained, still pending
+    Case("stop-mainpid-remains", inject("stop", "stays"), PRE_START, "stop", "still has main pid", **KEPT),
+    Case("stop-rc", inject("stop", "rc"), PRE_START, "stop", "systemctl stop sglang-m.service failed: Failed to stop",
+         pending_kept=True, failed_kept=False),  # fmt: skip
+    Case("stop-timeout", inject("stop", "timeout"), PRE_START, "stop", "TimeoutExpired", **KEPT),
+    Case("stop-sigterm", inject("stop", "sigterm"), PRE_START, "stop", "SIGTERM", interrupted=True, **KEPT),
+    Case("gpus-not-clean", inject("wait_clean", "dirty"), PRE_START, "gpus", "not clean after 1s", **KEPT),
+    Case("gpus-nvsmi", inject("wait_clean", "nvsmi"), PRE_START, "gpus", "NvidiaSmiError", **KEPT),
+    Case("gpus-sigterm", inject("wait_clean", "sigterm"), PRE_START, "gpus", "SIGTERM", interrupted=True, **KEPT),
+    # promote
+    Case("promote-oserror-first-file", write_fails(stage, lambda w: w.inst.unit_path), PRE_START, "promote",
+         "No space left on device", **KEPT),  # fmt: skip
+    Case("promote-oserror-second-file", write_fails(stage, lambda w: w.inst.env_path), R, "promote",
+         "OSError: [Errno 28] No space left on device", pending_kept=True),  # fmt: skip
+    Case("promote-daemon-reload-rc", inject("daemon-reload", "rc"), R, "promote", "systemctl daemon-reload failed"),
+    Case("promote-daemon-reload-timeout", inject("daemon-reload", "timeout"), R, "promote", "TimeoutExpired"),
+    Case("promote-sigterm", inject("daemon-reload", "sigterm"), R, "promote", "SIGTERM", interrupted=True),
+    # start
+    Case("start-crash", behave("new", crash_at_start=True), R, "start", CRASH_AT_START[-1]),
+    Case("start-never-healthy", behave("new", health=503), R, "start", "not ready after 3s"),
+    Case("start-api-key-401", behave("new", require_key="another-key"), R, "start", "/health never answered 200"),
+    Case("start-rc", inject("start", "rc"), R, "start", "systemctl start --no-block sglang-m.service failed"),
+    Case("start-timeout", inject("start", "timeout"), R, "start", "TimeoutExpired"),
+    Case("start-show-timeout", inject("show", "timeout", nth=3), R, "start", "TimeoutExpired"),
+    Case("start-oserror", env_removed, R, "start", "FileNotFoundError"),
+    Case("start-sigterm", inject("start", "sigterm"), R, "start", "SIGTERM", interrupted=True),
+    # generate
+    Case("generate-crash", behave("new", generate_fault="crash"), R, "generate", CRASH_ON_GENERATE[-1]),
+    Case("generate-incomplete-read", behave("new", generate_fault="incomplete"), R, "generate", "IncompleteRead"),
+    Case("generate-malformed-json", behave("new", generate_fault="malformed"), R, "generate", "not JSON"),
+    Case("generate-http-500", behave("new", generate_fault="http500"), R, "generate", "HTTP 500"),
+    Case("generate-empty", behave("new", generate_fault="empty"), R, "generate", "without generating"),
+    Case("generate-bad-token-count", behave("new", generate_fault="bad-tokens"), R, "generate", "without generating"),
+    Case("generate-sigterm", behave("new", generate_fault="sigterm"), R, "generate", "SIGTERM", interrupted=True),
+    # verify
+    Case("verify-accept-length-1", NEW_FAILS_VERIFY, R, "verify", "accept_length: average accept length 1.0"),
+    Case("verify-incomplete-read", behave("new", generate_fault="incomplete", good_generates=1), R, "verify",
+         "IncompleteRead"),  # fmt: skip
+    Case("verify-http-500", behave("new", health_generate=500), R, "verify", "/health_generate HTTP 500"),
+    Case("verify-malformed-json", behave("new", server_info="malformed"), R, "verify", "server_info: "),
+    Case("verify-server-info-http-500", behave("new", server_info="http500"), R, "verify", "/server_info: HTTP 500"),
+    Case("verify-load-incomplete-read", behave("new", generate_fault="incomplete", good_generates=2), R, "verify",
+         "load: the measuring load failed"),  # fmt: skip
+    Case("verify-nvsmi", inject("snapshot", "nvsmi", nth=2), R, "verify", "NvidiaSmiError"),
+    Case("verify-show-timeout", inject("show", "timeout", nth=5), R, "verify", "TimeoutExpired"),
+    Case("verify-sigterm", inject("snapshot", "sigterm", nth=2), R, "verify", "SIGTERM", interrupted=True),
+    Case("verify-sigterm-http", behave("new", generate_fault="sigterm", good_generates=1), R, "verify", "SIGTERM",
+         interrupted=True),  # fmt: skip
+    # record: a warning; the new configuration runs and verified
+    Case("record-config-changed", env_changed_during_verify, REST, "record", "changed during the restart"),
+    Case("record-oserror", record_write_fails, REST, "record", "Read-only file system"),
+    Case("record-generations-dir-is-a-file", generations_dir_is_a_file, REST, "record", "FileExistsError"),
+    Case("record-enable-rc", inject("enable", "rc"), REST, "record", "systemctl enable sglang-m.service failed"),
+    Case("record-enable-timeout", inject("enable", "timeout"), REST, "record", "TimeoutExpired"),
+    Case("record-sigterm", inject("cmdline", "sigterm", nth=3), REST, "record", "SIGTERM", interrupted=True),
+    # the rollback's phases (the new configuration fails verify), each failing: stopped and not recovered
+    Case("rollback-restore-oserror", both(NEW_FAILS_VERIFY, write_fails(known_good, lambda w: w.inst.unit_path)), N,
+         "verify", rb_phase="restore", rb_cause="No space left on device"),  # fmt: skip
+    Case("rollback-restore-rc", both(NEW_FAILS_VERIFY, inject("daemon-reload", "rc", 2)), N, "verify",
+         rb_phase="restore", rb_cause="systemctl daemon-reload failed"),  # fmt: skip
+    Case("rollback-restore-timeout", both(NEW_FAILS_VERIFY, inject("daemon-reload", "timeout", 2)), N, "verify",
+         rb_phase="restore", rb_cause="TimeoutExpired"),  # fmt: skip
+    Case("rollback-restore-sigterm", both(NEW_FAILS_VERIFY, inject("daemon-reload", "sigterm", 2)), N, "verify",
+         rb_phase="restore", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
+    Case("rollback-stop-mainpid-remains", both(NEW_FAILS_VERIFY, inject("stop", "stays", 2)), N, "verify",
+         rb_phase="stop", rb_cause="still has main pid"),  # fmt: skip
+    Case("rollback-stop-rc", both(NEW_FAILS_VERIFY, inject("stop", "rc", 2)), N, "verify", rb_phase="stop",
+         rb_cause="systemctl stop sglang-m.service failed"),  # fmt: skip
+    Case("rollback-stop-timeout", both(NEW_FAILS_VERIFY, inject("stop", "timeout", 2)), N, "verify", rb_phase="stop",
+         rb_cause="TimeoutExpired"),  # fmt: skip
+    Case("rollback-stop-sigterm", both(NEW_FAILS_VERIFY, inject("stop", "sigterm", 2)), N, "verify", rb_phase="stop",
+         rb_cause="SIGTERM", interrupted=True),  # fmt: skip
+    Case("rollback-gpus-not-clean", both(NEW_FAILS_VERIFY, inject("wait_clean", "dirty", 2)), N, "verify",
+         rb_phase="gpus", rb_cause="not clean after 1s"),  # fmt: skip
+    Case("rollback-gpus-nvsmi", both(NEW_FAILS_VERIFY, inject("wait_clean", "nvsmi", 2)), N, "verify",
+         rb_phase="gpus", rb_cause="NvidiaSmiError"),  # fmt: skip
+    Case("rollback-gpus-sigterm", both(NEW_FAILS_VERIFY, inject("wait_clean", "sigterm", 2)), N, "verify",
+         rb_phase="gpus", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
+    Case("rollback-start-crash", both(NEW_FAILS_VERIFY, behave("good", crash_at_start=True)), N, "verify",
+         rb_phase="start", rb_cause=CRASH_AT_START[-1]),  # fmt: skip
+    Case("rollback-start-never-healthy", both(NEW_FAILS_VERIFY, behave("good", health=503)), N, "verify",
+         rb_phase="start", rb_cause="not ready after 3s"),  # fmt: skip
+    Case("rollback-start-rc", both(NEW_FAILS_VERIFY, inject("start", "rc", 2)), N, "verify", rb_phase="start",
+         rb_cause="systemctl start --no-block sglang-m.service failed"),  # fmt: skip
+    Case("rollback-start-timeout", both(NEW_FAILS_VERIFY, inject("start", "timeout", 2)), N, "verify",
+         rb_phase="start", rb_cause="TimeoutExpired"),  # fmt: skip
+    Case("rollback-start-sigterm", both(NEW_FAILS_VERIFY, inject("start", "sigterm", 2)), N, "verify",
+         rb_phase="start", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
+    Case("rollback-generate-crash", both(NEW_FAILS_VERIFY, behave("good", generate_fault="crash")), N, "verify",
+         rb_phase="generate", rb_cause=CRASH_ON_GENERATE[-1]),  # fmt: skip
+    Case("rollback-generate-incomplete-read", both(NEW_FAILS_VERIFY, behave("good", generate_fault="incomplete")),
+         N, "verify", rb_phase="generate", rb_cause="IncompleteRead"),  # fmt: skip
+    Case("rollback-generate-malformed-json", both(NEW_FAILS_VERIFY, behave("good", generate_fault="malformed")),
+         N, "verify", rb_phase="generate", rb_cause="not JSON"),  # fmt: skip
+    Case("rollback-generate-http-500", both(NEW_FAILS_VERIFY, behave("good", generate_fault="http500")), N,
+         "verify", rb_phase="generate", rb_cause="HTTP 500"),  # fmt: skip
+    Case("rollback-generate-sigterm", both(NEW_FAILS_VERIFY, behave("good", generate_fault="sigterm")), N,
+         "verify", rb_phase="generate", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
+    Case("rollback-verify-accept-length-1", both(NEW_FAILS_VERIFY, behave("good", accept=1.0)), N, "verify",
+         rb_phase="verify", rb_cause="accept_length"),  # fmt: skip
+    Case("rollback-verify-http-500", both(NEW_FAILS_VERIFY, behave("good", health_generate=500)), N, "verify",
+         rb_phase="verify", rb_cause="/health_generate HTTP 500"),  # fmt: skip
+    Case("rollback-verify-nvsmi", both(NEW_FAILS_VERIFY, inject("snapshot", "nvsmi", 3)), N, "verify",
+         rb_phase="verify", rb_cause="NvidiaSmiError"),  # fmt: skip
+    Case("rollback-verify-sigterm", both(NEW_FAILS_VERIFY, inject("snapshot", "sigterm", 3)), N, "verify",
+         rb_phase="verify", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_every_phase_and_failure_kind_ends_in_its_defined_outcome_and_unit_state(case, tmp_path, monkeypatch,
+                                                                                   handlers):  # fmt: skip
+    w = build(tmp_path)
+    case.setup(w, monkeypatch)
+    gens = w.generations()
+    res = restart.restart(w.machine())
+
+    assert res["outcome"] == case.outcome, res.get("msg")
+    if case.id == "lock-held":  # the holder named
+        assert res["lock"]["holder"] == {**res["lock"]["holder"], "controller": "ctl-b", "pid": os.getpid()}
+        assert res["lock"]["holder"]["since"].endswith("Z") and "from controller ctl-b since" in res["msg"]
+    assert res["outcome"] in outcomes.ALL and res["msg"].startswith("m: ")
+    # From the end of the last phase on, SIGTERM is ignored: the ending (containment, the lock, the result) runs whole.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    if hasattr(w, "other_lock"):
+        w.other_lock.release()
+    if case.lock_checked:
+        assert w.lock_free()
+
+    if case.outcome == REST:  # a warning: serving the new configuration, verified, not recorded as known-good
+        assert "failure" not in res
+        kg = res["known_good"]
+        if case.id.startswith("record-enable"):  # recorded all the same, and said that enabling failed
+            assert kg["enabled"] is False and case.cause in kg["enable_error"] and kg["generation"], kg
+            assert res["phases"][-1]["phase"] == "record" and res["phases"][-1]["ok"]
+        else:
+            assert kg["recorded"] is False and case.cause in kg["why"], kg
+            assert res["phases"][-1]["phase"] == "record" and not res["phases"][-1]["ok"]
+            assert "not recorded as known-good" in res["msg"]
+        assert res["verify"]["ok"]
+        serving(w, "new")
+        if case.id != "record-enable-rc" and case.id != "record-enable-timeout":
+            assert w.generations() == gens
+        return
+
+    f = res["failure"]
+    assert f["phase"] == case.phase, f
+    assert case.cause in f["cause"], f["cause"]
+    assert bool(f.get("interrupted")) == (case.interrupted and not case.rb_phase)
+    assert res["phases"][-1] == {**res["phases"][-1], "phase": case.phase, "ok": False}
+    assert w.generations() == gens  # a failed restart never records
+
+    if case.outcome in outcomes.NOTHING_TOUCHED:
+        assert res["changed"] is False
+        untouched(w)
+        return
+
+    assert res["changed"] is True
+    assert w.live() == w.files["good"]  # whatever happened, the files on disk are the known-good ones
+    assert w.pending() == (["m.env", UNIT] if case.pending_kept else [])
+    if case.outcome == R:
+        rb = res["rollback"]
+        assert rb["attempted"] and rb["outcome"] == "serving" and rb["to_profile"] == "good"
+        assert [p["phase"] for p in rb["phases"]] == ["rollback-" + p for p in outcomes.ROLLBACK_PHASES]
+        assert rb["verify"]["ok"] and rb["verify"]["running_profile"] == "good"
+        serving(w, "good")
+        assert w.host.starts[-1] == "good"
+        assert "Rolled back to the last-known-good configuration (profile good): serving." in res["msg"]
+        failed = Path(w.inst.kg_dir, "failed")
+        if case.failed_kept:
+            assert (failed / UNIT).read_text() == w.files["new"][w.inst.unit_path]
+        return
+
+    assert case.outcome == N
+    stopped(w)  # PRE_START cases too: the server that served the known-good configuration is stopped
+    rb = res["rollback"]
+    if case.rb_phase:
+        assert rb["attempted"] and rb["outcome"] == "failed"
+        assert rb["failure"]["phase"] == case.rb_phase, rb["failure"]
+        assert case.rb_cause in rb["failure"]["cause"], rb["failure"]["cause"]
+        assert bool(rb["failure"].get("interrupted")) == case.interrupted
+        assert rb["phases"][-1]["phase"] == "rollback-" + case.rb_phase and not rb["phases"][-1]["ok"]
+        assert f"Rollback failed too: {case.rb_phase}" in res["msg"]
+    else:
+        assert rb == {"attempted": False, "why": SAME}
+        assert f"Not rolled back: {SAME}" in res["msg"]
+    assert res["contained"]["stop"] is None
+    assert res["contained"]["unit_state"] in ("inactive/dead", "failed/failed")
+    assert w.host.unit.file_state == "enabled"  # the files are the known-good ones: a boot may start them
+
+
+# ---------------------------------------------------------------------------- details of the failures
+
+
+def test_a_crash_at_start_reports_the_traceback_and_the_exception_line(world, handlers):
+    world.host.behave("new", crash_at_start=True)
+    res = restart.restart(world.machine())
+    f = res["failure"]
+    assert f["traceback"][0] == "Traceback (most recent call last):"
+    assert f["traceback"][-1] == CRASH_AT_START[-1] == f["cause"]
+    assert f["unit_state"] == "activating/auto-restart" and f["exit"] == "exited/1"
+    assert f["journal_tail"][-1].endswith("status=1/FAILURE")
+    assert f["exit_to_detect_s"] >= 0 and f["exit_to_report_s"] >= f["exit_to_detect_s"]
+    # fail fast: the crash is seen at the first poll after the start job ran, not at the ready timeout
+    start = next(p for p in res["phases"] if p["phase"] == "start")
+    assert start["seconds"] < 0.5
+    assert res["outcome"] == R
+
+
+def test_a_crash_on_the_first_generation_waits_for_the_unit_to_fail_and_names_the_exception(world, handlers):
+    world.host.behave("new", generate_fault="crash")
+    res = restart.restart(world.machine())
+    assert res["failure"]["cause"] == "AttributeError: 'NoneType' object has no attribute 'verified_id'"
+    assert res["failure"]["traceback"][-1] == res["failure"]["cause"]
+    assert res["outcome"] == R
+
+
+def test_a_journal_that_lags_the_exit_is_read_again(world, handlers):
+    """journald may lag: the first read is empty, the second has the traceback."""
+    world.host.behave("new", crash_at_start=True)
+    real = world.host.journal
+    calls = []
+
+    def lagging(unit, invocation=None):
+        calls.append(invocation)
+        return [] if len(calls) == 1 else real(unit, invocation)
+
+    world.host.journal = lagging
+    res = restart.restart(world.machine())
+    assert len(calls) == 2 and res["failure"]["cause"] == CRASH_AT_START[-1]
+
+
+def test_a_unit_exiting_without_a_journal_line_falls_back_to_the_generic_cause(world, handlers):
+    world.host.behave("new", crash_at_start=True)
+    world.host.journals = defaultdict(list)
+    world.host.journal = lambda unit, invocation=None: []
+    res = restart.restart(world.machine())
+    assert res["failure"]["cause"] == f"{UNIT} exited while starting"
+    assert res["failure"]["journal_tail"] == [] and res["outcome"] == R
+
+
+def test_the_ready_timeout_reports_the_last_journal_line(world, handlers):
+    world.host.behave("new", health=503)
+    world.host.hook("show", lambda h: h.journals[h.unit.invocation].append("Capturing CUDA graphs (bs=160)"), nth=10)
+    res = restart.restart(world.machine())
+    assert res["failure"]["cause"].endswith("Last log line: Capturing CUDA graphs (bs=160)")
+    assert "unit active/running" in res["failure"]["cause"]
+
+
+def test_a_generation_error_on_a_server_that_stays_up_is_not_blamed_on_a_crash(world, handlers):
+    world.host.behave("new", generate_fault="http500")
+    res = restart.restart(world.machine())
+    assert res["failure"]["cause"].startswith("generation failed: ")
+    assert "traceback" not in res["failure"]
+
+
+def test_an_unexpected_exception_in_a_port_is_a_failure_with_its_traceback(world, handlers):
+    world.host.inject("snapshot", "boom", nth=2)  # verify's
+    res = restart.restart(world.machine())
+    f = res["failure"]
+    assert f["phase"] == "verify" and f["cause"] == "unexpected RuntimeError: boom: a bug in a port"
+    assert any("boom" in line for line in f["traceback"])
+    assert res["outcome"] == R
+    serving(world, "good")
+
+
+def test_sigint_is_a_failure_of_the_phase_too(world, handlers):
+    world.host.inject("start", "sigint")
+    res = restart.restart(world.machine())
+    assert res["failure"] == {**res["failure"], "phase": "start", "cause": "interrupted (SIGINT)", "interrupted": True}
+    assert res["outcome"] == R
+    serving(world, "good")
+
+
+def test_a_failure_raised_in_another_phase_is_reported_under_the_phase_that_ran(world, monkeypatch, handlers):
+    def raises(*a):
+        raise restart.Failure("gpus", "raised by a helper")
+
+    monkeypatch.setattr(restart, "promote", lambda inst, reload: raises())
+    res = restart.restart(world.machine())
+    assert res["failure"] == {"phase": "promote", "cause": "raised by a helper", "raised_in": "gpus"}
+
+
+# ---------------------------------------------------------------------------- SIGTERM of the module
+
+
+def test_sigterm_then_a_second_sigterm_during_the_rollback_ends_stopped(world, handlers):
+    world.host.inject("start", "sigterm", 1)
+    world.host.inject("start", "sigterm", 2)
+    res = restart.restart(world.machine())
+    assert world.host.sigterms == 2
+    assert res["failure"]["interrupted"] and res["rollback"]["failure"]["interrupted"]
+    assert res["rollback"]["failure"]["phase"] == "start"
+    assert res["outcome"] == N
+    stopped(world)
+    assert world.live() == world.files["good"]
+
+
+def test_a_sigterm_during_containment_is_ignored_and_the_handler_restored(world, handlers):
+    world.host.behave("new", accept=1.0)
+    world.host.behave("good", crash_at_start=True)
+    world.host.inject("stop", "sigterm", 3)  # the containing stop
+    res = restart.restart(world.machine())
+    assert world.host.sigterms == 1
+    assert res["outcome"] == N and res["contained"]["stop"] is None
+    stopped(world)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_install_signal_handlers_ignores_sighup(handlers):
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    with pytest.raises(restart.Terminated):
+        restart.sigterm(signal.SIGTERM, None)
+
+
+def test_containment_outside_the_main_thread_still_contains(world):
+    """signal.signal raises ValueError off the main thread: containment goes on without masking."""
+    m = world.machine()
+    res: dict = {}
+    t = threading.Thread(target=m.contain, args=(res,))
+    t.start()
+    t.join(5)
+    assert res["outcome"] == N and res["contained"]["stop"] is None
+    stopped(world)
+
+
+def test_a_sigterm_between_two_phases_still_ends_in_a_defined_outcome(world, handlers):
+    clock = world.host.clock
+    n = [0]
+
+    def ticking():
+        if sys._getframe(1).f_code.co_name == "run_steps":
+            n[0] += 1  # run_steps reads the clock twice a step: t0 (before its try), then for the log
+            if n[0] == 5:  # t0 of the stop, after the lock's and the preflight's two reads each
+                world.host.sigterm()
+        return clock()
+
+    world.host.clock = ticking
+    res = restart.restart(world.machine())
+    assert res["outcome"] in (R, N)
+
+
+def test_a_sigterm_while_taking_the_lock_leaves_it_free(world, monkeypatch, handlers):
+    sigterm_in_lock(world, monkeypatch)
+    res = restart.restart(world.machine())
+    assert res["failure"]["interrupted"]
+    assert world.lock_free()
+
+
+# ---------------------------------------------------------------------------- the lock
+
+
+def test_a_second_machine_on_the_instance_is_refused_naming_the_holder_and_touches_nothing(world, handlers):
+    second: dict = {}
+
+    def during_stop(h):
+        before = len(h.calls)
+        second["res"] = restart.restart(Machine(world.inst, replace(world.settings, controller="ctl-b"), h.ports()))
+        second["calls"] = h.calls[before:]
+
+    world.host.hook("stop", during_stop)
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST
+    other = second["res"]
+    assert other["outcome"] == outcomes.LOCKED and other["changed"] is False
+    holder = other["lock"]["holder"]
+    assert holder["pid"] == os.getpid() and holder["controller"] == "ctl-a"
+    assert holder["command"] == "python -m driver restart" and holder["since"].endswith("Z")
+    assert holder["operation"] == "restart m (profile new)"
+    assert f"pid {os.getpid()}" in other["msg"] and "from controller ctl-a since" in other["msg"]
+    assert all(c[0] == "show" for c in second["calls"])  # nothing touched
+    assert [p["phase"] for p in other["phases"]] == ["lock"]
+
+
+def test_a_lock_whose_holder_died_does_not_block(world, handlers):
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO / "module_utils")!r})
+        from sglang_deploy.lock import InstanceLock
+        InstanceLock("m", "restart m", "ctl-dead", "killed", {world.host.lock_dir!r}).acquire()
+        os._exit(0)  # dies holding it
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+    holder = json.loads(Path(world.host.lock_dir, "m.lock").read_text())
+    assert holder["controller"] == "ctl-dead"  # what it wrote is still there, the flock is not
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST
+    assert Path(world.host.lock_dir, "m.lock").read_text() == ""  # released: the holder record cleared
+
+
+def test_lock_describe_and_the_context_manager(tmp_path):
+    assert lock.describe({}) == "a holder that has not written its name yet"
+    assert "pid 7 (?)" in lock.describe({"pid": 7})
+    with InstanceLock("x", "deploy x", lock_dir=str(tmp_path)) as held:
+        holder = json.loads(Path(held.path).read_text())
+        assert holder["command"] == lock.command_of(os.getpid()) != "?"
+        assert lock.peek("x", str(tmp_path))["operation"] == "deploy x"
+    assert lock.peek("x", str(tmp_path)) is None
+    assert lock.peek("missing", str(tmp_path)) is None
+    assert lock.command_of(2**22 + 12345) == "?"
+
+
+# ---------------------------------------------------------------------------- staging and known-good
+
+
+def test_a_successful_restart_promotes_records_a_masked_generation_with_its_software_and_enables(tmp_path, handlers):
+    w = build(tmp_path, api_key=True)
+    w.host.unit.file_state = "disabled"
+    manifest = write_manifest(tmp_path, tmp_path / "venv-new" / "sglang-deploy" / "patches.json", matches=True)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == REST and res["changed"] and res["verify"]["ok"]
+    patches = next(c for c in res["verify"]["checks"] if c["name"] == "patches")
+    assert patches["ok"] and patches["detail"] == "1 patched files match the manifest (0001-eagle-fix)"
+    assert [p["phase"] for p in res["phases"]] == list(outcomes.RESTART_PHASES)
+    assert res["phases"][1]["detail"] == {"processes": 2, "pending": True}
+    serving(w, "new")
+    assert w.live() == w.files["new"] and w.pending() == []
+    assert ("systemctl", "enable", UNIT) in w.host.calls and w.host.unit.file_state == "enabled"
+    # the generation: files, hash, argv as started with the key masked, the software of the unit's venv
+    newest = w.generations()[-1]
+    text = Path(newest).read_text()
+    assert KEY not in text
+    rec = json.loads(text)
+    assert rec["files"] == w.files["new"] and rec["config_hash"] == known_good.content_hash(w.files["new"])
+    assert rec["argv"] == masked(w.running["new"]) and rec["argv"][-2:] == ["--api-key", "<secret>"]
+    assert rec["argv_hash"] == known_good.argv_hash(w.running["new"])
+    assert rec["software"] == {"venv": str(tmp_path / "venv-new"), "generation": "g2", "sglang_version": "0.4.7",
+                               "lock_sha256": "lock-g2", "patch_series_sha256": "series-g2",
+                               "patch_manifest_sha256": known_good.file_sha256(manifest)}  # fmt: skip
+    assert rec["profile"] == "new" and rec["accept_length"] == 2.5 and rec["tokens_per_s"] > 0
+    assert {c["name"] for c in rec["checks"]} >= {"unit", "drift", "gpu_processes", "generate", "accept_length"}
+    assert res["known_good"]["generation"] == rec["generation"] and res["known_good"]["software"]["generation"] == "g2"
+    assert oct(os.stat(newest).st_mode & 0o777) == "0o600" and oct(os.stat(w.inst.kg_dir).st_mode & 0o777) == "0o700"
+    assert w.host.systemctl_calls("disable") == []
+    # the server demands the key on every request: health, generate and verify authenticated
+    assert {"/health", "/generate", "/health_generate", "/server_info"} <= set(w.host.unit.server.requests)
+    assert res["msg"] == "m: restarted"
+
+
+def test_generations_are_pruned_to_keep(tmp_path, handlers):
+    w = build(tmp_path, keep=2)
+    good = Store(replace(w.inst, argv=w.argv["good"], profile="good"))
+    good.record(good.snapshot(), w.running["good"], {})  # a second old one: two kept already
+    before = w.generations()
+    assert len(before) == 2
+    res = restart.restart(w.machine())
+    after = w.generations()
+    assert res["outcome"] == REST and len(after) == 2
+    assert after[0] == before[1] and json.loads(Path(after[1]).read_text())["profile"] == "new"
+
+
+def test_a_rollback_keeps_the_failed_files_and_the_pending_ones_are_consumed(world, handlers):
+    world.host.behave("new", crash_at_start=True)
+    res = restart.restart(world.machine())
+    failed = Path(world.inst.kg_dir, "failed")
+    assert (failed / UNIT).read_text() == world.files["new"][world.inst.unit_path]
+    assert (failed / "m.env").read_text() == world.files["new"][world.inst.env_path]
+    assert oct(failed.stat().st_mode & 0o777) == "0o700"
+    assert res["rollback"]["phases"][0]["detail"]["failed_kept_in"] == str(failed)
+    assert oct(os.stat(world.inst.env_path).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(world.inst.unit_path).st_mode & 0o777) == "0o644"
+    assert world.host.starts == ["good", "new", "good"]  # boot, the new one, the rollback
+    assert res["outcome"] == R
+
+
+def test_no_known_good_generation_ends_stopped_and_disabled(tmp_path, handlers):
+    w = build(tmp_path, new="live", known_good=False, running=False)  # a first configuration, written live
+    w.host.reload()
+    w.host.behave("new", crash_at_start=True)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == N
+    assert res["rollback"] == {"attempted": False, "why": "no known-good generation is recorded"}
+    stopped(w)
+    assert ("systemctl", "disable", UNIT) in w.host.calls and w.host.unit.file_state == "disabled"
+    assert (
+        res["contained"]["files"] == "no known-good generation: the unit is disabled so that a boot does not start it"
+    )
+    assert res["msg"].endswith("the unit is disabled so that a boot does not start it.")
+
+
+def test_rollback_off_ends_stopped_with_the_known_good_files_back(tmp_path, handlers):
+    w = build(tmp_path, rollback=False)
+    w.host.behave("new", crash_at_start=True)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == N
+    assert res["rollback"] == {"attempted": False, "why": "rollback is off (sglang_service_rollback)"}
+    stopped(w)
+    assert w.live() == w.files["good"] and "put back, not started" in res["contained"]["files"]
+    assert w.host.starts == ["good", "new"]
+
+
+def test_a_failed_configuration_equal_to_the_known_good_ends_stopped_with_its_files(tmp_path, handlers):
+    w = build(tmp_path, new=None)  # a plain restart of what is recorded; it fails now (a driver problem, say)
+    w.host.behave("good", crash_at_start=True)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == N and res["rollback"] == {"attempted": False, "why": SAME}
+    stopped(w)
+    assert w.live() == w.files["good"] and "files" not in res["contained"]
+    assert [c[1] for c in w.host.systemctl_calls("daemon-reload")] == []
+
+
+def test_gpus_not_clean_after_a_live_written_configuration_rolls_back(tmp_path, handlers):
+    """Without staging (files written live by an older deploy) a failure after the stop does roll back."""
+    w = build(tmp_path, new="live")
+    w.host.inject("wait_clean", "dirty", 1)
+    res = restart.restart(w.machine())
+    assert res["failure"]["phase"] == "gpus" and res["outcome"] == R
+    serving(w, "good")
+    assert w.live() == w.files["good"]
+
+
+def test_a_restore_failing_every_time_is_reported_in_the_containment(tmp_path, monkeypatch, handlers):
+    w = build(tmp_path)
+    w.host.behave("new", accept=1.0)
+    write_fails(known_good, lambda w: w.inst.unit_path, times=99)(w, monkeypatch)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == N and res["rollback"]["failure"]["phase"] == "restore"
+    assert res["contained"]["files"].startswith("failed: OSError: [Errno 28] No space left on device")
+    stopped(w)
+    assert "Rollback failed too: restore" in res["msg"] and "is stopped (inactive/dead)" in res["msg"]
+
+
+def test_a_restore_failing_every_time_leaves_nothing_that_a_boot_would_start(tmp_path, monkeypatch, handlers):
+    w = build(tmp_path)
+    w.host.behave("new", accept=1.0)
+    write_fails(known_good, lambda w: w.inst.unit_path, times=99)(w, monkeypatch)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == N
+    assert w.live() == w.files["good"] or w.host.unit.file_state == "disabled"
+
+
+def test_a_containing_stop_that_fails_is_reported(world, handlers):
+    world.host.behave("new", accept=1.0)
+    world.host.inject("stop", "stays", 2)
+    world.host.inject("stop", "rc", 3)
+    res = restart.restart(world.machine())
+    assert res["outcome"] == N
+    assert res["contained"]["stop"].startswith("failed: UnitError: systemctl stop sglang-m.service failed")
+    assert res["contained"]["unit_state"] == "active/running"  # reported as it is, never hidden
+
+
+def test_a_legacy_single_record_is_never_rolled_back_to_and_goes_with_the_first_generation(tmp_path, handlers):
+    """Before generations the one record.json held the env file with its secrets inline: a rollback to it would
+    bring a rotated secret back, so it is ignored, and removed once a generation is recorded."""
+    w = build(tmp_path)
+    gens = Path(w.inst.kg_dir, "generations")
+    (rec_path,) = gens.iterdir()
+    legacy = Path(w.inst.kg_dir, "record.json")
+    legacy.write_text(rec_path.read_text())
+    rec_path.unlink()
+    w.host.behave("new", crash_at_start=True)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == N and res["rollback"]["why"] == "no known-good generation is recorded"
+    w.host.behave("new", crash_at_start=False)
+    assert restart.restart(w.machine())["outcome"] == REST
+    assert not legacy.exists() and len(w.generations()) == 1
+
+
+def test_a_damaged_generation_is_skipped(tmp_path, handlers):
+    w = build(tmp_path)
+    Path(w.inst.kg_dir, "generations", "99999999T999999999999-bad.json").write_text("{not json")
+    w.host.behave("new", crash_at_start=True)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == R and res["rollback"]["to_profile"] == "good"
+
+
+def test_a_generation_without_argv_never_escapes_restart(tmp_path, handlers):
+    w = build(tmp_path)
+    Path(w.inst.kg_dir, "generations", "99999999T999999999999-bad.json").write_text('{"config_hash": "x"}')
+    w.host.behave("new", crash_at_start=True)
+    res = restart.restart(w.machine())
+    assert res["outcome"] in (R, N)
+
+
+def test_a_rotated_secret_survives_a_rollback(tmp_path, handlers):
+    w = build(tmp_path, api_key=True)
+    Path(w.inst.secrets_path).write_text('SGLANG_API_KEY="rotated-key"\n')
+    w.host.behave("new", crash_at_start=True)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == R and res["rollback"]["verify"]["ok"]  # verify authenticated with the rotated key
+    assert flag_value(w.host.unit.argv, "--api-key") == "rotated-key"
+    assert Path(w.inst.secrets_path).read_text() == 'SGLANG_API_KEY="rotated-key"\n'
+    assert Path(w.inst.kg_dir, "failed", "m.env").read_text() == w.files["new"][w.inst.env_path]  # not the secrets
+    assert "rotated-key" not in Path(w.generations()[-1]).read_text()
+
+
+def test_check_mode_takes_the_lock_and_touches_nothing(world, handlers):
+    res = restart.restart(world.machine(check_mode=True))
+    assert res["outcome"] == outcomes.WOULD_RESTART and res["pending"] is True and res["changed"] is False
+    assert res["msg"] == "m: would_restart (check mode)"
+    untouched(world)
+    assert world.lock_free()
+
+
+# ---------------------------------------------------------------------------- instances spanning nodes
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_multinode_phases_stop_start_confirm(tmp_path, rank, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=rank)
+    w.inst.dist_init_addr = "127.0.0.2:5000"  # rank 0's host, whose server the confirm phase of rank 1 asks
+    if rank == 1:
+        rank0 = rank0_serving(w.inst.port)
+    stop = restart.restart(w.machine(phase="stop"))
+    assert stop["outcome"] == outcomes.STOPPED and [p["phase"] for p in stop["phases"]] == [
+        "lock", "preflight", "stop", "gpus"]  # fmt: skip
+    stopped(w)
+    assert w.pending() == ["m.env", UNIT]  # promoted in the start phase
+    start = restart.restart(w.machine(phase="start"))
+    serving(w, "new")
+    assert w.pending() == []
+    confirm = restart.restart(w.machine(phase="confirm"))
+    if rank == 0:  # rank 0 serves: it generated, verified and recorded in its start phase
+        assert start["outcome"] == REST and start["phases"][-1]["phase"] == "record"
+        assert confirm["outcome"] == REST and confirm["changed"] is False
+        assert [p["phase"] for p in confirm["phases"]] == ["lock", "preflight"]
+    else:  # a rank above 0: running (2 s on), verified and recorded once rank 0 serves
+        assert start["outcome"] == outcomes.STARTED and start["msg"] == "m: started", start["msg"]
+        assert [p["phase"] for p in start["phases"]][-2:] == ["promote", "start"]
+        assert start["phases"][-1]["detail"]["running_after_s"] >= 2.0
+        assert confirm["outcome"] == REST and [p["phase"] for p in confirm["phases"]][-2:] == ["verify", "record"]
+        assert confirm["verify"]["node_rank"] == 1
+    rec = json.loads(Path(w.generations()[-1]).read_text())
+    assert rec["profile"] == "new" and rec["argv"] == w.running["new"]
+    serving(w, "new")
+    if rank == 1:
+        rank0.shutdown()
+
+
+def rank0_serving(port: int) -> ThreadingHTTPServer:
+    """Rank 0's HTTP server on another loopback address: /health answers 200."""
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.2", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_rank_above_0_is_not_confirmed_while_rank_0_does_not_serve(tmp_path, handlers):
+    """Rank 0 failed its start (contained, its host out of the play): rank 1 must not record or keep running."""
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    w.inst.dist_init_addr = "127.0.0.2:5000"  # nothing serves there
+    restart.restart(w.machine(phase="stop"))
+    assert restart.restart(w.machine(phase="start"))["outcome"] == outcomes.STARTED
+    res = restart.restart(w.machine(phase="confirm"))
+    assert res["outcome"] == N and "does not serve: this rank's start is not confirmed" in res["failure"]["cause"]
+    stopped(w)
+    assert w.live() == w.files["good"] and len(w.generations()) == 1, "nothing recorded; the known-good files back"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_multinode_start_failure_is_contained_on_the_node_without_rollback(tmp_path, rank, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=rank)
+    restart.restart(w.machine(phase="stop"))
+    w.host.behave("new", crash_at_start=True)
+    res = restart.restart(w.machine(phase="start"))
+    assert res["outcome"] == N and res["failure"]["phase"] == "start"
+    assert res["rollback"] == {"attempted": False, "why": "m spans 2 nodes: no automatic rollback across nodes"}
+    stopped(w)
+    assert w.live() == w.files["good"]  # the known-good files back, not started
+
+
+def test_a_multinode_stop_failure_is_contained(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    w.host.inject("stop", "timeout")
+    res = restart.restart(w.machine(phase="stop"))
+    assert res["outcome"] == N and res["failure"]["phase"] == "stop"
+    stopped(w)
+
+
+# ---------------------------------------------------------------------------- the operator's rollback
+
+
+def test_operator_rollback_is_refused_for_an_instance_spanning_nodes(tmp_path):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and res["failure"]["phase"] == "restore"
+    assert "spans 2 nodes" in res["failure"]["cause"] and res["changed"] is False
+    assert w.host.calls == [] and not Path(w.host.lock_dir).exists()
+
+
+def test_operator_rollback_is_refused_with_no_generation(tmp_path):
+    w = build(tmp_path, new="live-running", known_good=False)
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and "no known-good generation of m is recorded" in res["failure"]["cause"]
+    assert w.host.systemctl_calls() == [] and w.lock_free()
+    serving(w, "new")
+
+
+def test_operator_rollback_rolls_back_and_records(tmp_path, handlers):
+    w = build(tmp_path, new="live-running")
+    serving(w, "new")
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == R and res["profile"] == "good" and res["rollback"]["outcome"] == "serving"
+    assert [p["phase"] for p in res["phases"]] == ["lock", *outcomes.ROLLBACK_PHASES, "record"]
+    serving(w, "good")
+    assert w.live() == w.files["good"]
+    assert res["known_good"]["profile"] == "good" and len(w.generations()) == 2
+    assert res["msg"].startswith("m: rolled back to generation ") and res["msg"].endswith("(profile good): serving.")
+    assert w.lock_free()
+
+
+def test_operator_rollback_whose_record_fails_still_serves(tmp_path, handlers):
+    w = build(tmp_path, new="live-running")
+    w.host.inject("enable", "rc")
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == R and res["known_good"]["enabled"] is False and res["known_good"]["generation"]
+    serving(w, "good")
+
+
+def test_operator_rollback_failing_ends_stopped(tmp_path, handlers):
+    w = build(tmp_path, new="live-running")
+    w.host.behave("good", crash_at_start=True)
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == N and res["failure"]["phase"] == "start" and res["rollback"]["outcome"] == "failed"
+    stopped(w)
+    assert w.live() == w.files["good"] and w.lock_free()
+
+
+def test_operator_rollback_check_mode_and_lock(tmp_path, handlers):
+    w = build(tmp_path, new="live-running")
+    res = restart.rollback(w.machine(check_mode=True))
+    assert res["outcome"] == outcomes.WOULD_ROLL_BACK and res["changed"] is False
+    assert res["rollback"]["to_profile"] == "good"
+    hold_lock(w, None)
+    res = restart.rollback(w.machine())
+    w.other_lock.release()
+    assert res["outcome"] == outcomes.LOCKED and res["lock"]["holder"]["controller"] == "ctl-b"
+    assert w.host.systemctl_calls() == []
+    serving(w, "new")
+
+
+# ---------------------------------------------------------------------------- verify and status
+
+
+def test_verify_verified(tmp_path):
+    w = build(tmp_path, new=None)
+    w.settings.thresholds.baseline_tokens_per_s = 1.0
+    w.settings.thresholds.no_spec_tokens_per_s = 1.0
+    res = restart.verify(w.machine())
+    assert res["outcome"] == outcomes.VERIFIED and res["msg"] == "m: verified" and res["verify"]["ok"]
+    names = [c["name"] for c in res["verify"]["checks"]]
+    assert names == ["unit", "drift", "gpu_processes", "health_generate", "generate", "speculative_algorithm",
+                     "accept_length", "throughput_vs_profile_baseline", "throughput_vs_no_speculation",
+                     "patches"]  # fmt: skip
+    assert res["verify"]["running_profile"] == "good" and res["verify"]["gpu_memory_mib"] == {0: 70000, 1: 70000}
+
+
+def test_verify_failed_names_the_failed_checks(tmp_path):
+    w = build(tmp_path, new="pending")  # configured: new; running: good
+    w.host.foreign = True
+    res = restart.verify(w.machine())
+    assert res["outcome"] == outcomes.VERIFY_FAILED
+    failed = " ".join(res["verify"]["failed_checks"])
+    assert (
+        "drift: running command line differs" in failed
+        and "--speculative-num-steps: configured '5', running '3'" in failed
+    )
+    assert "running profile: good" in failed
+    assert "gpu_processes: not the service's: GPU 0: pid 999999" in failed
+    assert res["msg"].startswith("m: verification failed: ")
+
+
+@pytest.mark.parametrize("kind", ["nvsmi", "timeout", "boom", "sigint"])
+def test_verify_with_an_exception_inside_is_verify_failed_never_raised(tmp_path, kind):
+    w = build(tmp_path, new=None)
+    w.host.inject("snapshot" if kind == "nvsmi" else "show", kind)
+    res = restart.verify(w.machine())
+    assert res["outcome"] == outcomes.VERIFY_FAILED
+    (check,) = res["verify"]["checks"]
+    assert check["name"] == "verify" and not check["ok"]
+
+
+def test_verify_of_a_stopped_unit_and_a_patch_mismatch(tmp_path):
+    w = build(tmp_path, new=None, running=False)
+    write_manifest(tmp_path, tmp_path / "venv-good" / "sglang-deploy" / "patches.json", matches=False)
+    res = restart.verify(w.machine())
+    failed = res["verify"]["failed_checks"]
+    assert any(x.startswith("unit: sglang-m.service inactive/dead") for x in failed)
+    assert any(x.startswith("drift: running command line differs from the rendered configuration: no main process")
+               for x in failed)  # fmt: skip
+    assert any("installed files differ from the patch manifest: ['eagle.py', 'gone.py']" in x for x in failed)
+
+
+def test_status_reports_every_part(tmp_path):
+    w = build(tmp_path, api_key=True)  # new pending; good running
+    out = restart.status(w.machine())
+    assert out["errors"] == []
+    assert out == {**out, "outcome": outcomes.STATUS, "state": "active/running", "restarts": 0,
+                   "main_pid": w.host.unit.pid, "configured_profile": "new", "running_profile": "good", "drift": True,
+                   "enabled": "enabled", "gpu_memory_mib": {0: 70000, 1: 70000}, "health": True, "accept_length": 2.5,
+                   "pending": True, "lock": None, "changed": False}  # fmt: skip
+    assert out["known_good"]["profile"] == "good" and out["known_good"]["software"]["sglang_version"] == "0.4.6"
+    assert w.host.systemctl_calls() == []
+
+
+def test_status_shows_the_lock_holder_and_the_accept_length_from_metrics(tmp_path):
+    w = build(tmp_path, new=None)
+    w.host.unit.server.b = Behaviour(server_info="no_states", accept=3.25)
+    hold_lock(w, None)
+    try:
+        out = restart.status(w.machine())
+    finally:
+        w.other_lock.release()
+    assert out["lock"]["controller"] == "ctl-b" and out["accept_length"] == 3.25 and out["drift"] is False
+
+
+def test_status_puts_each_parts_exception_in_errors(tmp_path):
+    w = build(tmp_path)
+    w.host.inject("show", "timeout")
+    w.host.inject("snapshot", "nvsmi")
+    w.host.unit.server.b = Behaviour(server_info="malformed")
+    gens = Path(w.inst.kg_dir, "generations")
+    for p in gens.iterdir():
+        p.unlink()
+    gens.rmdir()
+    gens.write_text("a file where a directory belongs")
+    out = restart.status(w.machine())
+    errors = out["errors"]
+    assert [e.split(":")[0] for e in errors] == ["unit", "gpus", "http", "known_good"]
+    assert "TimeoutExpired" in errors[0] and "NvidiaSmiError" in errors[1]
+    assert "not JSON" in errors[2] and "NotADirectoryError" in errors[3]
+    assert out["health"] is True and out["outcome"] == outcomes.STATUS
+
+
+def test_status_of_a_rank_above_0_has_no_http(tmp_path):
+    w = build(tmp_path, new=None, nnodes=2, node_rank=1)
+    out = restart.status(w.machine())
+    assert out["errors"] == [] and out["health"] is None and out["accept_length"] is None
+    assert out["running_profile"] == "good" and out["known_good"]["profile"] == "good"
+
+
+# ---------------------------------------------------------------------------- the pieces underneath
+
+
+def test_stage_writes_live_until_a_generation_is_verified_then_pending_then_unchanged(tmp_path, monkeypatch):
+    w = build(tmp_path, new=None, known_good=False, running=False)
+    for p in w.inst.config_files:
+        os.unlink(p)
+    Path(w.inst.secrets_path).unlink()
+    verified, reloads = [], []
+    monkeypatch.setattr(stage, "verify_unit", lambda path, unit: verified.append((os.path.basename(path), unit)))
+    monkeypatch.setattr(stage, "checked", lambda *a: reloads.append(a))
+    first = stage.stage(w.inst, w.files["good"], f'SGLANG_API_KEY="{KEY}"\n')
+    assert first["outcome"] == outcomes.STAGED and first["first"] and first["secrets_changed"]
+    assert w.live() == w.files["good"] and reloads == [("daemon-reload",)]
+    assert verified == [(f".{UNIT}.verify", UNIT)]
+    assert not list(Path(w.inst.unit_path).parent.glob(".*verify"))
+    again_first = stage.stage(w.inst, w.files["new"], None)  # still nothing verified: written live again
+    assert again_first["first"] and w.live() == w.files["new"] and reloads == [("daemon-reload",)] * 2
+    stage.stage(w.inst, w.files["good"], None)
+    good = Store(w.inst)
+    good.record(good.snapshot(), w.running["good"], {})  # a restart verified it: from now on, staged
+    changed = stage.stage(w.inst, w.files["new"], f'SGLANG_API_KEY="{KEY}"\n')
+    assert changed["pending"] and changed["wrote"] == sorted(w.inst.pending_path(p) for p in w.files["new"])
+    assert w.live() == w.files["good"] and w.pending() == ["m.env", UNIT]
+    assert "secrets_changed" not in changed
+    check = stage.stage(w.inst, w.files["good"], None, check_mode=True)
+    assert check["outcome"] == outcomes.UNCHANGED and check["changed"] and w.pending() == ["m.env", UNIT]
+    again = stage.stage(w.inst, w.files["good"], None)
+    assert again["outcome"] == outcomes.UNCHANGED and again["removed_pending"] and w.pending() == []
+    assert stage.promote(w.inst) == {"promoted": []}
+
+
+def test_stage_verify_unit_refusals(monkeypatch, tmp_path):
+    def refuse(*a, **kw):
+        return subprocess.CompletedProcess(a, 1, "", "Unknown key name 'ExecStrat'")
+
+    monkeypatch.setattr(stage.subprocess, "run", refuse)
+    with pytest.raises(ValueError, match="refuses the rendered x.service: Unknown key name"):
+        stage.verify_unit(str(tmp_path / "u"), "x.service")
+
+    def missing(*a, **kw):
+        raise FileNotFoundError("systemd-analyze")
+
+    monkeypatch.setattr(stage.subprocess, "run", missing)
+    with pytest.raises(ValueError, match="could not run"):
+        stage.verify_unit(str(tmp_path / "u"), "x.service")
+
+
+def test_http_errors_are_one_kind():
+    with pytest.raises(http.HttpError, match="expected a JSON object, got list"):
+        http.json_of("u", b"[1]")
+    assert http.metric("sglang:spec_accept_length nan-ish\n", "sglang:spec_accept_length") is None
+    assert http.metric("", "x") is None
+    assert (
+        http.server_accept_length("http://127.0.0.1:9", {"internal_states": [{"avg_spec_accept_length": "x"}]}) is None
+    )
+    port = free_port()  # nothing listens: refused
+    assert http.server_accept_length(f"http://127.0.0.1:{port}", {}) is None
+    with pytest.raises(http.HttpError, match="ConnectionRefusedError|Connection refused"):
+        http.get_json(f"http://127.0.0.1:{port}/server_info", timeout=1)
+
+
+def test_checks_drift_summary_and_patch_manifest(tmp_path):
+    assert checks.drift_summary(["p", "--a", "1"], ["p", "--a", "1", "--b"]) == "--b: not configured, running ''"
+    assert checks.drift_summary(["p", "--a", "1", "--c"], ["p", "--a", "1"]) == "--c: configured '', not running"
+    assert (
+        checks.drift_summary(["p", "--a", "1", "--b", "2"], ["p", "--b", "2", "--a", "1"])
+        == "same flags in another order"
+    )
+    assert checks.flag_value(["--x=3"], "--x") == "3" and checks.flag_value(["--x"], "--x") is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert checks.patch_check(str(bad))[1] is False
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "a.py").write_text("x")
+    import hashlib
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"site_packages": str(site), "patches": [{"name": "0001"}],
+                                "files": {"a.py": {"after": hashlib.sha256(b"x").hexdigest()}}}))  # fmt: skip
+    assert checks.patch_check(str(good)) == ("patches", True, "1 patched files match the manifest (0001)")
+
+
+def test_known_good_software_without_metadata_and_masking(tmp_path):
+    assert known_good.software_of(None) == {}
+    assert known_good.software_of(str(tmp_path)) == {"venv": str(tmp_path), "generation": None,
+                                                     "patch_manifest_sha256": None}  # fmt: skip
+    assert masked(["p", "--api-key=k", "--admin-api-key", "k2", "--x", "1"]) == [
+        "p", "--api-key=<secret>", "--admin-api-key", "<secret>", "--x", "1"]  # fmt: skip
+
+
+def test_a_rank_above_0_restarted_as_one_phase_skips_the_generation(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == REST
+    gen = next(p for p in res["phases"] if p["phase"] == "generate")
+    assert gen["detail"] == {"skipped": "rank above 0: rank 0 serves"}
+    serving(w, "new")
+
+
+def test_a_lock_whose_holder_wrote_garbage_is_still_refused(tmp_path):
+    held = InstanceLock("m", "deploy m", lock_dir=str(tmp_path))
+    held.acquire()
+    try:
+        os.pwrite(held.fd, b"{half a rec", 0)
+        with pytest.raises(lock.Locked, match="a holder that has not written its name yet") as exc:
+            InstanceLock("m", "restart m", lock_dir=str(tmp_path)).acquire()
+        assert exc.value.holder == {}
+        assert lock.peek("m", str(tmp_path)) is None, "no live holder named: status shows none, and takes no lock"
+    finally:
+        held.release()
+
+
+def test_http_healthy_is_false_when_nothing_listens():
+    assert http.healthy(f"http://127.0.0.1:{free_port()}", timeout=1) is False
+
+
+def test_unit_show_parses_and_cause_of_reads_the_journal(monkeypatch):
+    from sglang_deploy import unit
+
+    out = "ActiveState=failed\nSubState=failed\nMainPID=0\nNRestarts=x\nInvocationID=abc\n"
+    monkeypatch.setattr(unit, "systemctl", lambda *a, timeout=0: subprocess.CompletedProcess(a, 0, out, ""))
+    props = unit.show(UNIT)
+    assert props["MainPID"] == 0 and props["NRestarts"] == 0 and props["ExecMainStatus"] == 0
+    assert unit.state(props) == "failed/failed" and unit.has_failed(props)
+    monkeypatch.setattr(unit, "systemctl", lambda *a, timeout=0: subprocess.CompletedProcess(a, 5, "", "no such unit"))
+    with pytest.raises(unit.UnitError, match="systemctl start x failed: no such unit"):
+        unit.checked("start", "x")
+    assert unit.cause_of([f"{UNIT}: Main process exited, code=killed, status=31/SYS"]).endswith(
+        "(a system call the unit's SystemCallFilter denies)")  # fmt: skip
+    assert unit.cause_of(["launch_server.py: error: argument --tp-size: invalid int value: 'x'"]) == (
+        "error: argument --tp-size: invalid int value: 'x'")  # fmt: skip
+    assert unit.cause_of(["sglang-gpu-gate: GPU 0 held by pid 7: refusing to start"]).startswith("sglang-gpu-gate:")
+    assert unit.cause_of(["nothing to see"]) is None and unit.traceback_of(["no traceback"]) == []
+
+
+def test_instance_record_from_params_env_file_and_venv(tmp_path):
+    inst = Instance.from_params({"name": "m", "unit": UNIT, "unit_path": "u", "env_path": "e", "secrets_path": "s",
+                                 "pending_dir": "p", "port": 1, "gpus": [0], "argv": ["/usr/bin/sglang"],
+                                 "profile": "a", "nnodes": None, "unknown": 1})  # fmt: skip
+    assert inst.nnodes == 1 and inst.venv is None and inst.api_key() is None and inst.profile_of([]) is None
+    assert inst.profile_of(["other"]) is None
+    env = tmp_path / "x.env"
+    env.write_text('# comment\n\nA="q\\"uote \\$HOME \\\\"\nB=plain\nnot a line\n')
+    assert read_env_file(str(env)) == {"A": 'q"uote $HOME \\', "B": "plain"}
