@@ -138,7 +138,8 @@ def up(lab: Lab, nodes: int, gpus: int, timeout: float) -> list[dict[str, object
             podman(
                 "run", "--detach", "--name", name, "--hostname", hostname,
                 "--label", lab.label, "--runtime", "runc", "--systemd", "always",
-                "--network", lab.network, "--publish", "127.0.0.1::22",
+                # Nodes find each other by hostname, as a fleet's hosts do (dist_init_addr, NCCL's rendezvous).
+                "--network", lab.network, "--network-alias", hostname, "--publish", "127.0.0.1::22",
                 "--volume", f"{key}.pub:/home/ansible/.ssh/authorized_keys:ro",
                 "--volume", f"{REPO / 'lab' / 'standin'}:{STANDIN_DIR}:ro",
                 "--shm-size", "1g",

@@ -22,6 +22,15 @@ def test_nodes_boot_systemd_and_answer_over_ssh(lab):
     assert proc.stdout.count("CHANGED") == 2 and proc.stdout.count("running") == 2, proc.stdout
 
 
+def test_nodes_resolve_each_other_by_hostname(lab):
+    """As a fleet's hosts do: a multi-node instance's dist_init_addr names rank 0's host."""
+    _, hosts = lab
+    for host in hosts:
+        other = next(h["name"] for h in hosts if h is not host)
+        out = subprocess.run(["podman", "exec", host["container"], "getent", "hosts", other], capture_output=True, text=True)
+        assert out.returncode == 0 and other in out.stdout, f"{host['name']} cannot resolve {other}: {out.stderr}"
+
+
 def test_each_node_has_8_simulated_gpus_with_distinct_uuids(lab):
     the_lab, _ = lab
     proc = ansible("ansible", "sglang_nodes", "-m", "ansible.builtin.command",
