@@ -96,7 +96,7 @@ def driver_runner(the_lab, ledger: Path, default_limit: str | None):
 
 @pytest.fixture(scope="session")
 def lab():
-    the_lab = labmod.Lab(name="sgd-e2e")
+    the_lab = labmod.Lab(name=os.environ.get("SGD_E2E_LAB", "sgd-e2e"))  # another name: a second run beside
     labmod.down(the_lab)
     hosts = labmod.up(the_lab, nodes=2, gpus=8, timeout=120)
     yield the_lab, hosts

@@ -36,7 +36,7 @@ def drive(deployed, tmp_path_factory):
     run.history = history
     run.the_lab = the_lab
     yield run, node
-    podman_exec(node, "systemctl", "stop", "sglang-main.service")
+    podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")  # back to deployed, never verified
     podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/etc/sglang/pending")
     ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", NODE, "--tags", "sglang_service_configure",
             inventory=the_lab.inventory)  # fmt: skip

@@ -14,8 +14,14 @@ pytestmark = pytest.mark.lab
 
 @pytest.fixture(scope="module")
 def node1(deployed):
+    """lab-node1 deployed and never restarted, whatever ran on it before: this module reads that state."""
     the_lab, hosts = deployed
-    return the_lab, hosts[0]["container"]
+    node = hosts[0]["container"]
+    podman_exec(node, "sh", "-c", "systemctl disable --now sglang-main.service; "
+                "rm -rf /var/lib/sglang/known-good/main /etc/sglang/pending /etc/sglang/secrets/main.env")  # fmt: skip
+    ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", "--tags", "sglang_service_configure",
+            inventory=the_lab.inventory)  # fmt: skip
+    return the_lab, node
 
 
 def test_unit_is_written_verified_not_enabled_and_not_started(node1):
