@@ -1,15 +1,17 @@
 """The safe restart, the rollback, verify and status of one instance: a state machine.
 
-The phases and what a failure in each leads to are data (RESTART, ROLLBACK, MULTINODE).
-Each phase is one method of Machine; every exception raised in it (a refused systemctl, a
-timeout, a dropped HTTP connection, malformed JSON, an OSError, SIGTERM of the module, a
-bug) becomes a failure of that phase. Then, by the phase's rule:
+The phases are data: the sequences REFUSALS, RESTART, ROLLBACK and MULTINODE below, each a
+tuple of Steps. Each phase is one method of Machine; every exception raised in it (a refused
+systemctl, a timeout, a dropped HTTP connection, malformed JSON, an OSError, SIGTERM of the
+module, a bug) becomes a failure of that phase. What a failure leads to is the sequence's rule:
 
-    REFUSE    nothing running was touched: report the refusal (lock held, GPUs not clean)
-    RECOVER   put the last known-good generation back, start and verify it; when that is
-              impossible or fails too, contain: the unit stopped, never crash-looping,
+    REFUSALS  nothing running was touched: the step's refusal outcome (lock held, GPUs not
+              clean), or `refused` for an exception its own check did not raise
+    RESTART   put the last known-good generation back, start and verify it (ROLLBACK); when
+              that is impossible or fails too, contain: the unit stopped, never crash-looping,
               and the files on disk the known-good ones (or, with none, the unit disabled)
-    WARN      the server runs and verified; report what could not be done (recording)
+    MULTINODE contain on the failing node (no rollback across nodes)
+    RECORD    the server runs and verified: report what could not be done
 
 So a restart ends in exactly one of: restarted (and verified), rolled back (and serving),
 not recovered (stopped, with the cause); or a refusal that touched nothing.
@@ -35,9 +37,6 @@ from .known_good import Store, content_hash, write_atomic
 from .lock import InstanceLock, Locked, peek
 from .stage import promote, read_text, stage_complete
 
-REFUSE, RECOVER, WARN = "refuse", "recover", "warn"
-
-
 class Failure(Exception):
     def __init__(self, phase: str, cause: str, **details):
         super().__init__(cause)
@@ -55,8 +54,7 @@ class Terminated(Exception):
 class Step:
     phase: str
     run: Callable[[Machine], dict | None]
-    on_fail: str = RECOVER
-    refusal: str = ""  # the outcome of a REFUSE step's failure
+    refusal: str = ""  # in REFUSALS: the outcome when the step's own check says no
 
 
 @dataclass
@@ -416,8 +414,8 @@ def as_failure(phase: str, exc: BaseException) -> Failure:
 
 # ---------------------------------------------------------------------- the machines as data
 
-LOCK = Step(outcomes.LOCK, Machine.take_lock, REFUSE, outcomes.LOCKED)
-PREFLIGHT = Step(outcomes.PREFLIGHT, Machine.preflight, REFUSE, outcomes.GPUS_NOT_CLEAN)
+LOCK = Step(outcomes.LOCK, Machine.take_lock, outcomes.LOCKED)
+PREFLIGHT = Step(outcomes.PREFLIGHT, Machine.preflight, outcomes.GPUS_NOT_CLEAN)
 STOP = Step(outcomes.STOP, Machine.stop)
 GPUS = Step(outcomes.GPUS, Machine.wait_gpus)
 PROMOTE = Step(outcomes.PROMOTE, Machine.promote)
@@ -425,7 +423,7 @@ RESTORE = Step(outcomes.RESTORE, Machine.restore)
 START = Step(outcomes.START, Machine.start)
 GENERATE = Step(outcomes.GENERATE, Machine.generation)
 VERIFY = Step(outcomes.VERIFY, Machine.verify)
-RECORD = Step(outcomes.RECORD, Machine.record, WARN)
+RECORD = Step(outcomes.RECORD, Machine.record)
 CONFIRM = Step(outcomes.VERIFY, Machine.confirm)
 
 REFUSALS = (LOCK, PREFLIGHT)
