@@ -4,13 +4,13 @@ each flag and variable with the name of the setting that produced it."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 # One source of truth: the instance record's secret handling lives beside the modules.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "module_utils"))
+from sglang_deploy.instance import NAME  # noqa: E402
 from sglang_deploy.procinfo import SECRET_FLAGS  # noqa: E402
 
 
@@ -147,7 +147,6 @@ def sglang_instance(instance, index, profiles, profile, model_path, common_flags
         raise AnsibleFilterError(str(exc)) from exc
 
 
-NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # Directories under the state dir that are sglang-deploy's: StateDirectory=sglang/<name> must not be one.
 RESERVED_NAMES = ("known-good", "validated", "locks", "pending", "secrets", "instances")
 
