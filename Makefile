@@ -43,7 +43,9 @@ demo: lab-up ## the main job on the local lab: deploy, safe restart and verify, 
 	@$(BIN)/python -m driver restart
 	@$(BIN)/python -m driver verify
 
-lint: setup ## yamllint and ansible-lint (production profile)
+lint: setup ## ruff (lint and format), yamllint and ansible-lint (production profile)
+	@ruff check .
+	@ruff format --check .
 	@yamllint --strict .
 	@ansible-lint --profile production
 

@@ -24,8 +24,10 @@ def main() -> int:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "driver", "--help"], cwd=REPO, check=True, capture_output=True)
         times.append(time.perf_counter() - t0)
-    print(f"python -m driver --help: median {statistics.median(times) * 1000:.0f} ms, "
-          f"min {min(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms over {runs} runs (goal: < 500 ms)")
+    print(
+        f"python -m driver --help: median {statistics.median(times) * 1000:.0f} ms, "
+        f"min {min(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms over {runs} runs (goal: < 500 ms)"
+    )
     return 0
 
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
 def host_layout() -> Path:
     """The gate as roles/sglang_service/tasks/gate.yml installs it: the entry point beside its package."""
     lib = Path(tempfile.mkdtemp()) / "sglang-deploy"
@@ -43,6 +45,8 @@ def module_verdict() -> dict:
     """What the modules (sglang_server's wait, gpu_state) conclude on the same state, without waiting."""
     res = gpu.wait_clean([0], timeout=0.3, interval=0.1, max_used_mib=1024)
     return {"clean": res["clean"], "message": res["message"]}
+
+
 HOLD = (
     "import sys, time, torch\n"
     "x = torch.empty(int(sys.argv[1]) * 2**20, dtype=torch.uint8, device='cuda:0')\n"
@@ -57,7 +61,9 @@ def holder(mib: int) -> subprocess.Popen:
     # Wait until nvidia-smi lists it (polled).
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True).stdout
+        apps = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout
         if str(p.pid) in apps.split():
             return p
         time.sleep(0.05)
@@ -69,8 +75,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {}
     queries = {
-        "gpus": ["nvidia-smi", "--query-gpu=index,uuid,name,pci.bus_id,memory.used,memory.total,driver_version,persistence_mode,compute_mode", "--format=csv"],
-        "gpu_probe": ["nvidia-smi", "--query-gpu=index,uuid,name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+        "gpus": [
+            "nvidia-smi",
+            "--query-gpu=index,uuid,name,pci.bus_id,memory.used,memory.total,driver_version,persistence_mode,compute_mode",
+            "--format=csv",
+        ],
+        "gpu_probe": [
+            "nvidia-smi",
+            "--query-gpu=index,uuid,name,memory.total,driver_version",
+            "--format=csv,noheader,nounits",
+        ],
         "driver": ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
         "count": ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
     }
@@ -80,17 +94,33 @@ def main() -> int:
 
     t = time.monotonic()
     r = subprocess.run([*GATE, "--gpus", "0", "--timeout", "10"], capture_output=True, text=True)
-    report["clean"] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t,
-                       "module": module_verdict()}  # fmt: skip
+    report["clean"] = {
+        "rc": r.returncode,
+        "stdout": r.stdout,
+        "stderr": r.stderr,
+        "seconds": time.monotonic() - t,
+        "module": module_verdict(),
+    }
 
     p = holder(20000)
     t = time.monotonic()
     r = subprocess.run([*GATE, "--gpus", "0", "--timeout", "2"], capture_output=True, text=True)
-    report["busy"] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t,
-                      "holder_pid": p.pid, "module": module_verdict()}  # fmt: skip
+    report["busy"] = {
+        "rc": r.returncode,
+        "stdout": r.stdout,
+        "stderr": r.stderr,
+        "seconds": time.monotonic() - t,
+        "holder_pid": p.pid,
+        "module": module_verdict(),
+    }
     report["same_verdict"] = (report["clean"]["rc"] == 0) == report["clean"]["module"]["clean"] and (
-        report["busy"]["rc"] == 1) == (not report["busy"]["module"]["clean"])
-    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory,process_name", "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        report["busy"]["rc"] == 1
+    ) == (not report["busy"]["module"]["clean"])
+    apps = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory,process_name", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+    )
     report["busy_apps"] = apps.stdout
     p.kill()
     p.wait()
@@ -98,7 +128,12 @@ def main() -> int:
     detections = []
     for _ in range(5):
         p = holder(20000)
-        g = subprocess.Popen([*GATE, "--gpus", "0", "--timeout", "60", "--interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        g = subprocess.Popen(
+            [*GATE, "--gpus", "0", "--timeout", "60", "--interval", "0.05"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(0.5)
         assert g.poll() is None, "gate passed while the GPU was held"
         t = time.monotonic()

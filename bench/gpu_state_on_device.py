@@ -24,8 +24,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import gpu as sglang_gpu  # noqa: E402
 from gpu_gate_on_device import holder  # noqa: E402  (bench/ is on sys.path: a real process holding GPU memory)
+
+from sglang_deploy import gpu as sglang_gpu  # noqa: E402
+
 
 def module(args: dict) -> tuple[int, dict]:
     """gpu_state run by Ansible itself on this host."""
@@ -33,12 +35,28 @@ def module(args: dict) -> tuple[int, dict]:
     cfg = Path("/tmp/gpu-state-bench-ansible.cfg")
     cfg.write_text("[defaults]\n")
     tree = Path("/tmp/gpu-state-bench-tree")
-    env = {**os.environ, "ANSIBLE_CONFIG": str(cfg), "ANSIBLE_LIBRARY": str(REPO / "library"),
-           "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"), "ANSIBLE_LOCALHOST_WARNING": "0",
-           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0"}  # fmt: skip
-    cmd = ["ansible", "localhost", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}",
-           "-t", str(tree), "-m", "gpu_state", "-a", " ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-                                                          for k, v in args.items())]  # fmt: skip
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(cfg),
+        "ANSIBLE_LIBRARY": str(REPO / "library"),
+        "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
+        "ANSIBLE_LOCALHOST_WARNING": "0",
+        "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
+    }
+    cmd = [
+        "ansible",
+        "localhost",
+        "-c",
+        "local",
+        "-e",
+        f"ansible_python_interpreter={sys.executable}",
+        "-t",
+        str(tree),
+        "-m",
+        "gpu_state",
+        "-a",
+        " ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in args.items()),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     try:
         res = json.loads((tree / "localhost").read_text())
@@ -52,11 +70,21 @@ def main() -> int:
     out = Path(sys.argv[1])
     runs = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"nvidia_smi": subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
-                                                   "--format=csv,noheader"], capture_output=True, text=True).stdout}  # fmt: skip
+    report: dict = {
+        "nvidia_smi": subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    }
 
     rc, res = module({})
-    report["idle"] = {"rc": rc, "gpus": res.get("gpus"), "processes": res.get("processes"), "raw": None if rc == 0 else res}
+    report["idle"] = {
+        "rc": rc,
+        "gpus": res.get("gpus"),
+        "processes": res.get("processes"),
+        "raw": None if rc == 0 else res,
+    }
     print("idle:", rc, json.dumps(res.get("gpus")), res.get("processes"), flush=True)
 
     h = holder(20480)
@@ -73,7 +101,11 @@ def main() -> int:
         killer.start()
         t0 = time.monotonic()
         rc, res = module({"wait": True, "gpus": [0], "timeout": 60})
-        report["module_wait_through_kill"] = {"rc": rc, "wait": res.get("wait"), "wall_s": round(time.monotonic() - t0, 3)}
+        report["module_wait_through_kill"] = {
+            "rc": rc,
+            "wait": res.get("wait"),
+            "wall_s": round(time.monotonic() - t0, 3),
+        }
         print("module wait through a kill at 2 s:", rc, res.get("wait"), flush=True)
     finally:
         h.kill()
@@ -84,7 +116,7 @@ def main() -> int:
         h = holder(30720)
         result: dict = {}
 
-        def wait() -> None:
+        def wait(result: dict = result) -> None:
             result.update(sglang_gpu.wait_clean([0], timeout=60, interval=0.1, max_used_mib=1024))
             result["returned_at"] = time.monotonic()
 
@@ -104,9 +136,16 @@ def main() -> int:
     h = holder(1024)
     me = subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
     t0 = time.monotonic()
-    rc, res = module({"wait": True, "gpus": [0], "timeout": 30, "stop_policy": "own", "service_user": me, "kill_grace": 5})
-    report["policy_own"] = {"rc": rc, "wait": res.get("wait"), "changed": res.get("changed"), "holder_exit": h.poll(),
-                            "wall_s": round(time.monotonic() - t0, 3)}  # fmt: skip
+    rc, res = module(
+        {"wait": True, "gpus": [0], "timeout": 30, "stop_policy": "own", "service_user": me, "kill_grace": 5}
+    )
+    report["policy_own"] = {
+        "rc": rc,
+        "wait": res.get("wait"),
+        "changed": res.get("changed"),
+        "holder_exit": h.poll(),
+        "wall_s": round(time.monotonic() - t0, 3),
+    }
     print("policy own:", rc, res.get("changed"), res.get("wait"), flush=True)
     h.kill()
     h.wait()

@@ -38,12 +38,24 @@ USED_MIB = int(143771 * 0.88)  # what the stand-in holds per GPU at mem_fraction
 def playbook(node: str, env: dict[str, str], *extra: str) -> tuple[float, int, dict]:
     """Run restart.yml on node with the instance's env; (wall s, rc, the module's result)."""
     inst = {"name": "main", "port": 30000, "gpus": list(range(8)), "env": env}
-    cmd = [str(REPO / ".venv" / "bin" / "ansible-playbook"), "playbooks/restart.yml", "--limit", node,
-           "-e", json.dumps({"sglang_instances": [inst]}), *extra]  # fmt: skip
+    cmd = [
+        str(REPO / ".venv" / "bin" / "ansible-playbook"),
+        "playbooks/restart.yml",
+        "--limit",
+        node,
+        "-e",
+        json.dumps({"sglang_instances": [inst]}),
+        *extra,
+    ]
     t0 = time.monotonic()
     playbook.began = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"})  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"},
+    )
     wall = time.monotonic() - t0
     start = proc.stdout.find("\n{\n")
     if start < 0:
@@ -94,9 +106,13 @@ def main() -> int:
         downtime.append(round(stop_to_end(res) - READY_S, 3))
         wall.append(w - READY_S)
         pre_stop.append(round(stop["at"] - playbook.began, 3))  # the lab node shares this machine's clock
-    results["restart_overhead"] = {"downtime_minus_ready_s": downtime, "playbook_wall_minus_ready_s": wall,
-                                   "median_downtime_minus_ready_s": med(downtime), "median_playbook_minus_ready_s": med(wall),
-                                   "goal_s": 3.0}  # fmt: skip
+    results["restart_overhead"] = {
+        "downtime_minus_ready_s": downtime,
+        "playbook_wall_minus_ready_s": wall,
+        "median_downtime_minus_ready_s": med(downtime),
+        "median_playbook_minus_ready_s": med(wall),
+        "goal_s": 3.0,
+    }
     # Before the stop: ansible-playbook's start, rendering, validation (SGLang's parser, cached once a
     # configuration and software were validated on the host), staging, the lock and the preflight.
     results["pre_stop"] = {"playbook_start_to_stop_s": pre_stop, "median_s": med(pre_stop), "goal_s": 3.0}
@@ -109,8 +125,12 @@ def main() -> int:
         assert rc != 0 and res["failure"]["phase"] == "start", res
         detect.append(res["failure"]["exit_to_detect_s"])
         report.append(res["failure"]["exit_to_report_s"])
-    results["failure_detection"] = {"exit_to_detect_s": detect, "exit_to_report_s": report,
-                                    "median_exit_to_report_s": med(report), "goal_s": 2.0}  # fmt: skip
+    results["failure_detection"] = {
+        "exit_to_detect_s": detect,
+        "exit_to_report_s": report,
+        "median_exit_to_report_s": med(report),
+        "goal_s": 2.0,
+    }
 
     # Release detection: memory under the threshold -> start.
     slow_release = {"LAB_STANDIN_FAULT": "slow-release", "LAB_STANDIN_RELEASE_S": str(RELEASE_S)}
@@ -122,20 +142,26 @@ def main() -> int:
         assert rc == 0, res
         gpus = next(p for p in res["phases"] if p["phase"] == "gpus")
         latency.append(round(gpus["detail"]["waited_s"] - freed_after, 3))
-    results["release_detection"] = {"freed_to_start_s": latency, "median_freed_to_start_s": med(latency),
-                                    "memory_under_threshold_after_s": round(freed_after, 3), "goal_s": 0.5}  # fmt: skip
+    results["release_detection"] = {
+        "freed_to_start_s": latency,
+        "median_freed_to_start_s": med(latency),
+        "memory_under_threshold_after_s": round(freed_after, 3),
+        "goal_s": 0.5,
+    }
 
     playbook(a.node, {})  # back to the group_vars configuration
     results["runs"] = a.runs
     results["command"] = " ".join(["bench/restart_lab.py", *sys.argv[1:]])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    print(f"| measure | median | goal | runs |\n|---|---|---|---|\n"
-          f"| restart overhead (downtime - {READY_S:g} s to ready) | {results['restart_overhead']['median_downtime_minus_ready_s']} s | 3 s | {a.runs} |\n"
-          f"| restart.yml wall - {READY_S:g} s (incl. validation while the old server serves) | {results['restart_overhead']['median_playbook_minus_ready_s']} s | - | {a.runs} |\n"
-          f"| restart.yml start -> the stop (the old server still serves) | {results['pre_stop']['median_s']} s | 3 s | {a.runs} |\n"
-          f"| failure detection (process exit -> reported with journal) | {results['failure_detection']['median_exit_to_report_s']} s | 2 s | {a.runs} |\n"
-          f"| release detection (memory freed -> start) | {results['release_detection']['median_freed_to_start_s']} s | 0.5 s | {a.runs} |")  # fmt: skip
+    print(
+        f"| measure | median | goal | runs |\n|---|---|---|---|\n"
+        f"| restart overhead (downtime - {READY_S:g} s to ready) | {results['restart_overhead']['median_downtime_minus_ready_s']} s | 3 s | {a.runs} |\n"
+        f"| restart.yml wall - {READY_S:g} s (incl. validation while the old server serves) | {results['restart_overhead']['median_playbook_minus_ready_s']} s | - | {a.runs} |\n"
+        f"| restart.yml start -> the stop (the old server still serves) | {results['pre_stop']['median_s']} s | 3 s | {a.runs} |\n"
+        f"| failure detection (process exit -> reported with journal) | {results['failure_detection']['median_exit_to_report_s']} s | 2 s | {a.runs} |\n"
+        f"| release detection (memory freed -> start) | {results['release_detection']['median_freed_to_start_s']} s | 0.5 s | {a.runs} |"
+    )
     return 0
 
 

@@ -11,11 +11,26 @@ import sys
 from driver import exitcodes
 
 PLAYBOOKS = {
-    "deploy": ("playbooks/deploy.yml", "install and configure GPU nodes: CUDA, ml-env, SGLang and its patches, the units"),
-    "restart": ("playbooks/restart.yml", "safe restart: validate, stop, clean GPUs, start, generate, verify; roll back on failure"),
-    "verify": ("playbooks/verify.yml", "verify running servers: unit, drift, GPU processes, generation, accept length, tok/s"),
-    "validate": ("playbooks/validate.yml", "check the configuration with SGLang's own parser on each host; changes nothing"),
-    "status": ("playbooks/status.yml", "every instance at a glance: unit, profile, drift, GPU memory, health, accept length"),
+    "deploy": (
+        "playbooks/deploy.yml",
+        "install and configure GPU nodes: CUDA, ml-env, SGLang and its patches, the units",
+    ),
+    "restart": (
+        "playbooks/restart.yml",
+        "safe restart: validate, stop, clean GPUs, start, generate, verify; roll back on failure",
+    ),
+    "verify": (
+        "playbooks/verify.yml",
+        "verify running servers: unit, drift, GPU processes, generation, accept length, tok/s",
+    ),
+    "validate": (
+        "playbooks/validate.yml",
+        "check the configuration with SGLang's own parser on each host; changes nothing",
+    ),
+    "status": (
+        "playbooks/status.yml",
+        "every instance at a glance: unit, profile, drift, GPU memory, health, accept length",
+    ),
     "rollback": ("playbooks/rollback.yml", "put the last-known-good configuration back, restart and verify it"),
 }
 
@@ -23,28 +38,51 @@ EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m driver", description="Deploy and operate SGLang servers (sglang-deploy).",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m driver",
+        description="Deploy and operate SGLang servers (sglang-deploy).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-i", "--inventory", help="inventory (default: the local lab, inventory/lab/hosts.yml)")
     common.add_argument("--limit", help="hosts or groups to act on (Ansible's --limit)")
     common.add_argument("--profile", help="the named profile to run (sets sglang_profile)")
-    common.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
-                        help="extra variables, as ansible-playbook -e takes them (repeatable)")  # fmt: skip
+    common.add_argument(
+        "-e",
+        "--extra-vars",
+        action="append",
+        default=[],
+        metavar="VARS",
+        help="extra variables, as ansible-playbook -e takes them (repeatable)",
+    )
     common.add_argument("--instance", action="append", default=[], help="act on this instance only (repeatable)")
     common.add_argument("--check", action="store_true", help="dry run: report what would change, change nothing")
     common.add_argument("--json", action="store_true", help="print one machine-readable result, no progress")
     common.add_argument("-v", "--verbose", action="count", default=0, help="Ansible verbosity (-v, -vv, ...)")
     common.add_argument("--svg", metavar="FILE", help="also save the summary as an SVG picture")
     for name, (_, text) in PLAYBOOKS.items():
-        sp = sub.add_parser(name, parents=[common], help=text, description=text, epilog=EPILOG,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        sp = sub.add_parser(
+            name,
+            parents=[common],
+            help=text,
+            description=text,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         if name == "restart":
-            sp.add_argument("--no-rollback", action="store_true", help="leave a failed restart stopped instead of rolling back")
-            sp.add_argument("--force-stop", action="store_true",
-                            help="also kill other users' processes holding the instance's GPUs (never done otherwise)")  # fmt: skip
-    h = sub.add_parser("history", help="the run ledger; --compare puts profiles side by side", description="The run ledger.")
+            sp.add_argument(
+                "--no-rollback", action="store_true", help="leave a failed restart stopped instead of rolling back"
+            )
+            sp.add_argument(
+                "--force-stop",
+                action="store_true",
+                help="also kill other users' processes holding the instance's GPUs (never done otherwise)",
+            )
+    h = sub.add_parser(
+        "history", help="the run ledger; --compare puts profiles side by side", description="The run ledger."
+    )
     h.add_argument("--compare", action="store_true", help="profiles side by side from the recorded measurements")
     h.add_argument("-n", "--last", type=int, default=20, help="how many runs to list")
     h.add_argument("--json", action="store_true", help="machine-readable output")
@@ -86,8 +124,14 @@ def run_playbook(args: argparse.Namespace, argv: list[str]) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     t0 = time.monotonic()
-    job = runner.Job(playbook=PLAYBOOKS[args.command][0], inventory=args.inventory, limit=args.limit,
-                     extravars=extravars(args), check=args.check, verbosity=args.verbose)  # fmt: skip
+    job = runner.Job(
+        playbook=PLAYBOOKS[args.command][0],
+        inventory=args.inventory,
+        limit=args.limit,
+        extravars=extravars(args),
+        check=args.check,
+        verbosity=args.verbose,
+    )
     try:
         with display.Progress(tracker, quiet=args.json) as progress:
 
@@ -99,8 +143,15 @@ def run_playbook(args: argparse.Namespace, argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
     code = tracker.exit_code(outcome.status, outcome.rc, interrupted["flag"])
-    book.finish(run_id, code, exitcodes.MEANING.get(code, "?"), round(time.monotonic() - t0, 1), list(tracker.hosts),
-                tracker.measurements(), str(record))  # fmt: skip
+    book.finish(
+        run_id,
+        code,
+        exitcodes.MEANING.get(code, "?"),
+        round(time.monotonic() - t0, 1),
+        list(tracker.hosts),
+        tracker.measurements(),
+        str(record),
+    )
     book.close()
     if args.json:
         display.as_json(tracker, code, run_id)
@@ -130,23 +181,63 @@ def history(args: argparse.Namespace) -> int:
     console = Console()
     if args.compare:
         table = Table(title="profiles, from the recorded measurements")
-        for col in ("profile", "measurements", "median tok/s", "best tok/s", "median accept len", "verified running",
-                    "config hashes", "last measured"):  # fmt: skip
+        for col in (
+            "profile",
+            "measurements",
+            "median tok/s",
+            "best tok/s",
+            "median accept len",
+            "verified running",
+            "config hashes",
+            "last measured",
+        ):
             table.add_column(col)
         for r in data:
-            table.add_row(r["profile"], str(r["measurements"]), str(r["median_tokens_per_s"]), str(r["best_tokens_per_s"]),
-                          str(r["median_accept_length"]), r["verified_running"], ", ".join(r["config_hashes"]) or "-",
-                          r["last_measured"])  # fmt: skip
+            table.add_row(
+                r["profile"],
+                str(r["measurements"]),
+                str(r["median_tokens_per_s"]),
+                str(r["best_tokens_per_s"]),
+                str(r["median_accept_length"]),
+                r["verified_running"],
+                ", ".join(r["config_hashes"]) or "-",
+                r["last_measured"],
+            )
     else:
         table = Table(title=f"last {args.last} runs")
-        for col in ("run", "started", "user", "command", "hosts", "profile", "config", "exit", "outcome", "s", "tok/s", "accept"):
+        for col in (
+            "run",
+            "started",
+            "user",
+            "command",
+            "hosts",
+            "profile",
+            "config",
+            "exit",
+            "outcome",
+            "s",
+            "tok/s",
+            "accept",
+        ):
             table.add_column(col)
         for r in data:
             ms = r["measurements"]
             tok = ", ".join(f"{m['tokens_per_s']}" for m in ms if m["tokens_per_s"] is not None) or "-"
             acc = ", ".join(f"{m['accept_length']}" for m in ms if m["accept_length"] is not None) or "-"
-            table.add_row(str(r["id"]), r["started_at"], r["user"], r["command"], r["hosts"] or "-", r["profile"] or "-",
-                          r["config_hash"] or "-", str(r["exit_code"]), r["outcome"] or "-", str(r["duration_s"]), tok, acc)  # fmt: skip
+            table.add_row(
+                str(r["id"]),
+                r["started_at"],
+                r["user"],
+                r["command"],
+                r["hosts"] or "-",
+                r["profile"] or "-",
+                r["config_hash"] or "-",
+                str(r["exit_code"]),
+                r["outcome"] or "-",
+                str(r["duration_s"]),
+                tok,
+                acc,
+            )
     console.print(table)
     return exitcodes.OK
 

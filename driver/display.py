@@ -28,8 +28,13 @@ class Progress:
             from rich.console import Console
             from rich.live import Live
 
-            self.live = Live(self.render(), console=Console(stderr=True), refresh_per_second=4, transient=True,
-                             get_renderable=self.render)  # fmt: skip
+            self.live = Live(
+                self.render(),
+                console=Console(stderr=True),
+                refresh_per_second=4,
+                transient=True,
+                get_renderable=self.render,
+            )
 
     def __enter__(self) -> Progress:
         if self.live:
@@ -49,7 +54,11 @@ class Progress:
                 self.since[h.name] = time.monotonic()
                 if not self.live and not self.quiet:
                     wait = f" (waiting for: {WAITS[h.phase]})" if h.phase in WAITS and h.status == "running" else ""
-                    print(f"[{time.monotonic() - self.t0:6.1f}s] {h.name}: {h.phase} {h.status}{wait}", file=sys.stderr, flush=True)
+                    print(
+                        f"[{time.monotonic() - self.t0:6.1f}s] {h.name}: {h.phase} {h.status}{wait}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
     def render(self):
         from rich.table import Table
@@ -70,7 +79,17 @@ def status_table(tracker: Tracker, exit_code: int):
     from rich.table import Table
 
     table = Table(title=f"sglang-deploy status (exit {exit_code})")
-    for col in ("host", "instance", "unit", "running profile", "drift", "GPU memory", "health", "accept len", "tok/s (known-good)"):
+    for col in (
+        "host",
+        "instance",
+        "unit",
+        "running profile",
+        "drift",
+        "GPU memory",
+        "health",
+        "accept len",
+        "tok/s (known-good)",
+    ):
         table.add_column(col)
     for h in sorted(tracker.hosts.values(), key=lambda x: x.name):
         for name, res in sorted(h.instances.items()):
@@ -78,12 +97,17 @@ def status_table(tracker: Tracker, exit_code: int):
             used = sum(v or 0 for v in mem.values())
             kg = res.get("known_good") or {}
             health = res.get("health")
-            table.add_row(h.name, name, res.get("state", "?"), res.get("running_profile") or "-",
-                          "[red]DRIFT[/red]" if res.get("drift") else "no",
-                          f"{used / 1024:.1f} GiB on {len(mem)} GPUs",
-                          "-" if health is None else "[green]ok[/green]" if health else "[red]down[/red]",
-                          str(res.get("accept_length") if res.get("accept_length") is not None else "-"),
-                          str(kg.get("tokens_per_s") or "-"))  # fmt: skip
+            table.add_row(
+                h.name,
+                name,
+                res.get("state", "?"),
+                res.get("running_profile") or "-",
+                "[red]DRIFT[/red]" if res.get("drift") else "no",
+                f"{used / 1024:.1f} GiB on {len(mem)} GPUs",
+                "-" if health is None else "[green]ok[/green]" if health else "[red]down[/red]",
+                str(res.get("accept_length") if res.get("accept_length") is not None else "-"),
+                str(kg.get("tokens_per_s") or "-"),
+            )
         if not h.instances:
             table.add_row(h.name, "-", h.status, "-", "-", "-", "-", "-", "-")
     return table
@@ -110,18 +134,30 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
             console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
         return
     table = Table(title=f"sglang-deploy {tracker.command}: {exitcodes.MEANING.get(exit_code, '?')} (exit {exit_code})")
-    for col, justify in (("host", "left"), ("instance", "left"), ("phase reached", "left"), ("result", "left"),
-                         ("seconds", "right"), ("tok/s", "right"), ("accept len", "right")):  # fmt: skip
+    for col, justify in (
+        ("host", "left"),
+        ("instance", "left"),
+        ("phase reached", "left"),
+        ("result", "left"),
+        ("seconds", "right"),
+        ("tok/s", "right"),
+        ("accept len", "right"),
+    ):
         table.add_column(col, justify=justify)
     details = []
     for row in tracker.rows():
         style = "green" if row["result"] in GOOD else "red"
         if row["result"] == outcomes.ROLLED_BACK and tracker.command == "restart":
             style = "yellow"
-        table.add_row(row["host"], row["instance"] or "-", row["phase"], f"[{style}]{row['result']}[/{style}]",
-                      f"{row['seconds']}" if row["seconds"] is not None else "-",
-                      f"{row['tokens_per_s']}" if row["tokens_per_s"] is not None else "-",
-                      f"{row['accept_length']}" if row["accept_length"] is not None else "-")  # fmt: skip
+        table.add_row(
+            row["host"],
+            row["instance"] or "-",
+            row["phase"],
+            f"[{style}]{row['result']}[/{style}]",
+            f"{row['seconds']}" if row["seconds"] is not None else "-",
+            f"{row['tokens_per_s']}" if row["tokens_per_s"] is not None else "-",
+            f"{row['accept_length']}" if row["accept_length"] is not None else "-",
+        )
         if row["detail"]:
             details.append(f"{row['host']}{'/' + row['instance'] if row['instance'] else ''}: {row['detail']}")
     console.print(table)
@@ -140,7 +176,11 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         for f in h.failures:
             if not h.instances:
                 console.print(f"{h.name}: {f.task}: {f.message}", markup=False, highlight=False)
-    if exit_code not in (exitcodes.OK, exitcodes.INTERRUPTED) and not any(h.failures for h in tracker.hosts.values()) and tracker.messages:
+    if (
+        exit_code not in (exitcodes.OK, exitcodes.INTERRUPTED)
+        and not any(h.failures for h in tracker.hosts.values())
+        and tracker.messages
+    ):
         console.print("Ansible said:", style="bold")
         console.print("\n".join(tracker.messages[-30:]), markup=False, highlight=False)
     if run_id is not None:

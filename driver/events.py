@@ -49,7 +49,7 @@ def timestamp(event: dict) -> float:
         return 0.0
     t = dt.datetime.fromisoformat(created)
     if t.tzinfo is None:
-        t = t.replace(tzinfo=dt.timezone.utc)
+        t = t.replace(tzinfo=dt.UTC)
     return t.timestamp()
 
 
@@ -231,12 +231,19 @@ class Tracker:
             for name, res in h.instances.items():
                 v = res.get("verify") or {}
                 kg = res.get("known_good") or {}
-                out.append({"host": h.name, "instance": name, "outcome": res.get("outcome"),
-                            "profile": res.get("profile") or res.get("configured_profile"),
-                            "running_profile": v.get("running_profile") or res.get("running_profile"),
-                            "config_hash": kg.get("config_hash"),
-                            "downtime_s": res.get("downtime_s"), "tokens_per_s": v.get("tokens_per_s"),
-                            "accept_length": v.get("accept_length") if v else res.get("accept_length")})  # fmt: skip
+                out.append(
+                    {
+                        "host": h.name,
+                        "instance": name,
+                        "outcome": res.get("outcome"),
+                        "profile": res.get("profile") or res.get("configured_profile"),
+                        "running_profile": v.get("running_profile") or res.get("running_profile"),
+                        "config_hash": kg.get("config_hash"),
+                        "downtime_s": res.get("downtime_s"),
+                        "tokens_per_s": v.get("tokens_per_s"),
+                        "accept_length": v.get("accept_length") if v else res.get("accept_length"),
+                    }
+                )
         return out
 
     def result(self, exit_code: int) -> dict:
@@ -246,9 +253,13 @@ class Tracker:
             "meaning": exitcodes.MEANING.get(exit_code, "?"),
             "duration_s": round(self.last - self.first, 1) if self.first else 0.0,
             "hosts": {
-                h.name: {"status": h.status, "phase": h.phase, "task": h.task,
-                         "failures": [{"code": f.code, "task": f.task, "message": f.message} for f in h.failures],
-                         "instances": h.instances}  # fmt: skip
+                h.name: {
+                    "status": h.status,
+                    "phase": h.phase,
+                    "task": h.task,
+                    "failures": [{"code": f.code, "task": f.task, "message": f.message} for f in h.failures],
+                    "instances": h.instances,
+                }
                 for h in self.hosts.values()
             },
             "rows": self.rows(),
@@ -262,8 +273,10 @@ class Tracker:
             if h.status != "running":
                 lines.append(f"{h.name}: {h.status} (phase {h.phase})")
             elif h.phase in ("restart", "rollback"):
-                lines.append(f"{h.name}: interrupted during '{h.task}' ({h.phase}): the module goes on on the host and "
-                             "finishes its restart or rollback; check with `python -m driver status`")  # fmt: skip
+                lines.append(
+                    f"{h.name}: interrupted during '{h.task}' ({h.phase}): the module goes on on the host and "
+                    "finishes its restart or rollback; check with `python -m driver status`"
+                )
             else:
                 lines.append(f"{h.name}: interrupted in phase {h.phase} ('{h.task}'); running servers were not touched")
         return lines
@@ -301,11 +314,16 @@ def instance_row(h: HostState, name: str, res: dict) -> dict:
     """One instance's row in the summary, from its module's result."""
     v = res.get("verify") or (res.get("rollback") or {}).get("verify") or {}
     seconds = res.get("downtime_s")
-    return {"host": h.name, "instance": name, "phase": phase_reached(h, res), "result": res.get("outcome"),
-            "seconds": seconds if seconds is not None else round(h.duration, 1),
-            "tokens_per_s": v.get("tokens_per_s") or (res.get("known_good") or {}).get("tokens_per_s"),
-            "accept_length": v.get("accept_length") or res.get("accept_length"),
-            "detail": detail_of(res, v)}  # fmt: skip
+    return {
+        "host": h.name,
+        "instance": name,
+        "phase": phase_reached(h, res),
+        "result": res.get("outcome"),
+        "seconds": seconds if seconds is not None else round(h.duration, 1),
+        "tokens_per_s": v.get("tokens_per_s") or (res.get("known_good") or {}).get("tokens_per_s"),
+        "accept_length": v.get("accept_length") or res.get("accept_length"),
+        "detail": detail_of(res, v),
+    }
 
 
 def phase_reached(h: HostState, res: dict) -> str:
@@ -325,8 +343,10 @@ def detail_of(res: dict, v: dict) -> str:
     if res.get("failure"):
         return failure_detail(res["failure"], res.get("rollback") or {})
     if outcome == outcomes.STATUS:
-        return (f"{res.get('state')}, profile {res.get('running_profile') or '?'}"
-                f"{' (DRIFT)' if res.get('drift') else ''}, health {res.get('health')}")  # fmt: skip
+        return (
+            f"{res.get('state')}, profile {res.get('running_profile') or '?'}"
+            f"{' (DRIFT)' if res.get('drift') else ''}, health {res.get('health')}"
+        )
     if v.get("failed_checks"):
         return "; ".join(v["failed_checks"])
     if outcome not in outcomes.SUCCESS and outcome != outcomes.ROLLED_BACK:
@@ -345,7 +365,7 @@ def lock_detail(holder: dict) -> str:
 def when(since) -> str:
     """A lock's start as UTC ISO 8601 when it comes as seconds since the epoch; as given otherwise."""
     if isinstance(since, (int, float)) and not isinstance(since, bool):
-        return dt.datetime.fromtimestamp(since, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return dt.datetime.fromtimestamp(since, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return str(since)
 
 

@@ -85,23 +85,52 @@ class Ledger:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
-    def finish(self, run_id: int, exit_code: int, outcome: str, duration_s: float, hosts: list[str],
-               measurements: list[dict], events_path: str | None) -> None:  # fmt: skip
+    def finish(
+        self,
+        run_id: int,
+        exit_code: int,
+        outcome: str,
+        duration_s: float,
+        hosts: list[str],
+        measurements: list[dict],
+        events_path: str | None,
+    ) -> None:
         hashes = sorted({m["config_hash"] for m in measurements if m.get("config_hash")})
         profiles = sorted({m["profile"] for m in measurements if m.get("profile")})
         self.db.execute(
             "UPDATE runs SET finished_at=?, exit_code=?, outcome=?, duration_s=?, hosts=?, config_hash=?,"
             " profile=COALESCE(profile, ?), events_path=? WHERE id=?",
-            (now_iso(), exit_code, outcome, duration_s, ",".join(sorted(hosts)), ",".join(hashes) or None,
-             ",".join(profiles) or None, events_path, run_id),
-        )  # fmt: skip
+            (
+                now_iso(),
+                exit_code,
+                outcome,
+                duration_s,
+                ",".join(sorted(hosts)),
+                ",".join(hashes) or None,
+                ",".join(profiles) or None,
+                events_path,
+                run_id,
+            ),
+        )
         self.db.executemany(
             "INSERT INTO measurements (run_id, host, instance, outcome, profile, running_profile, config_hash,"
             " downtime_s, tokens_per_s, accept_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(run_id, m["host"], m["instance"], m.get("outcome"), m.get("profile"), m.get("running_profile"),
-              m.get("config_hash"), m.get("downtime_s"), m.get("tokens_per_s"), m.get("accept_length"))
-             for m in measurements],
-        )  # fmt: skip
+            [
+                (
+                    run_id,
+                    m["host"],
+                    m["instance"],
+                    m.get("outcome"),
+                    m.get("profile"),
+                    m.get("running_profile"),
+                    m.get("config_hash"),
+                    m.get("downtime_s"),
+                    m.get("tokens_per_s"),
+                    m.get("accept_length"),
+                )
+                for m in measurements
+            ],
+        )
         self.db.commit()
 
     def runs(self, limit: int = 20) -> list[dict]:
@@ -120,7 +149,7 @@ class Ledger:
         rows = self.db.execute(
             "SELECT m.*, r.started_at FROM measurements m JOIN runs r ON r.id = m.run_id"
             " WHERE m.tokens_per_s IS NOT NULL ORDER BY r.id"
-        ).fetchall()  # fmt: skip
+        ).fetchall()
         by: dict[str, list] = {}
         for r in rows:
             by.setdefault(r["profile"] or "?", []).append(r)
@@ -129,14 +158,16 @@ class Ledger:
             tok = [m["tokens_per_s"] for m in ms]
             acc = [m["accept_length"] for m in ms if m["accept_length"] is not None]
             verified = sum(1 for m in ms if m["running_profile"] == profile)
-            out.append({
-                "profile": profile,
-                "measurements": len(ms),
-                "median_tokens_per_s": round(statistics.median(tok), 1),
-                "best_tokens_per_s": round(max(tok), 1),
-                "median_accept_length": round(statistics.median(acc), 2) if acc else None,
-                "verified_running": f"{verified}/{len(ms)}",
-                "config_hashes": sorted({m["config_hash"] for m in ms if m["config_hash"]}),
-                "last_measured": ms[-1]["started_at"],
-            })  # fmt: skip
+            out.append(
+                {
+                    "profile": profile,
+                    "measurements": len(ms),
+                    "median_tokens_per_s": round(statistics.median(tok), 1),
+                    "best_tokens_per_s": round(max(tok), 1),
+                    "median_accept_length": round(statistics.median(acc), 2) if acc else None,
+                    "verified_running": f"{verified}/{len(ms)}",
+                    "config_hashes": sorted({m["config_hash"] for m in ms if m["config_hash"]}),
+                    "last_measured": ms[-1]["started_at"],
+                }
+            )
         return out

@@ -8,9 +8,9 @@ import shlex
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,9 @@ class Outcome:
     rc: int
 
 
-def run(job: Job, on_event: Callable[[dict], None], cancelled: Callable[[], bool], record: Path | None = None) -> Outcome:
+def run(
+    job: Job, on_event: Callable[[dict], None], cancelled: Callable[[], bool], record: Path | None = None
+) -> Outcome:
     """Run job.playbook; call on_event for every event; stop when cancelled() says so.
 
     With record, every event is also appended to that file as one JSON line (a replayable stream).
@@ -92,4 +94,3 @@ def run(job: Job, on_event: Callable[[dict], None], cancelled: Callable[[], bool
         if sink:
             sink.close()
         shutil.rmtree(private, ignore_errors=True)
-

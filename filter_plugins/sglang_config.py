@@ -10,8 +10,8 @@ from typing import Any
 
 # One source of truth: the instance record's secret handling lives beside the modules.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "module_utils"))
-from sglang_deploy.instance import NAME  # noqa: E402
-from sglang_deploy.procinfo import SECRET_FLAGS  # noqa: E402
+from sglang_deploy.instance import NAME
+from sglang_deploy.procinfo import SECRET_FLAGS
 
 
 class ConfigError(ValueError):
@@ -51,11 +51,15 @@ def server_config(
     CUDA_VISIBLE_DEVICES and, unless a flag says otherwise, the tensor parallel size.
     """
     if profile not in profiles:
-        raise ConfigError(f"sglang_profile {profile!r} is not in sglang_profiles (known: {', '.join(sorted(profiles))})")
+        raise ConfigError(
+            f"sglang_profile {profile!r} is not in sglang_profiles (known: {', '.join(sorted(profiles))})"
+        )
     prof = profiles[profile] or {}
     unknown = set(prof) - {"description", "flags", "env", "baseline"}
     if unknown:
-        raise ConfigError(f"sglang_profiles.{profile}: unknown keys {sorted(unknown)} (allowed: description, flags, env, baseline)")
+        raise ConfigError(
+            f"sglang_profiles.{profile}: unknown keys {sorted(unknown)} (allowed: description, flags, env, baseline)"
+        )
     inst_name = f"sglang_instances[{instance_index}]"
     gpus = instance.get("gpus") or []
     if not gpus:
@@ -72,8 +76,10 @@ def server_config(
             if key.startswith("-") or key != key.lower():
                 raise ConfigError(f"{where}.{key}: write flags as snake_case keys (tp_size for --tp-size)")
             if flag_name(key) in SECRET_FLAGS and value not in (None, False, ""):
-                raise ConfigError(f"{where}.{key}: a secret on a command line and in the unit file; set "
-                                  "sglang_service_api_key instead (a root-only secrets file; the launcher passes it)")
+                raise ConfigError(
+                    f"{where}.{key}: a secret on a command line and in the unit file; set "
+                    "sglang_service_api_key instead (a root-only secrets file; the launcher passes it)"
+                )
             flags[key] = value
             origins[flag_name(key)] = f"{where}.{key}"
     fixed = {
@@ -94,7 +100,9 @@ def server_config(
         fixed["dist_init_addr"] = (instance["dist_init_addr"], f"{inst_name}.dist_init_addr")
     for key, (value, where) in fixed.items():
         if key in flags:
-            raise ConfigError(f"{origins[flag_name(key)]}: --{key.replace('_', '-')} is set from {where}; remove it from the flags")
+            raise ConfigError(
+                f"{origins[flag_name(key)]}: --{key.replace('_', '-')} is set from {where}; remove it from the flags"
+            )
         if value is None or value == "":
             raise ConfigError(f"{where} is not set")
     argv: list[str] = []
@@ -124,25 +132,51 @@ def server_config(
     return {"argv": argv, "origins": origins, "env": env, "env_origins": env_origins, "profile": profile}
 
 
-def sglang_server_config(instance, profiles, profile, model_path, common_flags=None, common_env=None,
-                         listen_host="0.0.0.0", instance_index=0):  # fmt: skip
+def sglang_server_config(
+    instance, profiles, profile, model_path, common_flags=None, common_env=None, listen_host="0.0.0.0", instance_index=0
+):
     from ansible.errors import AnsibleFilterError
 
     try:
-        return server_config(instance, profiles, profile, model_path, common_flags, common_env, listen_host, instance_index)
+        return server_config(
+            instance, profiles, profile, model_path, common_flags, common_env, listen_host, instance_index
+        )
     except ConfigError as exc:
         raise AnsibleFilterError(str(exc)) from exc
 
 
-def sglang_instance(instance, index, profiles, profile, model_path, common_flags=None, common_env=None,
-                    listen_host="0.0.0.0", venv="/opt/ml-env", launch_module="sglang.launch_server",
-                    config_dir="/etc/sglang", launcher="/usr/local/libexec/sglang-deploy/sglang-launch"):  # fmt: skip
+def sglang_instance(
+    instance,
+    index,
+    profiles,
+    profile,
+    model_path,
+    common_flags=None,
+    common_env=None,
+    listen_host="0.0.0.0",
+    venv="/opt/ml-env",
+    launch_module="sglang.launch_server",
+    config_dir="/etc/sglang",
+    launcher="/usr/local/libexec/sglang-deploy/sglang-launch",
+):
     """The instance's record, rendered once: what the unit template, validation and the modules read."""
     from ansible.errors import AnsibleFilterError
 
     try:
-        return instance_record(instance, index, profiles, profile, model_path, common_flags, common_env, listen_host,
-                               venv, launch_module, config_dir, launcher)  # fmt: skip
+        return instance_record(
+            instance,
+            index,
+            profiles,
+            profile,
+            model_path,
+            common_flags,
+            common_env,
+            listen_host,
+            venv,
+            launch_module,
+            config_dir,
+            launcher,
+        )
     except ConfigError as exc:
         raise AnsibleFilterError(str(exc)) from exc
 
@@ -151,33 +185,63 @@ def sglang_instance(instance, index, profiles, profile, model_path, common_flags
 RESERVED_NAMES = ("known-good", "validated", "locks", "pending", "secrets", "instances")
 
 
-def instance_record(instance, index, profiles, profile, model_path, common_flags, common_env, listen_host, venv,
-                    launch_module, config_dir, launcher) -> dict[str, Any]:  # fmt: skip
+def instance_record(
+    instance,
+    index,
+    profiles,
+    profile,
+    model_path,
+    common_flags,
+    common_env,
+    listen_host,
+    venv,
+    launch_module,
+    config_dir,
+    launcher,
+) -> dict[str, Any]:
     name = str(instance.get("name") or "")
     if not NAME.match(name) or name in RESERVED_NAMES:
-        raise ConfigError(f"sglang_instances[{index}].name {name!r}: use lowercase letters, digits, '-' and '_' "
-                          f"(it names the unit, its files and its lock), not one of {', '.join(RESERVED_NAMES)}")
+        raise ConfigError(
+            f"sglang_instances[{index}].name {name!r}: use lowercase letters, digits, '-' and '_' "
+            f"(it names the unit, its files and its lock), not one of {', '.join(RESERVED_NAMES)}"
+        )
     conf = server_config(instance, profiles, profile, model_path, common_flags, common_env, listen_host, index)
     # The launcher adds the API key from the secrets file in-process: never on the command line.
     prefix = [f"{venv}/bin/python", launcher, launch_module]
     others = {}
     for other in profiles:
         try:
-            others[other] = prefix + server_config(instance, profiles, other, model_path, common_flags, common_env,
-                                                   listen_host, index)["argv"]  # fmt: skip
+            others[other] = (
+                prefix
+                + server_config(instance, profiles, other, model_path, common_flags, common_env, listen_host, index)[
+                    "argv"
+                ]
+            )
         except ConfigError:
             continue
     baseline = ((profiles[profile] or {}).get("baseline") or {}).get("output_tokens_per_s")
     return {
-        "name": name, "unit": f"sglang-{name}.service", "unit_path": f"/etc/systemd/system/sglang-{name}.service",
-        "env_path": f"{config_dir}/{name}.env", "secrets_path": f"{config_dir}/secrets/{name}.env",
-        "pending_dir": f"{config_dir}/pending", "port": instance["port"], "gpus": list(instance["gpus"]),
-        "nnodes": int(instance.get("nnodes") or 1), "node_rank": int(instance.get("node_rank") or 0),
+        "name": name,
+        "unit": f"sglang-{name}.service",
+        "unit_path": f"/etc/systemd/system/sglang-{name}.service",
+        "env_path": f"{config_dir}/{name}.env",
+        "secrets_path": f"{config_dir}/secrets/{name}.env",
+        "pending_dir": f"{config_dir}/pending",
+        "port": instance["port"],
+        "gpus": list(instance["gpus"]),
+        "nnodes": int(instance.get("nnodes") or 1),
+        "node_rank": int(instance.get("node_rank") or 0),
         "dist_init_addr": instance.get("dist_init_addr") or None,
-        "profile": profile, "python": prefix[0], "server_argv": conf["argv"], "argv": prefix + conf["argv"],
-        "origins": conf["origins"], "env": conf["env"], "env_origins": conf["env_origins"], "profiles_argv": others,
+        "profile": profile,
+        "python": prefix[0],
+        "server_argv": conf["argv"],
+        "argv": prefix + conf["argv"],
+        "origins": conf["origins"],
+        "env": conf["env"],
+        "env_origins": conf["env_origins"],
+        "profiles_argv": others,
         "baseline": baseline,
-    }  # fmt: skip
+    }
 
 
 def systemd_quote(args: list[str]) -> str:

@@ -60,7 +60,9 @@ class Lab:
         return [f"{self.name}-node{i}" for i in range(1, count + 1)]
 
 
-def podman(*args: str, check: bool = True, capture: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def podman(
+    *args: str, check: bool = True, capture: bool = True, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(["podman", *args], text=True, capture_output=capture, check=False, input=stdin)
     if check and proc.returncode != 0:
         raise LabError(f"podman {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -136,22 +138,44 @@ def up(lab: Lab, nodes: int, gpus: int, timeout: float) -> list[dict[str, object
         hostname = f"lab-node{index}"
         if podman("container", "exists", name, check=False).returncode != 0:
             podman(
-                "run", "--detach", "--name", name, "--hostname", hostname,
-                "--label", lab.label, "--runtime", "runc", "--systemd", "always",
+                "run",
+                "--detach",
+                "--name",
+                name,
+                "--hostname",
+                hostname,
+                "--label",
+                lab.label,
+                "--runtime",
+                "runc",
+                "--systemd",
+                "always",
                 # Nodes find each other by hostname, as a fleet's hosts do (dist_init_addr, NCCL's rendezvous).
-                "--network", lab.network, "--network-alias", hostname, "--publish", "127.0.0.1::22",
-                "--volume", f"{key}.pub:/home/ansible/.ssh/authorized_keys:ro",
-                "--volume", f"{REPO / 'lab' / 'standin'}:{STANDIN_DIR}:ro",
-                "--shm-size", "1g",
+                "--network",
+                lab.network,
+                "--network-alias",
+                hostname,
+                "--publish",
+                "127.0.0.1::22",
+                "--volume",
+                f"{key}.pub:/home/ansible/.ssh/authorized_keys:ro",
+                "--volume",
+                f"{REPO / 'lab' / 'standin'}:{STANDIN_DIR}:ro",
+                "--shm-size",
+                "1g",
                 # Root on a real host may look into every process (/proc/PID/fd: who holds a port).
-                "--cap-add", "SYS_PTRACE",
+                "--cap-add",
+                "SYS_PTRACE",
                 *ulimit_args(),
-                IMAGE, "/sbin/init",
-            )  # fmt: skip
+                IMAGE,
+                "/sbin/init",
+            )
         port = published_port(name)
         wait_ready(name, port, timeout)
         podman("exec", name, "lab-gpu", "init", "--gpus", str(gpus), "--seed", hostname)
-        podman("exec", "-i", name, "sh", "-c", f"mkdir -p {DROPIN.rsplit('/', 1)[0]} && cat > {DROPIN}", stdin=DROPIN_TEXT)
+        podman(
+            "exec", "-i", name, "sh", "-c", f"mkdir -p {DROPIN.rsplit('/', 1)[0]} && cat > {DROPIN}", stdin=DROPIN_TEXT
+        )
         hosts.append({"name": hostname, "container": name, "port": port, "gpus": gpus})
     write_inventory(lab, hosts, key)
     return hosts
@@ -232,11 +256,15 @@ def down(lab: Lab) -> None:
 
 def status(lab: Lab) -> list[dict[str, str]]:
     out = podman("ps", "--all", "--filter", f"label={lab.label}", "--format", "json").stdout
-    return [{"name": c["Names"][0], "state": c["State"], "status": c.get("Status", "")} for c in json.loads(out or "[]")]
+    return [
+        {"name": c["Names"][0], "state": c["State"], "status": c.get("Status", "")} for c in json.loads(out or "[]")
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("up", help="start lab nodes and write inventory/lab/hosts.yml")
     p.add_argument("--nodes", type=int, default=int(os.environ.get("LAB_NODES", "2")))

@@ -103,8 +103,16 @@ def main() -> None:
         if p["wait"]:
             gpus = p["gpus"] if p["gpus"] is not None else [g["index"] for g in snap["gpus"]]
             policy = "none" if module.check_mode else p["stop_policy"]
-            waited = wait_clean(gpus, p["timeout"], p["interval"], p["max_used_mib"], policy,
-                                p["service_unit"], p["service_user"], p["kill_grace"])  # fmt: skip
+            waited = wait_clean(
+                gpus,
+                p["timeout"],
+                p["interval"],
+                p["max_used_mib"],
+                policy,
+                p["service_unit"],
+                p["service_user"],
+                p["kill_grace"],
+            )
             # The state as the wait last saw it, not as it was before.
             result["wait"] = {k: v for k, v in waited.items() if k not in ("gpus", "processes")}
             result.update(gpus=waited["gpus"], processes=waited["processes"])

@@ -72,13 +72,40 @@ from ansible.module_utils.sglang_deploy import outcomes
 from ansible.module_utils.sglang_deploy.checks import Thresholds
 from ansible.module_utils.sglang_deploy.instance import Instance
 from ansible.module_utils.sglang_deploy.restart import (
-    Machine, Settings, install_signal_handlers, rollback, restart, status, verify,
-)  # fmt: skip
+    Machine,
+    Settings,
+    install_signal_handlers,
+    restart,
+    rollback,
+    status,
+    verify,
+)
 
-THRESHOLDS = ("prompt", "max_new_tokens", "accept_length_min", "load_requests", "load_max_new_tokens",
-              "baseline_tokens_per_s", "no_spec_tokens_per_s", "regression_threshold", "regression_action")  # fmt: skip
-SETTINGS = ("ready_timeout", "gpu_timeout", "gpu_interval", "max_used_mib", "stop_policy", "rollback", "patch_manifest",
-            "known_good_keep", "controller", "command", "expected_config_hash", "phase")  # fmt: skip
+THRESHOLDS = (
+    "prompt",
+    "max_new_tokens",
+    "accept_length_min",
+    "load_requests",
+    "load_max_new_tokens",
+    "baseline_tokens_per_s",
+    "no_spec_tokens_per_s",
+    "regression_threshold",
+    "regression_action",
+)
+SETTINGS = (
+    "ready_timeout",
+    "gpu_timeout",
+    "gpu_interval",
+    "max_used_mib",
+    "stop_policy",
+    "rollback",
+    "patch_manifest",
+    "known_good_keep",
+    "controller",
+    "command",
+    "expected_config_hash",
+    "phase",
+)
 ACTIONS = {"restart": restart, "rollback": rollback, "verify": verify, "status": status}
 
 
@@ -115,7 +142,9 @@ def main() -> None:
     )
     p = module.params
     if not 0 < p["gpu_interval"] <= 0.25:
-        module.fail_json(msg=f"gpu_interval is {p['gpu_interval']}: poll at least every 0.25 s", outcome=outcomes.INVALID_CONFIG)
+        module.fail_json(
+            msg=f"gpu_interval is {p['gpu_interval']}: poll at least every 0.25 s", outcome=outcomes.INVALID_CONFIG
+        )
     try:
         inst = Instance.from_params({**p["instance"], "service_user": p["service_user"], "state_dir": p["state_dir"]})
     except (TypeError, ValueError) as exc:
@@ -123,8 +152,11 @@ def main() -> None:
     # SGLang logs its server_args (the API key included) and a journal tail goes into failures: Ansible strips
     # every secret value from whatever this module returns.
     module.no_log_values.update(inst.secret_values())
-    settings = Settings(check_mode=module.check_mode, thresholds=Thresholds(**{k: p[k] for k in THRESHOLDS}),
-                        **{k: p[k] for k in SETTINGS})  # fmt: skip
+    settings = Settings(
+        check_mode=module.check_mode,
+        thresholds=Thresholds(**{k: p[k] for k in THRESHOLDS}),
+        **{k: p[k] for k in SETTINGS},
+    )
     if p["action"] in ("restart", "rollback"):
         install_signal_handlers()
     res = ACTIONS[p["action"]](Machine(inst, settings))

@@ -66,13 +66,18 @@ def main() -> None:
         module.fail_json(msg=str(exc), outcome=outcomes.LOCKED, instance=inst.name, lock={"holder": exc.holder})
     except ValueError as exc:  # systemd-analyze refused the unit: before anything was written
         module.fail_json(msg=f"{inst.name}: {exc}", outcome=outcomes.INVALID_CONFIG, instance=inst.name)
-    except Exception as exc:  # noqa: BLE001 - an OSError, a hung systemctl: reported, never a traceback
-        module.fail_json(msg=f"{inst.name}: staging failed ({type(exc).__name__}: {exc}); the running server was not "
-                         "touched, and an incomplete pending set is refused by the safe restart: deploy again",
-                         outcome=outcomes.REFUSED, instance=inst.name)  # fmt: skip
+    except Exception as exc:
+        module.fail_json(
+            msg=f"{inst.name}: staging failed ({type(exc).__name__}: {exc}); the running server was not "
+            "touched, and an incomplete pending set is refused by the safe restart: deploy again",
+            outcome=outcomes.REFUSED,
+            instance=inst.name,
+        )
     finally:
         lock.release()
-    res["msg"] = f"{inst.name}: {res['outcome']}" + (" (pending: the safe restart applies it)" if res["pending"] else "")
+    res["msg"] = f"{inst.name}: {res['outcome']}" + (
+        " (pending: the safe restart applies it)" if res["pending"] else ""
+    )
     module.exit_json(**res)
 
 

@@ -18,11 +18,15 @@ def test_every_default_is_in_the_argument_spec():
 
     for defaults in REPO.glob("roles/*/defaults/main.yml"):
         role = defaults.parts[-3]
-        spec = yaml.safe_load((REPO / "roles" / role / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"]
+        spec = yaml.safe_load((REPO / "roles" / role / "meta" / "argument_specs.yml").read_text())["argument_specs"][
+            "main"
+        ]
         missing = set(yaml.safe_load(defaults.read_text())) - set(spec["options"])
         assert not missing, f"{role}: defaults without an argument spec: {sorted(missing)}"
 
 
 def test_readme_tables_are_current():
     readme = (REPO / "README.md").read_text()
-    assert argspec_tables.splice(readme, argspec_tables.tables()) == readme, "run: python tools/argspec_tables.py --write"
+    assert argspec_tables.splice(readme, argspec_tables.tables()) == readme, (
+        "run: python tools/argspec_tables.py --write"
+    )

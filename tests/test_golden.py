@@ -25,9 +25,20 @@ def rendered(tmp_path_factory):
     out = tmp_path_factory.mktemp("rendered")
     env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "tests/golden/render.yml", "-e", f"out_dir={out}"],
-        cwd=REPO, env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "tests/golden/render.yml",
+            "-e",
+            f"out_dir={out}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     if os.environ.get("UPDATE_GOLDEN") == "1":
         for profile in PROFILES:

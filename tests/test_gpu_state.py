@@ -18,9 +18,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import gpu, procinfo  # noqa: E402
 import test_gpu_gate  # noqa: E402
 from test_gpu_gate import holding, nvsim  # noqa: E402
+
+from sglang_deploy import gpu, procinfo  # noqa: E402
 
 gpus = test_gpu_gate.gpus  # the fixture: 4 simulated GPUs and an nvidia-smi that reads them
 from test_nvsim import UUIDS_2GPU, VEC  # noqa: E402
@@ -96,10 +97,7 @@ def test_a_process_name_with_commas_is_kept_whole():
 
 
 def test_gpu_keeps_every_public_name_sglang_gpu_had():
-    names = (
-        "GPU_QUERY APP_QUERY NvidiaSmiError parse_csv parse_gpus parse_apps run_nvidia_smi read_proc unit_of describe "
-        "snapshot offenders may_stop alive terminate format_offender wait_clean"
-    ).split()
+    names = ["GPU_QUERY", "APP_QUERY", "NvidiaSmiError", "parse_csv", "parse_gpus", "parse_apps", "run_nvidia_smi", "read_proc", "unit_of", "describe", "snapshot", "offenders", "may_stop", "alive", "terminate", "format_offender", "wait_clean"]
     assert [n for n in names if not hasattr(gpu, n)] == []
 
 

@@ -24,18 +24,19 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import gpu  # noqa: E402
 from test_gpu_gate import installed_gate, nvsim, simulated  # noqa: E402,F401 (installed_gate: a fixture)
 from test_gpu_state import run_module  # noqa: E402
-from test_nvsim import VECTORS, VEC, expected_text  # noqa: E402
+from test_nvsim import VEC, VECTORS, expected_text  # noqa: E402
+
+from sglang_deploy import gpu  # noqa: E402
 
 ONE_IDLE = "1 GPU, idle"
 ONE_BUSY = "1 GPU, one python3 process holding 20 GB (torch.empty on cuda)"

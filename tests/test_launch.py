@@ -50,8 +50,13 @@ def test_the_installed_launcher_runs_the_module_with_the_key_that_its_command_li
         "                      'path_clean': not any(p.endswith('libexec') for p in sys.path)}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(mods), "SGLANG_API_KEY": KEY}
-    out = subprocess.run([sys.executable, str(lib / "sglang-launch"), "fake_server", "--port", "30000"], env=env,
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(lib / "sglang-launch"), "fake_server", "--port", "30000"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     seen = json.loads(out)
     assert seen["argv"] == ["--port", "30000", "--api-key", KEY]
     assert KEY not in seen["cmdline"] and "fake_server" in seen["cmdline"], "ps and /proc/PID/cmdline never show it"

@@ -21,8 +21,11 @@ def test_every_module_in_library_is_a_thin_adapter_of_at_most_250_lines():
 def test_the_logic_imports_no_ansible_so_it_is_tested_and_shipped_without_it():
     for path in LOGIC:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])  # fmt: skip
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            )
             assert not any(n.split(".")[0] == "ansible" for n in names), f"{path.name} imports {names}"
 
 

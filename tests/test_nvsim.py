@@ -68,7 +68,9 @@ def make_state(tmp_path: Path, uuids: list[str], apps: list[tuple[int, int, int]
     state["context_overhead_mib"] = overhead
     for pid, gpu, mib in apps:
         # Pinned: the captured pids are not alive on this machine.
-        state["apps"].append({"pid": pid, "gpu": gpu, "used_mib": mib, "name": "python3", "pinned": True, "released_at": None})
+        state["apps"].append(
+            {"pid": pid, "gpu": gpu, "used_mib": mib, "name": "python3", "pinned": True, "released_at": None}
+        )
     path = tmp_path / "state.json"
     nvsim.write_state(state, str(path))
     return str(path)
@@ -118,7 +120,7 @@ def test_csv_queries_match_real_output(tmp_path, title, uuids, apps, overhead):
 
 
 def test_plain_nvidia_smi_is_byte_identical(tmp_path):
-    (cmd, raw), = VEC["2 GPUs: plain nvidia-smi, idle"]
+    ((cmd, raw),) = VEC["2 GPUs: plain nvidia-smi, idle"]
     path = make_state(tmp_path, UUIDS_2GPU)
     state = json.loads(Path(path).read_text())
     state["gpus"][0].update(temperature_c=36, power_w=78)
@@ -159,7 +161,9 @@ def test_a_killed_process_vanishes_at_the_next_query(tmp_path):
 
 def test_slow_release_unlists_the_app_but_memory_falls_over_time(tmp_path):
     path = make_state(tmp_path, [UUID_1GPU])
-    nvsim.lab_gpu(["hold", "--pid", "999999", "--gpu", "0", "--mib", "10000", "--release-seconds", "4", "--pinned"], path=path)
+    nvsim.lab_gpu(
+        ["hold", "--pid", "999999", "--gpu", "0", "--mib", "10000", "--release-seconds", "4", "--pinned"], path=path
+    )
     nvsim.lab_gpu(["release", "--pid", "999999"], path=path)
     released = json.loads(Path(path).read_text())["apps"][0]["released_at"]
     q_apps = "nvidia-smi --query-compute-apps=pid --format=csv,noheader"
@@ -173,7 +177,9 @@ def test_slow_release_unlists_the_app_but_memory_falls_over_time(tmp_path):
 def test_a_pinned_stray_stays_listed(tmp_path):
     path = make_state(tmp_path, UUIDS_2GPU)
     nvsim.lab_gpu(["hold", "--pid", "4242", "--gpu", "1", "--mib", "512", "--pinned", "--name", "stray"], path=path)
-    _, out = run(path, "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits")
+    _, out = run(
+        path, "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits"
+    )
     assert out == f"4242, {UUIDS_2GPU[1]}, 512, stray\n"
 
 
@@ -202,7 +208,10 @@ def test_no_state_file_means_no_driver(tmp_path):
 
 def test_unknown_field_is_refused_like_the_real_one(tmp_path):
     path = make_state(tmp_path, [UUID_1GPU])
-    assert run(path, "nvidia-smi --query-gpu=index,bogus --format=csv") == (2, 'Field "bogus" is not a valid field to query.\n')
+    assert run(path, "nvidia-smi --query-gpu=index,bogus --format=csv") == (
+        2,
+        'Field "bogus" is not a valid field to query.\n',
+    )
 
 
 def test_gpu_selection_and_list(tmp_path):

@@ -32,10 +32,10 @@ import threading
 import urllib.request
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -108,7 +108,7 @@ class Handler(BaseHTTPRequestHandler):
             return False
         return True
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         fake = self.server.fake
         b = fake.b
         fake.requests.append(self.path)
@@ -133,7 +133,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self.reply(404, b"{}")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         fake = self.server.fake
         b = fake.b
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -170,8 +170,10 @@ class Handler(BaseHTTPRequestHandler):
         if fault == "sigterm":  # the controller gives up while the module waits for the answer
             fake.host.sigterm(thread=threading.main_thread())
         tokens = body["sampling_params"]["max_new_tokens"]
-        out = {"text": " Paris. Paris is the capital and largest city of France.",
-               "meta_info": {"completion_tokens": tokens, "spec_accept_length": b.accept}}  # fmt: skip
+        out = {
+            "text": " Paris. Paris is the capital and largest city of France.",
+            "meta_info": {"completion_tokens": tokens, "spec_accept_length": b.accept},
+        }
         self.reply(200, json.dumps(out).encode())
 
 
@@ -283,8 +285,10 @@ class Host:
         if kind == "timeout":
             raise subprocess.TimeoutExpired(["systemctl", *record[1:]] if record[0] == "systemctl" else [op], 30)
         if kind == "nvsmi":
-            raise gpu.NvidiaSmiError("nvidia-smi failed (exit 15): Unable to determine the device handle for "
-                                     "GPU0000:1B:00.0: Unknown Error (a GPU fell off the bus?)")  # fmt: skip
+            raise gpu.NvidiaSmiError(
+                "nvidia-smi failed (exit 15): Unable to determine the device handle for "
+                "GPU0000:1B:00.0: Unknown Error (a GPU fell off the bus?)"
+            )
         if kind == "oserror":
             raise OSError(errno.EIO, "Input/output error")
         if kind == "boom":
@@ -300,9 +304,17 @@ class Host:
     # ------------------------------------------------------------ the ports
 
     def ports(self) -> Ports:
-        return Ports(systemctl=self.systemctl, show=self.show, journal=self.journal, snapshot=self.snapshot,
-                     wait_clean=self.wait_clean, cmdline=self.cmdline, clock=self.clock, sleep=self.sleep,
-                     lock_dir=self.lock_dir)  # fmt: skip
+        return Ports(
+            systemctl=self.systemctl,
+            show=self.show,
+            journal=self.journal,
+            snapshot=self.snapshot,
+            wait_clean=self.wait_clean,
+            cmdline=self.cmdline,
+            clock=self.clock,
+            sleep=self.sleep,
+            lock_dir=self.lock_dir,
+        )
 
     def clock(self) -> float:
         return self.t
@@ -339,9 +351,17 @@ class Host:
             u.pending_start -= 1
             if not u.pending_start:
                 self.launch()
-        props = {"ActiveState": u.active, "SubState": u.sub, "MainPID": u.pid, "NRestarts": u.restarts,
-                 "ExecMainStatus": u.status, "ExecMainCode": u.code, "InvocationID": u.invocation,
-                 "ExecMainExitTimestampMonotonic": u.exit_us, "UnitFileState": u.file_state}  # fmt: skip
+        props = {
+            "ActiveState": u.active,
+            "SubState": u.sub,
+            "MainPID": u.pid,
+            "NRestarts": u.restarts,
+            "ExecMainStatus": u.status,
+            "ExecMainCode": u.code,
+            "InvocationID": u.invocation,
+            "ExecMainExitTimestampMonotonic": u.exit_us,
+            "UnitFileState": u.file_state,
+        }
         self.after(kind)
         return props
 
@@ -365,8 +385,18 @@ class Host:
 
     def wait_clean(self, gpus, timeout, interval, max_used_mib, policy, unit, user) -> dict:
         kind = self.enter("wait_clean", ("wait_clean", tuple(gpus), policy))
-        out = gpu.wait_clean(gpus, timeout, interval, max_used_mib, policy, unit, user, clock=self.clock,
-                             sleep=self.sleep, take_snapshot=lambda: self.gpus(dirty=kind == "dirty"))  # fmt: skip
+        out = gpu.wait_clean(
+            gpus,
+            timeout,
+            interval,
+            max_used_mib,
+            policy,
+            unit,
+            user,
+            clock=self.clock,
+            sleep=self.sleep,
+            take_snapshot=lambda: self.gpus(dirty=kind == "dirty"),
+        )
         self.after(kind)
         return out
 
@@ -443,19 +473,48 @@ class Host:
         u, inst = self.unit, self.inst
         procs = []
         if u.pid and u.active == "active":
-            procs = [{"gpu": g, "pid": u.pid, "used_mib": 70000, "user": "sglang", "unit": UNIT,
-                      "cmdline": " ".join(u.argv)[:80], "process_name": "python"} for g in inst.gpus]  # fmt: skip
+            procs = [
+                {
+                    "gpu": g,
+                    "pid": u.pid,
+                    "used_mib": 70000,
+                    "user": "sglang",
+                    "unit": UNIT,
+                    "cmdline": " ".join(u.argv)[:80],
+                    "process_name": "python",
+                }
+                for g in inst.gpus
+            ]
         if self.foreign:
-            procs.append({"gpu": inst.gpus[0], "pid": 999999, "used_mib": 2048, "user": "alice",
-                          "unit": "session-7.scope", "cmdline": "python train.py",
-                          "process_name": "python"})  # fmt: skip
+            procs.append(
+                {
+                    "gpu": inst.gpus[0],
+                    "pid": 999999,
+                    "used_mib": 2048,
+                    "user": "alice",
+                    "unit": "session-7.scope",
+                    "cmdline": "python train.py",
+                    "process_name": "python",
+                }
+            )
         used = {g: 0 for g in range(4)}
         for p in procs:
             used[p["gpu"]] += p["used_mib"]
         if dirty:  # memory the driver has not released yet, no process listed
             used[inst.gpus[0]] += 30000
-        return {"gpus": [{"index": g, "uuid": f"GPU-{g}", "name": "NVIDIA H200", "memory_used_mib": used[g],
-                          "memory_total_mib": 143771} for g in range(4)], "processes": procs}  # fmt: skip
+        return {
+            "gpus": [
+                {
+                    "index": g,
+                    "uuid": f"GPU-{g}",
+                    "name": "NVIDIA H200",
+                    "memory_used_mib": used[g],
+                    "memory_total_mib": 143771,
+                }
+                for g in range(4)
+            ],
+            "processes": procs,
+        }
 
 
 # ---------------------------------------------------------------------------- the world of one test
@@ -531,29 +590,77 @@ def make_venv(root: Path, generation: str, version: str) -> Path:
     (root / "bin" / "python").write_text("#!/bin/sh\n")
     meta = root / "sglang-deploy"
     meta.mkdir()
-    (meta / "generation.json").write_text(json.dumps({"generation": generation, "sglang_version": version,
-                                                      "lock_sha256": f"lock-{generation}",
-                                                      "patch_series_sha256": f"series-{generation}"}))  # fmt: skip
+    (meta / "generation.json").write_text(
+        json.dumps(
+            {
+                "generation": generation,
+                "sglang_version": version,
+                "lock_sha256": f"lock-{generation}",
+                "patch_series_sha256": f"series-{generation}",
+            }
+        )
+    )
     return root
 
 
-def build(tmp: Path, *, new: str | None = "pending", known_good: bool = True, running: bool = True,
-          api_key: bool = False, nnodes: int = 1, node_rank: int = 0, keep: int = 2, **settings) -> World:  # fmt: skip
+def build(
+    tmp: Path,
+    *,
+    new: str | None = "pending",
+    known_good: bool = True,
+    running: bool = True,
+    api_key: bool = False,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    keep: int = 2,
+    **settings,
+) -> World:
     """new: pending (staged by deploy), live (written to the unit's files, not loaded), live-running, or None."""
     venvs = {"good": make_venv(tmp / "venv-good", "g1", "0.4.6"), "new": make_venv(tmp / "venv-new", "g2", "0.4.7")}
     port = free_port()
-    argv = {p: [f"{venvs[p]}/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host",
-                "127.0.0.1", "--port", str(port), "--served-model-name", p, "--speculative-algorithm", "EAGLE",
-                "--speculative-num-steps", "3" if p == "good" else "5"] + (["--api-key", SECRET_REF] if api_key else [])
-            for p in ("good", "new")}  # fmt: skip
+    argv = {
+        p: [
+            f"{venvs[p]}/bin/python",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "/models/m",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            p,
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-num-steps",
+            "3" if p == "good" else "5",
+        ]
+        + (["--api-key", SECRET_REF] if api_key else [])
+        for p in ("good", "new")
+    }
     running_argv = {p: [KEY if a == SECRET_REF else a for a in v] for p, v in argv.items()}
     current = "good" if new is None else "new"
-    inst = Instance(name="m", unit=UNIT, unit_path=str(tmp / "systemd" / UNIT), env_path=str(tmp / "etc" / "m.env"),
-                    secrets_path=str(tmp / "etc" / "secrets" / "m.env"), pending_dir=str(tmp / "etc" / "pending"),
-                    port=port, gpus=[0, 1], argv=list(argv[current]), profile=current, profiles_argv=dict(argv),
-                    nnodes=nnodes, node_rank=node_rank, state_dir=str(tmp / "state"))  # fmt: skip
-    files = {p: {inst.unit_path: unit_text(inst, argv[p]), inst.env_path: f'SGLANG_PROFILE="{p}"\nNCCL_DEBUG="WARN"\n'}
-             for p in ("good", "new")}  # fmt: skip
+    inst = Instance(
+        name="m",
+        unit=UNIT,
+        unit_path=str(tmp / "systemd" / UNIT),
+        env_path=str(tmp / "etc" / "m.env"),
+        secrets_path=str(tmp / "etc" / "secrets" / "m.env"),
+        pending_dir=str(tmp / "etc" / "pending"),
+        port=port,
+        gpus=[0, 1],
+        argv=list(argv[current]),
+        profile=current,
+        profiles_argv=dict(argv),
+        nnodes=nnodes,
+        node_rank=node_rank,
+        state_dir=str(tmp / "state"),
+    )
+    files = {
+        p: {inst.unit_path: unit_text(inst, argv[p]), inst.env_path: f'SGLANG_PROFILE="{p}"\nNCCL_DEBUG="WARN"\n'}
+        for p in ("good", "new")
+    }
     for path, content in files["good"].items():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(content)
@@ -577,9 +684,15 @@ def build(tmp: Path, *, new: str | None = "pending", known_good: bool = True, ru
     if new == "live":
         for path, content in files["new"].items():
             Path(path).write_text(content)
-    s = Settings(ready_timeout=3.0, gpu_timeout=1.0, gpu_interval=0.1, known_good_keep=keep, controller="ctl-a",
-                 command="python -m driver restart",
-                 thresholds=Thresholds(load_requests=2, load_max_new_tokens=8))  # fmt: skip
+    s = Settings(
+        ready_timeout=3.0,
+        gpu_timeout=1.0,
+        gpu_interval=0.1,
+        known_good_keep=keep,
+        controller="ctl-a",
+        command="python -m driver restart",
+        thresholds=Thresholds(load_requests=2, load_max_new_tokens=8),
+    )
     s = replace(s, **settings)
     return World(tmp, inst, host, s, files, argv, running_argv, host.unit.invocation)
 
@@ -769,22 +882,42 @@ CASES = [
     # preflight: a refusal, nothing touched
     Case("preflight-foreign-process", foreign, outcomes.GPUS_NOT_CLEAN, "preflight", "user alice"),
     Case("preflight-nvsmi", inject("snapshot", "nvsmi"), outcomes.GPUS_NOT_CLEAN, "preflight", "Unknown Error"),
-    Case("preflight-sigterm", inject("snapshot", "sigterm"), outcomes.REFUSED, "preflight", "SIGTERM",
-         interrupted=True),  # fmt: skip
+    Case(
+        "preflight-sigterm", inject("snapshot", "sigterm"), outcomes.REFUSED, "preflight", "SIGTERM", interrupted=True
+    ),
     # stop / gpus: before the promotion the live files are the known-good ones: contained, still pending
     Case("stop-mainpid-remains", inject("stop", "stays"), PRE_START, "stop", "still has main pid", **KEPT),
-    Case("stop-rc", inject("stop", "rc"), PRE_START, "stop", "systemctl stop sglang-m.service failed: Failed to stop",
-         pending_kept=True, failed_kept=False),  # fmt: skip
+    Case(
+        "stop-rc",
+        inject("stop", "rc"),
+        PRE_START,
+        "stop",
+        "systemctl stop sglang-m.service failed: Failed to stop",
+        pending_kept=True,
+        failed_kept=False,
+    ),
     Case("stop-timeout", inject("stop", "timeout"), PRE_START, "stop", "TimeoutExpired", **KEPT),
     Case("stop-sigterm", inject("stop", "sigterm"), PRE_START, "stop", "SIGTERM", interrupted=True, **KEPT),
     Case("gpus-not-clean", inject("wait_clean", "dirty"), PRE_START, "gpus", "not clean after 1s", **KEPT),
     Case("gpus-nvsmi", inject("wait_clean", "nvsmi"), PRE_START, "gpus", "NvidiaSmiError", **KEPT),
     Case("gpus-sigterm", inject("wait_clean", "sigterm"), PRE_START, "gpus", "SIGTERM", interrupted=True, **KEPT),
     # promote
-    Case("promote-oserror-first-file", write_fails(stage, lambda w: w.inst.unit_path), PRE_START, "promote",
-         "No space left on device", **KEPT),  # fmt: skip
-    Case("promote-oserror-second-file", write_fails(stage, lambda w: w.inst.env_path), R, "promote",
-         "OSError: [Errno 28] No space left on device", pending_kept=True),  # fmt: skip
+    Case(
+        "promote-oserror-first-file",
+        write_fails(stage, lambda w: w.inst.unit_path),
+        PRE_START,
+        "promote",
+        "No space left on device",
+        **KEPT,
+    ),
+    Case(
+        "promote-oserror-second-file",
+        write_fails(stage, lambda w: w.inst.env_path),
+        R,
+        "promote",
+        "OSError: [Errno 28] No space left on device",
+        pending_kept=True,
+    ),
     Case("promote-daemon-reload-rc", inject("daemon-reload", "rc"), R, "promote", "systemctl daemon-reload failed"),
     Case("promote-daemon-reload-timeout", inject("daemon-reload", "timeout"), R, "promote", "TimeoutExpired"),
     Case("promote-sigterm", inject("daemon-reload", "sigterm"), R, "promote", "SIGTERM", interrupted=True),
@@ -807,18 +940,34 @@ CASES = [
     Case("generate-sigterm", behave("new", generate_fault="sigterm"), R, "generate", "SIGTERM", interrupted=True),
     # verify
     Case("verify-accept-length-1", NEW_FAILS_VERIFY, R, "verify", "accept_length: average accept length 1.0"),
-    Case("verify-incomplete-read", behave("new", generate_fault="incomplete", good_generates=1), R, "verify",
-         "IncompleteRead"),  # fmt: skip
+    Case(
+        "verify-incomplete-read",
+        behave("new", generate_fault="incomplete", good_generates=1),
+        R,
+        "verify",
+        "IncompleteRead",
+    ),
     Case("verify-http-500", behave("new", health_generate=500), R, "verify", "/health_generate HTTP 500"),
     Case("verify-malformed-json", behave("new", server_info="malformed"), R, "verify", "server_info: "),
     Case("verify-server-info-http-500", behave("new", server_info="http500"), R, "verify", "/server_info: HTTP 500"),
-    Case("verify-load-incomplete-read", behave("new", generate_fault="incomplete", good_generates=2), R, "verify",
-         "load: the measuring load failed"),  # fmt: skip
+    Case(
+        "verify-load-incomplete-read",
+        behave("new", generate_fault="incomplete", good_generates=2),
+        R,
+        "verify",
+        "load: the measuring load failed",
+    ),
     Case("verify-nvsmi", inject("snapshot", "nvsmi", nth=2), R, "verify", "NvidiaSmiError"),
     Case("verify-show-timeout", inject("show", "timeout", nth=5), R, "verify", "TimeoutExpired"),
     Case("verify-sigterm", inject("snapshot", "sigterm", nth=2), R, "verify", "SIGTERM", interrupted=True),
-    Case("verify-sigterm-http", behave("new", generate_fault="sigterm", good_generates=1), R, "verify", "SIGTERM",
-         interrupted=True),  # fmt: skip
+    Case(
+        "verify-sigterm-http",
+        behave("new", generate_fault="sigterm", good_generates=1),
+        R,
+        "verify",
+        "SIGTERM",
+        interrupted=True,
+    ),
     # record: a warning; the new configuration runs and verified
     Case("record-config-changed", env_changed_during_verify, REST, "record", "changed during the restart"),
     Case("record-oserror", record_write_fails, REST, "record", "Read-only file system"),
@@ -827,62 +976,217 @@ CASES = [
     Case("record-enable-timeout", inject("enable", "timeout"), REST, "record", "TimeoutExpired"),
     Case("record-sigterm", inject("cmdline", "sigterm", nth=3), REST, "record", "SIGTERM", interrupted=True),
     # the rollback's phases (the new configuration fails verify), each failing: stopped and not recovered
-    Case("rollback-restore-oserror", both(NEW_FAILS_VERIFY, write_fails(known_good, lambda w: w.inst.unit_path)), N,
-         "verify", rb_phase="restore", rb_cause="No space left on device"),  # fmt: skip
-    Case("rollback-restore-rc", both(NEW_FAILS_VERIFY, inject("daemon-reload", "rc", 2)), N, "verify",
-         rb_phase="restore", rb_cause="systemctl daemon-reload failed"),  # fmt: skip
-    Case("rollback-restore-timeout", both(NEW_FAILS_VERIFY, inject("daemon-reload", "timeout", 2)), N, "verify",
-         rb_phase="restore", rb_cause="TimeoutExpired"),  # fmt: skip
-    Case("rollback-restore-sigterm", both(NEW_FAILS_VERIFY, inject("daemon-reload", "sigterm", 2)), N, "verify",
-         rb_phase="restore", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
-    Case("rollback-stop-mainpid-remains", both(NEW_FAILS_VERIFY, inject("stop", "stays", 2)), N, "verify",
-         rb_phase="stop", rb_cause="still has main pid"),  # fmt: skip
-    Case("rollback-stop-rc", both(NEW_FAILS_VERIFY, inject("stop", "rc", 2)), N, "verify", rb_phase="stop",
-         rb_cause="systemctl stop sglang-m.service failed"),  # fmt: skip
-    Case("rollback-stop-timeout", both(NEW_FAILS_VERIFY, inject("stop", "timeout", 2)), N, "verify", rb_phase="stop",
-         rb_cause="TimeoutExpired"),  # fmt: skip
-    Case("rollback-stop-sigterm", both(NEW_FAILS_VERIFY, inject("stop", "sigterm", 2)), N, "verify", rb_phase="stop",
-         rb_cause="SIGTERM", interrupted=True),  # fmt: skip
-    Case("rollback-gpus-not-clean", both(NEW_FAILS_VERIFY, inject("wait_clean", "dirty", 2)), N, "verify",
-         rb_phase="gpus", rb_cause="not clean after 1s"),  # fmt: skip
-    Case("rollback-gpus-nvsmi", both(NEW_FAILS_VERIFY, inject("wait_clean", "nvsmi", 2)), N, "verify",
-         rb_phase="gpus", rb_cause="NvidiaSmiError"),  # fmt: skip
-    Case("rollback-gpus-sigterm", both(NEW_FAILS_VERIFY, inject("wait_clean", "sigterm", 2)), N, "verify",
-         rb_phase="gpus", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
-    Case("rollback-start-crash", both(NEW_FAILS_VERIFY, behave("good", crash_at_start=True)), N, "verify",
-         rb_phase="start", rb_cause=CRASH_AT_START[-1]),  # fmt: skip
-    Case("rollback-start-never-healthy", both(NEW_FAILS_VERIFY, behave("good", health=503)), N, "verify",
-         rb_phase="start", rb_cause="not ready after 3s"),  # fmt: skip
-    Case("rollback-start-rc", both(NEW_FAILS_VERIFY, inject("start", "rc", 2)), N, "verify", rb_phase="start",
-         rb_cause="systemctl start --no-block sglang-m.service failed"),  # fmt: skip
-    Case("rollback-start-timeout", both(NEW_FAILS_VERIFY, inject("start", "timeout", 2)), N, "verify",
-         rb_phase="start", rb_cause="TimeoutExpired"),  # fmt: skip
-    Case("rollback-start-sigterm", both(NEW_FAILS_VERIFY, inject("start", "sigterm", 2)), N, "verify",
-         rb_phase="start", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
-    Case("rollback-generate-crash", both(NEW_FAILS_VERIFY, behave("good", generate_fault="crash")), N, "verify",
-         rb_phase="generate", rb_cause=CRASH_ON_GENERATE[-1]),  # fmt: skip
-    Case("rollback-generate-incomplete-read", both(NEW_FAILS_VERIFY, behave("good", generate_fault="incomplete")),
-         N, "verify", rb_phase="generate", rb_cause="IncompleteRead"),  # fmt: skip
-    Case("rollback-generate-malformed-json", both(NEW_FAILS_VERIFY, behave("good", generate_fault="malformed")),
-         N, "verify", rb_phase="generate", rb_cause="not JSON"),  # fmt: skip
-    Case("rollback-generate-http-500", both(NEW_FAILS_VERIFY, behave("good", generate_fault="http500")), N,
-         "verify", rb_phase="generate", rb_cause="HTTP 500"),  # fmt: skip
-    Case("rollback-generate-sigterm", both(NEW_FAILS_VERIFY, behave("good", generate_fault="sigterm")), N,
-         "verify", rb_phase="generate", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
-    Case("rollback-verify-accept-length-1", both(NEW_FAILS_VERIFY, behave("good", accept=1.0)), N, "verify",
-         rb_phase="verify", rb_cause="accept_length"),  # fmt: skip
-    Case("rollback-verify-http-500", both(NEW_FAILS_VERIFY, behave("good", health_generate=500)), N, "verify",
-         rb_phase="verify", rb_cause="/health_generate HTTP 500"),  # fmt: skip
-    Case("rollback-verify-nvsmi", both(NEW_FAILS_VERIFY, inject("snapshot", "nvsmi", 3)), N, "verify",
-         rb_phase="verify", rb_cause="NvidiaSmiError"),  # fmt: skip
-    Case("rollback-verify-sigterm", both(NEW_FAILS_VERIFY, inject("snapshot", "sigterm", 3)), N, "verify",
-         rb_phase="verify", rb_cause="SIGTERM", interrupted=True),  # fmt: skip
+    Case(
+        "rollback-restore-oserror",
+        both(NEW_FAILS_VERIFY, write_fails(known_good, lambda w: w.inst.unit_path)),
+        N,
+        "verify",
+        rb_phase="restore",
+        rb_cause="No space left on device",
+    ),
+    Case(
+        "rollback-restore-rc",
+        both(NEW_FAILS_VERIFY, inject("daemon-reload", "rc", 2)),
+        N,
+        "verify",
+        rb_phase="restore",
+        rb_cause="systemctl daemon-reload failed",
+    ),
+    Case(
+        "rollback-restore-timeout",
+        both(NEW_FAILS_VERIFY, inject("daemon-reload", "timeout", 2)),
+        N,
+        "verify",
+        rb_phase="restore",
+        rb_cause="TimeoutExpired",
+    ),
+    Case(
+        "rollback-restore-sigterm",
+        both(NEW_FAILS_VERIFY, inject("daemon-reload", "sigterm", 2)),
+        N,
+        "verify",
+        rb_phase="restore",
+        rb_cause="SIGTERM",
+        interrupted=True,
+    ),
+    Case(
+        "rollback-stop-mainpid-remains",
+        both(NEW_FAILS_VERIFY, inject("stop", "stays", 2)),
+        N,
+        "verify",
+        rb_phase="stop",
+        rb_cause="still has main pid",
+    ),
+    Case(
+        "rollback-stop-rc",
+        both(NEW_FAILS_VERIFY, inject("stop", "rc", 2)),
+        N,
+        "verify",
+        rb_phase="stop",
+        rb_cause="systemctl stop sglang-m.service failed",
+    ),
+    Case(
+        "rollback-stop-timeout",
+        both(NEW_FAILS_VERIFY, inject("stop", "timeout", 2)),
+        N,
+        "verify",
+        rb_phase="stop",
+        rb_cause="TimeoutExpired",
+    ),
+    Case(
+        "rollback-stop-sigterm",
+        both(NEW_FAILS_VERIFY, inject("stop", "sigterm", 2)),
+        N,
+        "verify",
+        rb_phase="stop",
+        rb_cause="SIGTERM",
+        interrupted=True,
+    ),
+    Case(
+        "rollback-gpus-not-clean",
+        both(NEW_FAILS_VERIFY, inject("wait_clean", "dirty", 2)),
+        N,
+        "verify",
+        rb_phase="gpus",
+        rb_cause="not clean after 1s",
+    ),
+    Case(
+        "rollback-gpus-nvsmi",
+        both(NEW_FAILS_VERIFY, inject("wait_clean", "nvsmi", 2)),
+        N,
+        "verify",
+        rb_phase="gpus",
+        rb_cause="NvidiaSmiError",
+    ),
+    Case(
+        "rollback-gpus-sigterm",
+        both(NEW_FAILS_VERIFY, inject("wait_clean", "sigterm", 2)),
+        N,
+        "verify",
+        rb_phase="gpus",
+        rb_cause="SIGTERM",
+        interrupted=True,
+    ),
+    Case(
+        "rollback-start-crash",
+        both(NEW_FAILS_VERIFY, behave("good", crash_at_start=True)),
+        N,
+        "verify",
+        rb_phase="start",
+        rb_cause=CRASH_AT_START[-1],
+    ),
+    Case(
+        "rollback-start-never-healthy",
+        both(NEW_FAILS_VERIFY, behave("good", health=503)),
+        N,
+        "verify",
+        rb_phase="start",
+        rb_cause="not ready after 3s",
+    ),
+    Case(
+        "rollback-start-rc",
+        both(NEW_FAILS_VERIFY, inject("start", "rc", 2)),
+        N,
+        "verify",
+        rb_phase="start",
+        rb_cause="systemctl start --no-block sglang-m.service failed",
+    ),
+    Case(
+        "rollback-start-timeout",
+        both(NEW_FAILS_VERIFY, inject("start", "timeout", 2)),
+        N,
+        "verify",
+        rb_phase="start",
+        rb_cause="TimeoutExpired",
+    ),
+    Case(
+        "rollback-start-sigterm",
+        both(NEW_FAILS_VERIFY, inject("start", "sigterm", 2)),
+        N,
+        "verify",
+        rb_phase="start",
+        rb_cause="SIGTERM",
+        interrupted=True,
+    ),
+    Case(
+        "rollback-generate-crash",
+        both(NEW_FAILS_VERIFY, behave("good", generate_fault="crash")),
+        N,
+        "verify",
+        rb_phase="generate",
+        rb_cause=CRASH_ON_GENERATE[-1],
+    ),
+    Case(
+        "rollback-generate-incomplete-read",
+        both(NEW_FAILS_VERIFY, behave("good", generate_fault="incomplete")),
+        N,
+        "verify",
+        rb_phase="generate",
+        rb_cause="IncompleteRead",
+    ),
+    Case(
+        "rollback-generate-malformed-json",
+        both(NEW_FAILS_VERIFY, behave("good", generate_fault="malformed")),
+        N,
+        "verify",
+        rb_phase="generate",
+        rb_cause="not JSON",
+    ),
+    Case(
+        "rollback-generate-http-500",
+        both(NEW_FAILS_VERIFY, behave("good", generate_fault="http500")),
+        N,
+        "verify",
+        rb_phase="generate",
+        rb_cause="HTTP 500",
+    ),
+    Case(
+        "rollback-generate-sigterm",
+        both(NEW_FAILS_VERIFY, behave("good", generate_fault="sigterm")),
+        N,
+        "verify",
+        rb_phase="generate",
+        rb_cause="SIGTERM",
+        interrupted=True,
+    ),
+    Case(
+        "rollback-verify-accept-length-1",
+        both(NEW_FAILS_VERIFY, behave("good", accept=1.0)),
+        N,
+        "verify",
+        rb_phase="verify",
+        rb_cause="accept_length",
+    ),
+    Case(
+        "rollback-verify-http-500",
+        both(NEW_FAILS_VERIFY, behave("good", health_generate=500)),
+        N,
+        "verify",
+        rb_phase="verify",
+        rb_cause="/health_generate HTTP 500",
+    ),
+    Case(
+        "rollback-verify-nvsmi",
+        both(NEW_FAILS_VERIFY, inject("snapshot", "nvsmi", 3)),
+        N,
+        "verify",
+        rb_phase="verify",
+        rb_cause="NvidiaSmiError",
+    ),
+    Case(
+        "rollback-verify-sigterm",
+        both(NEW_FAILS_VERIFY, inject("snapshot", "sigterm", 3)),
+        N,
+        "verify",
+        rb_phase="verify",
+        rb_cause="SIGTERM",
+        interrupted=True,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_every_phase_and_failure_kind_ends_in_its_defined_outcome_and_unit_state(case, tmp_path, monkeypatch,
-                                                                                   handlers):  # fmt: skip
+def test_every_phase_and_failure_kind_ends_in_its_defined_outcome_and_unit_state(case, tmp_path, monkeypatch, handlers):
     w = build(tmp_path)
     case.setup(w, monkeypatch)
     gens = w.generations()
@@ -1197,9 +1501,14 @@ def test_a_successful_restart_promotes_records_a_masked_generation_with_its_soft
     assert rec["files"] == w.files["new"] and rec["config_hash"] == known_good.content_hash(w.files["new"])
     assert rec["argv"] == masked(w.running["new"]) and rec["argv"][-2:] == ["--api-key", "<secret>"]
     assert rec["argv_hash"] == known_good.argv_hash(w.running["new"])
-    assert rec["software"] == {"venv": str(tmp_path / "venv-new"), "generation": "g2", "sglang_version": "0.4.7",
-                               "lock_sha256": "lock-g2", "patch_series_sha256": "series-g2",
-                               "patch_manifest_sha256": known_good.file_sha256(manifest)}  # fmt: skip
+    assert rec["software"] == {
+        "venv": str(tmp_path / "venv-new"),
+        "generation": "g2",
+        "sglang_version": "0.4.7",
+        "lock_sha256": "lock-g2",
+        "patch_series_sha256": "series-g2",
+        "patch_manifest_sha256": known_good.file_sha256(manifest),
+    }
     assert rec["profile"] == "new" and rec["accept_length"] == 2.5 and rec["tokens_per_s"] > 0
     assert {c["name"] for c in rec["checks"]} >= {"unit", "drift", "gpu_processes", "generate", "accept_length"}
     assert res["known_good"]["generation"] == rec["generation"] and res["known_good"]["software"]["generation"] == "g2"
@@ -1376,7 +1685,11 @@ def test_multinode_phases_stop_start_confirm(tmp_path, rank, handlers):
         rank0 = rank0_serving(w.inst.port)
     stop = restart.restart(w.machine(phase="stop"))
     assert stop["outcome"] == outcomes.STOPPED and [p["phase"] for p in stop["phases"]] == [
-        "lock", "preflight", "stop", "gpus"]  # fmt: skip
+        "lock",
+        "preflight",
+        "stop",
+        "gpus",
+    ]
     stopped(w)
     assert w.pending() == ["m.env", UNIT]  # promoted in the start phase
     start = restart.restart(w.machine(phase="start"))
@@ -1404,7 +1717,7 @@ def rank0_serving(port: int) -> ThreadingHTTPServer:
     """Rank 0's HTTP server on another loopback address: /health answers 200."""
 
     class Health(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(200 if self.path == "/health" else 404)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -1521,9 +1834,18 @@ def test_verify_verified(tmp_path):
     res = restart.verify(w.machine())
     assert res["outcome"] == outcomes.VERIFIED and res["msg"] == "m: verified" and res["verify"]["ok"]
     names = [c["name"] for c in res["verify"]["checks"]]
-    assert names == ["unit", "drift", "gpu_processes", "health_generate", "generate", "speculative_algorithm",
-                     "accept_length", "throughput_vs_profile_baseline", "throughput_vs_no_speculation",
-                     "patches"]  # fmt: skip
+    assert names == [
+        "unit",
+        "drift",
+        "gpu_processes",
+        "health_generate",
+        "generate",
+        "speculative_algorithm",
+        "accept_length",
+        "throughput_vs_profile_baseline",
+        "throughput_vs_no_speculation",
+        "patches",
+    ]
     assert res["verify"]["running_profile"] == "good" and res["verify"]["gpu_memory_mib"] == {0: 70000, 1: 70000}
 
 
@@ -1558,8 +1880,10 @@ def test_verify_of_a_stopped_unit_and_a_patch_mismatch(tmp_path):
     res = restart.verify(w.machine())
     failed = res["verify"]["failed_checks"]
     assert any(x.startswith("unit: sglang-m.service inactive/dead") for x in failed)
-    assert any(x.startswith("drift: running command line differs from the rendered configuration: no main process")
-               for x in failed)  # fmt: skip
+    assert any(
+        x.startswith("drift: running command line differs from the rendered configuration: no main process")
+        for x in failed
+    )
     assert any("installed files differ from the patch manifest: ['eagle.py', 'gone.py']" in x for x in failed)
 
 
@@ -1567,10 +1891,23 @@ def test_status_reports_every_part(tmp_path):
     w = build(tmp_path, api_key=True)  # new pending; good running
     out = restart.status(w.machine())
     assert out["errors"] == []
-    assert out == {**out, "outcome": outcomes.STATUS, "state": "active/running", "restarts": 0,
-                   "main_pid": w.host.unit.pid, "configured_profile": "new", "running_profile": "good", "drift": True,
-                   "enabled": "enabled", "gpu_memory_mib": {0: 70000, 1: 70000}, "health": True, "accept_length": 2.5,
-                   "pending": True, "lock": None, "changed": False}  # fmt: skip
+    assert out == {
+        **out,
+        "outcome": outcomes.STATUS,
+        "state": "active/running",
+        "restarts": 0,
+        "main_pid": w.host.unit.pid,
+        "configured_profile": "new",
+        "running_profile": "good",
+        "drift": True,
+        "enabled": "enabled",
+        "gpu_memory_mib": {0: 70000, 1: 70000},
+        "health": True,
+        "accept_length": 2.5,
+        "pending": True,
+        "lock": None,
+        "changed": False,
+    }
     assert out["known_good"]["profile"] == "good" and out["known_good"]["software"]["sglang_version"] == "0.4.6"
     assert w.host.systemctl_calls() == []
 
@@ -1690,17 +2027,33 @@ def test_checks_drift_summary_and_patch_manifest(tmp_path):
     import hashlib
 
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"site_packages": str(site), "patches": [{"name": "0001"}],
-                                "files": {"a.py": {"after": hashlib.sha256(b"x").hexdigest()}}}))  # fmt: skip
+    good.write_text(
+        json.dumps(
+            {
+                "site_packages": str(site),
+                "patches": [{"name": "0001"}],
+                "files": {"a.py": {"after": hashlib.sha256(b"x").hexdigest()}},
+            }
+        )
+    )
     assert checks.patch_check(str(good)) == ("patches", True, "1 patched files match the manifest (0001)")
 
 
 def test_known_good_software_without_metadata_and_masking(tmp_path):
     assert known_good.software_of(None) == {}
-    assert known_good.software_of(str(tmp_path)) == {"venv": str(tmp_path), "generation": None,
-                                                     "patch_manifest_sha256": None}  # fmt: skip
+    assert known_good.software_of(str(tmp_path)) == {
+        "venv": str(tmp_path),
+        "generation": None,
+        "patch_manifest_sha256": None,
+    }
     assert masked(["p", "--api-key=k", "--admin-api-key", "k2", "--x", "1"]) == [
-        "p", "--api-key=<secret>", "--admin-api-key", "<secret>", "--x", "1"]  # fmt: skip
+        "p",
+        "--api-key=<secret>",
+        "--admin-api-key",
+        "<secret>",
+        "--x",
+        "1",
+    ]
 
 
 def test_a_rank_above_0_restarted_as_one_phase_skips_the_generation(tmp_path, handlers):
@@ -1741,17 +2094,32 @@ def test_unit_show_parses_and_cause_of_reads_the_journal(monkeypatch):
     with pytest.raises(unit.UnitError, match="systemctl start x failed: no such unit"):
         unit.checked("start", "x")
     assert unit.cause_of([f"{UNIT}: Main process exited, code=killed, status=31/SYS"]).endswith(
-        "(a system call the unit's SystemCallFilter denies)")  # fmt: skip
+        "(a system call the unit's SystemCallFilter denies)"
+    )
     assert unit.cause_of(["launch_server.py: error: argument --tp-size: invalid int value: 'x'"]) == (
-        "error: argument --tp-size: invalid int value: 'x'")  # fmt: skip
+        "error: argument --tp-size: invalid int value: 'x'"
+    )
     assert unit.cause_of(["sglang-gpu-gate: GPU 0 held by pid 7: refusing to start"]).startswith("sglang-gpu-gate:")
     assert unit.cause_of(["nothing to see"]) is None and unit.traceback_of(["no traceback"]) == []
 
 
 def test_instance_record_from_params_env_file_and_venv(tmp_path):
-    inst = Instance.from_params({"name": "m", "unit": UNIT, "unit_path": "u", "env_path": "e", "secrets_path": "s",
-                                 "pending_dir": "p", "port": 1, "gpus": [0], "argv": ["/usr/bin/sglang"],
-                                 "profile": "a", "nnodes": None, "unknown": 1})  # fmt: skip
+    inst = Instance.from_params(
+        {
+            "name": "m",
+            "unit": UNIT,
+            "unit_path": "u",
+            "env_path": "e",
+            "secrets_path": "s",
+            "pending_dir": "p",
+            "port": 1,
+            "gpus": [0],
+            "argv": ["/usr/bin/sglang"],
+            "profile": "a",
+            "nnodes": None,
+            "unknown": 1,
+        }
+    )
     assert inst.nnodes == 1 and inst.venv is None and inst.api_key() is None and inst.profile_of([]) is None
     assert inst.profile_of(["other"]) is None
     env = tmp_path / "x.env"

@@ -14,7 +14,13 @@ from sglang_config import ConfigError, server_config  # noqa: E402
 
 GROUP_VARS = yaml.safe_load((REPO / "group_vars" / "all.yml").read_text())
 PROFILES = {
-    name: {**p, "flags": {k: (v.replace("{{ sglang_draft_model_path }}", "/d") if isinstance(v, str) else v) for k, v in p["flags"].items()}}
+    name: {
+        **p,
+        "flags": {
+            k: (v.replace("{{ sglang_draft_model_path }}", "/d") if isinstance(v, str) else v)
+            for k, v in p["flags"].items()
+        },
+    }
     for name, p in GROUP_VARS["sglang_profiles"].items()
 }
 ALL8 = [0, 1, 2, 3, 4, 5, 6, 7]
@@ -28,12 +34,35 @@ def render(profile="eagle3_topk1", instance=None, **kw):
 def test_the_topk1_profile_renders_the_seeds_command_line():
     cfg = render()
     assert cfg["argv"] == [
-        "--model-path", "/m", "--host", "0.0.0.0", "--port", "30000",
-        "--attention-backend", "flashinfer", "--cuda-graph-max-bs-decode", "128", "--disable-custom-all-reduce",
-        "--enable-flashinfer-allreduce-fusion", "--enable-metrics", "--mem-fraction-static", "0.88",
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "3", "--speculative-num-steps", "2", "--tp-size", "8", "--trust-remote-code",
-    ]  # fmt: skip
+        "--model-path",
+        "/m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+        "--attention-backend",
+        "flashinfer",
+        "--cuda-graph-max-bs-decode",
+        "128",
+        "--disable-custom-all-reduce",
+        "--enable-flashinfer-allreduce-fusion",
+        "--enable-metrics",
+        "--mem-fraction-static",
+        "0.88",
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        "/d",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "3",
+        "--speculative-num-steps",
+        "2",
+        "--tp-size",
+        "8",
+        "--trust-remote-code",
+    ]
     assert cfg["env"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     assert cfg["origins"]["--speculative-num-steps"] == "sglang_profiles.eagle3_topk1.flags.speculative_num_steps"
     assert cfg["origins"]["--mem-fraction-static"] == "sglang_server_flags.mem_fraction_static"
@@ -75,9 +104,21 @@ def test_two_tp4_instances_on_one_host():
         ("nope", INSTANCE, "sglang_profile 'nope' is not in sglang_profiles"),
         ("eagle3_topk1", {**INSTANCE, "gpus": []}, "sglang_instances[0] (main) has no gpus"),
         ("eagle3_topk1", {**INSTANCE, "port": None}, "sglang_instances[0].port is not set"),
-        ("eagle3_topk1", {**INSTANCE, "flags": {"port": 1}}, "sglang_instances[0].flags.port: --port is set from sglang_instances[0].port"),
-        ("eagle3_topk1", {**INSTANCE, "flags": {"--tp": 2}}, "sglang_instances[0].flags.--tp: write flags as snake_case keys"),
-        ("eagle3_topk1", {**INSTANCE, "env": {"CUDA_VISIBLE_DEVICES": "0"}}, "CUDA_VISIBLE_DEVICES comes from sglang_instances[0].gpus"),
+        (
+            "eagle3_topk1",
+            {**INSTANCE, "flags": {"port": 1}},
+            "sglang_instances[0].flags.port: --port is set from sglang_instances[0].port",
+        ),
+        (
+            "eagle3_topk1",
+            {**INSTANCE, "flags": {"--tp": 2}},
+            "sglang_instances[0].flags.--tp: write flags as snake_case keys",
+        ),
+        (
+            "eagle3_topk1",
+            {**INSTANCE, "env": {"CUDA_VISIBLE_DEVICES": "0"}},
+            "CUDA_VISIBLE_DEVICES comes from sglang_instances[0].gpus",
+        ),
     ],
 )
 def test_bad_settings_name_the_variable(profile, instance, message):
@@ -92,13 +133,30 @@ def test_a_profile_with_an_unknown_key_is_refused():
 
 
 def test_one_model_over_two_nodes():
-    inst = {"name": "big", "port": 30000, "gpus": ALL8, "nnodes": 2, "node_rank": 1, "dist_init_addr": "gpu-node-03.example.internal:5000"}
+    inst = {
+        "name": "big",
+        "port": 30000,
+        "gpus": ALL8,
+        "nnodes": 2,
+        "node_rank": 1,
+        "dist_init_addr": "gpu-node-03.example.internal:5000",
+    }
     cfg = render(instance=inst)
     argv = cfg["argv"]
     assert argv[:12] == [
-        "--model-path", "/m", "--host", "0.0.0.0", "--port", "30000",
-        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "gpu-node-03.example.internal:5000",
-    ]  # fmt: skip
+        "--model-path",
+        "/m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--dist-init-addr",
+        "gpu-node-03.example.internal:5000",
+    ]
     assert argv[argv.index("--tp-size") + 1] == "16"
     assert cfg["origins"]["--node-rank"] == "sglang_instances[0].node_rank"
 
@@ -106,7 +164,10 @@ def test_one_model_over_two_nodes():
 @pytest.mark.parametrize(
     "inst,message",
     [
-        ({"nnodes": 2, "dist_init_addr": "a:1"}, "sglang_instances[0].node_rank is not set, but sglang_instances[0].nnodes is 2"),
+        (
+            {"nnodes": 2, "dist_init_addr": "a:1"},
+            "sglang_instances[0].node_rank is not set, but sglang_instances[0].nnodes is 2",
+        ),
         ({"nnodes": 2, "node_rank": 0}, "sglang_instances[0].dist_init_addr is not set"),
         ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "a:1"}, "sglang_instances[0].node_rank is 2, not in 0..1"),
     ],

@@ -287,8 +287,6 @@ def test_the_module_fails_with_the_reason_and_changes_nothing(tmp_path, site):
     assert tree(site) == before
 
 
-
-
 def test_the_module_refuses_an_item_without_name_or_content(tmp_path, site):
     res = run_module(tmp_path, site_packages=str(site), patches=[{"name": "0001.patch"}])
     assert res["failed"] is True

@@ -4,6 +4,7 @@ instance record's profile argvs that let verify name the profile a server runs."
 from __future__ import annotations
 
 import pytest
+
 from filter_plugins import sglang_config
 from sglang_deploy import http as sglang_http
 from sglang_deploy import unit as sglang_unit
@@ -22,7 +23,10 @@ sglang-main.service: Main process exited, code=killed, status=9/KILL""".splitlin
 
 
 def test_the_traceback_and_its_last_line_are_found():
-    assert sglang_unit.cause_of(DECODE_CRASH) == "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller'"
+    assert (
+        sglang_unit.cause_of(DECODE_CRASH)
+        == "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller'"
+    )
     tb = sglang_unit.traceback_of(DECODE_CRASH)
     assert tb[0].endswith("Traceback (most recent call last):") and tb[-1].startswith("AttributeError:")
 
@@ -30,13 +34,23 @@ def test_the_traceback_and_its_last_line_are_found():
 @pytest.mark.parametrize(
     "lines,cause",
     [
-        (["usage: launch_server.py [-h] --model-path MODEL_PATH", "launch_server.py: error: unrecognized arguments: --speculative-num-step 3"],
-         "error: unrecognized arguments: --speculative-num-step 3"),
-        (["sglang-gpu-gate: GPUs [0, 1] not clean after 120s; refusing to start.", "  GPU 1: pid 4242 holds 8148 MiB (user bob, ...)"],
-         "sglang-gpu-gate: GPUs [0, 1] not clean after 120s; refusing to start."),
+        (
+            [
+                "usage: launch_server.py [-h] --model-path MODEL_PATH",
+                "launch_server.py: error: unrecognized arguments: --speculative-num-step 3",
+            ],
+            "error: unrecognized arguments: --speculative-num-step 3",
+        ),
+        (
+            [
+                "sglang-gpu-gate: GPUs [0, 1] not clean after 120s; refusing to start.",
+                "  GPU 1: pid 4242 holds 8148 MiB (user bob, ...)",
+            ],
+            "sglang-gpu-gate: GPUs [0, 1] not clean after 120s; refusing to start.",
+        ),
         (["just a line"], None),
     ],
-)  # fmt: skip
+)
 def test_other_causes(lines, cause):
     assert sglang_unit.cause_of(lines) == cause
 
@@ -61,9 +75,20 @@ def test_profile_argvs_tell_profiles_apart():
         "b": {"flags": {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 2}},
         "bad": {"flags": {"--oops": 1}},  # cannot render: left out
     }
-    record = sglang_config.instance_record({"name": "main", "port": 30000, "gpus": [0, 1]}, 0, profiles, "a", "/m",
-                                           None, None, "0.0.0.0", "/opt/ml-env", "sglang.launch_server", "/etc/sglang",
-                                           "/l/sglang-launch")  # fmt: skip
+    record = sglang_config.instance_record(
+        {"name": "main", "port": 30000, "gpus": [0, 1]},
+        0,
+        profiles,
+        "a",
+        "/m",
+        None,
+        None,
+        "0.0.0.0",
+        "/opt/ml-env",
+        "sglang.launch_server",
+        "/etc/sglang",
+        "/l/sglang-launch",
+    )
     argvs = record["profiles_argv"]
     assert set(argvs) == {"a", "b"} and argvs["a"] != argvs["b"]
     assert argvs["a"][:3] == ["/opt/ml-env/bin/python", "/l/sglang-launch", "sglang.launch_server"]
@@ -75,9 +100,20 @@ def test_profile_argvs_tell_profiles_apart():
 def test_no_command_line_carries_an_api_key_and_one_that_does_is_masked():
     from sglang_deploy.instance import masked
 
-    record = sglang_config.instance_record({"name": "main", "port": 30000, "gpus": [0]}, 0, {"a": {"flags": {}}}, "a",
-                                           "/m", None, None, "0.0.0.0", "/v", "sglang.launch_server", "/etc/sglang",
-                                           "/l/sglang-launch")  # fmt: skip
+    record = sglang_config.instance_record(
+        {"name": "main", "port": 30000, "gpus": [0]},
+        0,
+        {"a": {"flags": {}}},
+        "a",
+        "/m",
+        None,
+        None,
+        "0.0.0.0",
+        "/v",
+        "sglang.launch_server",
+        "/etc/sglang",
+        "/l/sglang-launch",
+    )
     assert "--api-key" not in record["argv"], "the launcher adds it in-process, from the secrets file"
     assert sglang_config.systemd_quote(["a$b"]) == '"a$$b"', "a $ is escaped: systemd expands nothing"
     by_hand = [*record["argv"], "--api-key", "s3cr3t"]
@@ -87,19 +123,45 @@ def test_no_command_line_carries_an_api_key_and_one_that_does_is_masked():
 
 def test_a_secret_flag_in_a_profile_is_refused():
     with pytest.raises(sglang_config.ConfigError, match="sglang_profiles.a.flags.api_key: a secret on a command line"):
-        sglang_config.server_config({"name": "m", "port": 1, "gpus": [0]}, {"a": {"flags": {"api_key": "k"}}}, "a", "/m")
+        sglang_config.server_config(
+            {"name": "m", "port": 1, "gpus": [0]}, {"a": {"flags": {"api_key": "k"}}}, "a", "/m"
+        )
 
 
 @pytest.mark.parametrize("name", ["../etc", "a/b", "Main", "known-good", "validated", "", "-x"])
 def test_an_instance_name_that_would_be_a_path_or_a_reserved_directory_is_refused(name):
     """The name names the unit, its files, its lock and StateDirectory=sglang/<name>: never a path, never one of ours."""
     with pytest.raises(sglang_config.ConfigError, match=r"sglang_instances\[0\]\.name"):
-        sglang_config.instance_record({"name": name, "port": 1, "gpus": [0]}, 0, {"a": {}}, "a", "/m", None, None,
-                                      "0.0.0.0", "/v", "m", "/etc/sglang", "/l")  # fmt: skip
+        sglang_config.instance_record(
+            {"name": name, "port": 1, "gpus": [0]},
+            0,
+            {"a": {}},
+            "a",
+            "/m",
+            None,
+            None,
+            "0.0.0.0",
+            "/v",
+            "m",
+            "/etc/sglang",
+            "/l",
+        )
     from sglang_deploy.instance import NAME, Instance
 
     if NAME.match(name):
         return  # a reserved name is a valid word: the renderer refuses it, the modules need not
     with pytest.raises((ValueError, TypeError)):
-        Instance.from_params({"name": name, "unit": "u", "unit_path": "/u", "env_path": "/e", "secrets_path": "/s",
-                              "pending_dir": "/p", "port": 1, "gpus": [0], "argv": [], "profile": "a"})  # fmt: skip
+        Instance.from_params(
+            {
+                "name": name,
+                "unit": "u",
+                "unit_path": "/u",
+                "env_path": "/e",
+                "secrets_path": "/s",
+                "pending_dir": "/p",
+                "port": 1,
+                "gpus": [0],
+                "argv": [],
+                "profile": "a",
+            }
+        )

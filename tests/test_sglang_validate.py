@@ -19,9 +19,11 @@ sys.path.insert(0, str(REPO / "module_utils"))
 from sglang_deploy import validate as v  # noqa: E402
 from sglang_deploy.outcomes import INVALID_CONFIG  # noqa: E402
 
-ORIGINS = {"--speculative-algorithm": "sglang_profiles.p.flags.speculative_algorithm",
-           "--speculative-num-draft-tokens": "sglang_profiles.p.flags.speculative_num_draft_tokens",
-           "--tp": "sglang_profiles.p.flags.tp"}  # fmt: skip
+ORIGINS = {
+    "--speculative-algorithm": "sglang_profiles.p.flags.speculative_algorithm",
+    "--speculative-num-draft-tokens": "sglang_profiles.p.flags.speculative_num_draft_tokens",
+    "--tp": "sglang_profiles.p.flags.tp",
+}
 OPTIONS = {"options": ["--tp-size", "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--model-path"]}
 
 
@@ -57,8 +59,11 @@ def test_an_unknown_flag():
 
 
 def test_a_parser_error_names_the_variable():
-    (p,) = v.check_parser({**OPTIONS, "error": "argument --tp-size: invalid int value: 'x'"}, ["--tp-size", "x"],
-                          {"--tp-size": "sglang_instances[0].flags.tp_size"})  # fmt: skip
+    (p,) = v.check_parser(
+        {**OPTIONS, "error": "argument --tp-size: invalid int value: 'x'"},
+        ["--tp-size", "x"],
+        {"--tp-size": "sglang_instances[0].flags.tp_size"},
+    )
     assert (
         p["message"]
         == "SGLang's parser: argument --tp-size: invalid int value: 'x' (set by sglang_instances[0].flags.tp_size)"
@@ -81,8 +86,13 @@ def test_eagle_draft_served_as_eagle3(tmp_path):
 
 
 def test_matching_draft_passes(tmp_path):
-    args = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": draft(tmp_path, "LlamaForCausalLMEagle3"),
-            "speculative_num_steps": 2, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3}  # fmt: skip
+    args = {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": draft(tmp_path, "LlamaForCausalLMEagle3"),
+        "speculative_num_steps": 2,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 3,
+    }
     assert v.check_speculative(args, ORIGINS) == []
 
 
@@ -92,8 +102,13 @@ def test_a_draft_is_required():
 
 
 def test_topk1_draft_tokens_must_be_steps_plus_one(tmp_path):
-    args = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": draft(tmp_path, "LlamaForCausalLMEagle3"),
-            "speculative_num_steps": 2, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 5}  # fmt: skip
+    args = {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": draft(tmp_path, "LlamaForCausalLMEagle3"),
+        "speculative_num_steps": 2,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 5,
+    }
     (p,) = v.check_speculative(args, ORIGINS)
     assert "draft tokens are steps + 1 = 3, but --speculative-num-draft-tokens is 5" in p["message"]
     assert p["key"] == "sglang_profiles.p.flags.speculative_num_draft_tokens"
@@ -369,7 +384,7 @@ def test_sglang_not_installed_fails_naming_sglang_service_venv(model, tmp_path):
     (p,) = res["problems"]
     assert p["key"] == "sglang_service_venv"
     assert p["message"] == (
-        f"no {absent}: install SGLang first (the sglang role, before sglang_service) " "or set sglang_service_venv"
+        f"no {absent}: install SGLang first (the sglang role, before sglang_service) or set sglang_service_venv"
     )
     assert parser.runs == []
 

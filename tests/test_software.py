@@ -76,56 +76,86 @@ def test_the_role_names_the_generation_as_software_py_does():
     patches = [{"name": "0001-a.patch", "content": "--- a/x\n+++ b/x\n"}, {"name": "0002-b.patch", "content": "é\n"}]
     series = [{"name": p["name"], "sha256": software.sha256_text(p["content"])} for p in patches]
     variables = {
-        "sglang_python_version": "3.11", "sglang_version": "0.5.23", "sglang_install_profile": "parser",
-        "ml_env_requirements": ["six==1.16.0", "Jinja2==3.1.6"], "ml_env_generations_dir": "/opt/x.d",
+        "sglang_python_version": "3.11",
+        "sglang_version": "0.5.23",
+        "sglang_install_profile": "parser",
+        "ml_env_requirements": ["six==1.16.0", "Jinja2==3.1.6"],
+        "ml_env_generations_dir": "/opt/x.d",
         "_sglang_lock": ["sglang==0.5.23", "jinja2==3.1.6", "MarkupSafe==3.0.4", "six==1.16.0"],
         "_sglang_patch_series": series,
-    }  # fmt: skip
+    }
     defaults = yaml.safe_load((REPO / "roles" / "sglang" / "defaults" / "main.yml").read_text())
     preflight = REPO / "roles" / "sglang" / "tasks" / "preflight.yml"
     facts = render(preflight, "Name the software generation", variables)
     identity = facts["_sglang_identity"]
     assert identity == {
-        "python_version": "3.11", "sglang_version": "0.5.23", "install_profile": "parser",
+        "python_version": "3.11",
+        "sglang_version": "0.5.23",
+        "install_profile": "parser",
         "lock_sha256": lock_sha256(variables["ml_env_requirements"] + variables["_sglang_lock"]),
         "patch_series_sha256": patch_series_sha256(patches),
-    }  # fmt: skip
+    }
     assert facts["_sglang_generations_dir"] == "/opt/x.d"
     facts.update(render(preflight, "Say which software this host runs (sglang_software)", {**variables, **facts}))
     manifest = {"sglang_patch_manifest": trusted(defaults["sglang_patch_manifest"])}
-    sw = render(preflight, "Say where the generation's patch manifest is (sglang_software.manifest)",
-                {**variables, **facts, **manifest})["sglang_software"]  # fmt: skip
+    sw = render(
+        preflight,
+        "Say where the generation's patch manifest is (sglang_software.manifest)",
+        {**variables, **facts, **manifest},
+    )["sglang_software"]
     gen = generation_id(identity)
     assert sw == {
-        "generation": gen, "venv": f"/opt/x.d/{gen}", "python": f"/opt/x.d/{gen}/bin/python",
-        "sglang_version": "0.5.23", "lock_sha256": identity["lock_sha256"],
-        "patch_series_sha256": identity["patch_series_sha256"], "manifest": f"/opt/x.d/{gen}/sglang-deploy/patches.json",
-    }  # fmt: skip
-    custom = render(preflight, "Say where the generation's patch manifest is (sglang_software.manifest)",
-                    {**variables, **facts, "sglang_patch_manifest": "/srv/p.json"})["sglang_software"]  # fmt: skip
+        "generation": gen,
+        "venv": f"/opt/x.d/{gen}",
+        "python": f"/opt/x.d/{gen}/bin/python",
+        "sglang_version": "0.5.23",
+        "lock_sha256": identity["lock_sha256"],
+        "patch_series_sha256": identity["patch_series_sha256"],
+        "manifest": f"/opt/x.d/{gen}/sglang-deploy/patches.json",
+    }
+    custom = render(
+        preflight,
+        "Say where the generation's patch manifest is (sglang_software.manifest)",
+        {**variables, **facts, "sglang_patch_manifest": "/srv/p.json"},
+    )["sglang_software"]
     assert custom["manifest"] == "/srv/p.json"
 
 
 def test_ml_env_alone_names_its_generation_as_software_py_does():
     main = REPO / "roles" / "ml_env" / "tasks" / "main.yml"
-    facts = render(main, "Name the generation of ml_env_requirements alone",
-                      {"ml_env_python_version": "3.11", "ml_env_requirements": ["six==1.16.0", "idna==3.10"]})  # fmt: skip
+    facts = render(
+        main,
+        "Name the generation of ml_env_requirements alone",
+        {"ml_env_python_version": "3.11", "ml_env_requirements": ["six==1.16.0", "idna==3.10"]},
+    )
     assert facts["_ml_env_identity"] == {
-        "python_version": "3.11", "sglang_version": None, "install_profile": None,
-        "lock_sha256": lock_sha256(["idna==3.10", "six==1.16.0"]), "patch_series_sha256": None,
-    }  # fmt: skip
+        "python_version": "3.11",
+        "sglang_version": None,
+        "install_profile": None,
+        "lock_sha256": lock_sha256(["idna==3.10", "six==1.16.0"]),
+        "patch_series_sha256": None,
+    }
 
 
 def test_the_id_changes_with_everything_installed_and_only_with_it():
-    base = {"python_version": "3.11", "sglang_version": "0.5.23", "install_profile": "full",
-            "lock_sha256": lock_sha256(["a==1", "b==2"]), "patch_series_sha256": patch_series_sha256([])}  # fmt: skip
+    base = {
+        "python_version": "3.11",
+        "sglang_version": "0.5.23",
+        "install_profile": "full",
+        "lock_sha256": lock_sha256(["a==1", "b==2"]),
+        "patch_series_sha256": patch_series_sha256([]),
+    }
     gen = generation_id(base)
     assert len(gen) == 16 and int(gen, 16) >= 0
     assert generation_id(dict(base, lock_sha256=lock_sha256(["b==2", "a==1", "a==1"]))) == gen  # a lock is a set
     assert generation_id(dict(base, created="later", generation="x")) == gen  # only IDENTITY counts
-    for key, value in [("python_version", "3.12"), ("sglang_version", "0.5.24"), ("install_profile", "parser"),
-                       ("lock_sha256", lock_sha256(["a==1", "b==3"])),
-                       ("patch_series_sha256", patch_series_sha256([{"name": "0001.patch", "content": "x"}]))]:  # fmt: skip
+    for key, value in [
+        ("python_version", "3.12"),
+        ("sglang_version", "0.5.24"),
+        ("install_profile", "parser"),
+        ("lock_sha256", lock_sha256(["a==1", "b==3"])),
+        ("patch_series_sha256", patch_series_sha256([{"name": "0001.patch", "content": "x"}])),
+    ]:
         assert generation_id(dict(base, **{key: value})) != gen, key
     assert lock_sha256(["A==1"]) != lock_sha256(["a==1"])
     one = [{"name": "0001.patch", "content": "x"}, {"name": "0002.patch", "content": "y"}]
@@ -178,8 +208,12 @@ def test_never_removes_one_a_unit_a_staged_unit_or_a_known_good_record_names(gen
     (kg / "20260101-x.json").write_text(
         json.dumps({"software": {"venv": f"{gens}/kg"}, "argv": [f"{gens}/prefixx/bin/python"]})
     )
-    patterns = [str(units / "sglang-*.service"), str(units / "sglang-*.service.d" / "*.conf"), str(pending / "*"),
-                str(tmp_path / "known-good" / "**" / "*.json")]  # fmt: skip
+    patterns = [
+        str(units / "sglang-*.service"),
+        str(units / "sglang-*.service.d" / "*.conf"),
+        str(pending / "*"),
+        str(tmp_path / "known-good" / "**" / "*.json"),
+    ]
     res = prune(str(gens), "cur", keep=1, patterns=patterns)
     kept = by_name(res["kept"])
     assert kept["unit"] == f"referenced by {units}/sglang-main.service"
@@ -296,10 +330,15 @@ def test_migrates_a_real_virtualenv_into_a_legacy_generation(tmp_path, gens):
     assert (link / "bin" / "python").exists()
     record = json.loads((legacy / "sglang-deploy" / "generation.json").read_text())
     assert record == {
-        "generation": "legacy-20260101T000000Z", "python_version": "3.11", "sglang_version": "0.5.23",
-        "install_profile": None, "lock_sha256": None, "patch_series_sha256": None,
-        "created": "2026-01-01T00:00:00Z", "migrated_from": str(link),
-    }  # fmt: skip
+        "generation": "legacy-20260101T000000Z",
+        "python_version": "3.11",
+        "sglang_version": "0.5.23",
+        "install_profile": None,
+        "lock_sha256": None,
+        "patch_series_sha256": None,
+        "created": "2026-01-01T00:00:00Z",
+        "migrated_from": str(link),
+    }
     assert (legacy / "sglang-deploy" / "patches.json").read_text() == manifest.read_text()
     assert software.migrate(str(link), str(gens))["changed"] is False
     # The legacy generation is an ordinary complete one: kept as the newest other, then pruned.

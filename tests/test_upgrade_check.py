@@ -27,7 +27,12 @@ def test_shipped_series_applies_to_the_pinned_release():
 
 
 def test_a_patch_that_does_not_apply_is_reported_and_fails_the_check():
-    proc = run("-e", "sglang_candidate_version=0.5.23", "-e", f"upgrade_check_series_dir={REPO}/molecule/stack/fixtures/conflict")
+    proc = run(
+        "-e",
+        "sglang_candidate_version=0.5.23",
+        "-e",
+        f"upgrade_check_series_dir={REPO}/molecule/stack/fixtures/conflict",
+    )
     assert proc.returncode != 0
     assert (
         "'0002-does-not-apply.patch: DOES NOT APPLY: sglang/srt/speculative/eagle_worker_v2.py: hunk #1 FAILED at line 1300'"

@@ -1,7 +1,7 @@
 """Variable tables for the README, from each role's meta/argument_specs.yml.
 
-    python tools/argspec_tables.py            # print the tables
-    python tools/argspec_tables.py --write    # rewrite them in README.md between the markers
+python tools/argspec_tables.py            # print the tables
+python tools/argspec_tables.py --write    # rewrite them in README.md between the markers
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 STATE_FILE = os.environ.get("LAB_GPU_STATE", "/var/lib/lab-gpu-sim/state.json")
 
@@ -44,7 +45,10 @@ FAILURES = {
         "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
         "Make sure that the latest NVIDIA driver is installed and running.\n",
     ),
-    "driver-mismatch": (18, "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 580.159\n"),
+    "driver-mismatch": (
+        18,
+        "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 580.159\n",
+    ),
 }
 
 GPU_FIELDS: dict[str, tuple[str, str | None]] = {
@@ -299,7 +303,9 @@ def table(state: dict[str, Any], gpus: list[dict[str, Any]], now: float) -> str:
         lines.append(f"|  {'No running processes found':<87}|")
     for g, a in apps:
         name = a.get("name", "python3")[:35]
-        lines.append(f"|  {g['index']:>3}   N/A  N/A  {a['pid']:>15}      C   {name:<35} {str(a['used_mib']) + 'MiB':>9} |")
+        lines.append(
+            f"|  {g['index']:>3}   N/A  N/A  {a['pid']:>15}      C   {name:<35} {str(a['used_mib']) + 'MiB':>9} |"
+        )
     lines.append(WIDE)
     return "".join(line + "\n" for line in lines)
 
@@ -361,7 +367,9 @@ def nvidia_smi(argv: list[str], path: str = STATE_FILE, now: float | None = None
 
 
 def lab_gpu(argv: list[str], path: str = STATE_FILE) -> int:
-    parser = argparse.ArgumentParser(prog="lab-gpu", description="Drive the simulated GPUs of a lab node (test double).")
+    parser = argparse.ArgumentParser(
+        prog="lab-gpu", description="Drive the simulated GPUs of a lab node (test double)."
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("init", help="write a fresh state with N idle GPUs")
     p.add_argument("--gpus", type=int, default=8)
@@ -372,8 +380,12 @@ def lab_gpu(argv: list[str], path: str = STATE_FILE) -> int:
     p.add_argument("--gpu", required=True, help="comma-separated indices")
     p.add_argument("--mib", type=int, required=True)
     p.add_argument("--name", default="python3")
-    p.add_argument("--release-seconds", type=float, default=0.0, help="time the memory takes to free once the pid is gone")
-    p.add_argument("--pinned", action="store_true", help="listed even without a live pid (a stray nobody here can kill)")
+    p.add_argument(
+        "--release-seconds", type=float, default=0.0, help="time the memory takes to free once the pid is gone"
+    )
+    p.add_argument(
+        "--pinned", action="store_true", help="listed even without a live pid (a stray nobody here can kill)"
+    )
     p = sub.add_parser("release", help="start releasing a pid's memory now")
     p.add_argument("--pid", type=int, required=True)
     p = sub.add_parser("fail", help="make nvidia-smi itself fail")

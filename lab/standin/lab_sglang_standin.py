@@ -89,8 +89,19 @@ def lab_gpu(*args: str) -> None:
 
 def scheduler_process(rank: int, gpu: int, mib: int, release_s: float, stray: bool) -> None:
     """Child: one tensor-parallel rank holding its GPU's memory until told to stop."""
-    lab_gpu("hold", "--pid", str(os.getpid()), "--gpu", str(gpu), "--mib", str(mib),
-            "--name", "python3", "--release-seconds", str(release_s))  # fmt: skip
+    lab_gpu(
+        "hold",
+        "--pid",
+        str(os.getpid()),
+        "--gpu",
+        str(gpu),
+        "--mib",
+        str(mib),
+        "--name",
+        "python3",
+        "--release-seconds",
+        str(release_s),
+    )
     if stray:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log(f"scheduler TP{rank}: ignoring SIGTERM (fault stray-child)")
@@ -147,8 +158,12 @@ class State:
             self.generation_tokens += n
             self.verify_ct += verify_ct
             self.last_throughput = n / elapsed if elapsed > 0 else 0.0
-        meta = {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "e2e_latency": elapsed,
-                "finish_reason": {"type": "length", "length": n}}  # fmt: skip
+        meta = {
+            "prompt_tokens": len(prompt.split()),
+            "completion_tokens": n,
+            "e2e_latency": elapsed,
+            "finish_reason": {"type": "length", "length": n},
+        }
         if self.knobs.spec:
             meta.update({"spec_verify_ct": verify_ct, "spec_accept_length": n / verify_ct})
         return {"text": text, "meta_info": meta}
@@ -191,7 +206,8 @@ class State:
 def crash_on_decode() -> None:
     """The seed's failure: an attribute left unset by a half-failed __init__, read on the first decode."""
     try:
-        class EAGLEWorkerV2:  # noqa: N801 - named as in SGLang
+
+        class EAGLEWorkerV2:
             def forward_batch_generation(self):
                 return self.adaptive_controller.on_verify()
 
@@ -257,7 +273,7 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(401, {"error": "Unauthorized"})
         return False
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         st = self.state
         path = self.path.split("?", 1)[0]
         if not self.authorized(path):
@@ -280,7 +296,7 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(200, st.metrics().encode(), "text/plain; version=0.0.4")
         return self.reply(404, {"detail": "Not Found"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         st = self.state
         if not st.ready:
             return self.reply(503)
@@ -293,17 +309,28 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(200, st.decode(str(req.get("text", "")), params.get("max_new_tokens", 16)))
         if path in ("/v1/completions", "/v1/chat/completions"):
             chat = path.endswith("chat/completions")
-            prompt = " ".join(m.get("content", "") for m in req.get("messages", [])) if chat else str(req.get("prompt", ""))
+            prompt = (
+                " ".join(m.get("content", "") for m in req.get("messages", [])) if chat else str(req.get("prompt", ""))
+            )
             out = st.decode(prompt, req.get("max_tokens", 16))
             meta = out["meta_info"]
             choice = {"index": 0, "finish_reason": "length"}
             choice.update({"message": {"role": "assistant", "content": out["text"]}} if chat else {"text": out["text"]})
-            return self.reply(200, {
-                "id": f"lab-{st.decodes}", "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": req.get("model", st.args.model_path), "choices": [choice],
-                "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
-                          "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]},
-            })  # fmt: skip
+            return self.reply(
+                200,
+                {
+                    "id": f"lab-{st.decodes}",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": req.get("model", st.args.model_path),
+                    "choices": [choice],
+                    "usage": {
+                        "prompt_tokens": meta["prompt_tokens"],
+                        "completion_tokens": meta["completion_tokens"],
+                        "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
+                    },
+                },
+            )
         return self.reply(404, {"detail": "Not Found"})
 
 
@@ -320,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if not is_port_available(args.port):
         log(f"port {args.port} is in use")
-    log(f"LAB STAND-IN for sglang.launch_server {VERSION}: model {args.model_path}, tp {args.tp_size}, "
-        f"GPUs {gpus()}, speculative {args.speculative_algorithm}, faults {sorted(knobs.faults) or 'none'}")  # fmt: skip
+    log(
+        f"LAB STAND-IN for sglang.launch_server {VERSION}: model {args.model_path}, tp {args.tp_size}, "
+        f"GPUs {gpus()}, speculative {args.speculative_algorithm}, faults {sorted(knobs.faults) or 'none'}"
+    )
     CHILDREN.extend(start_schedulers(args, knobs))
 
     def stop(signum, frame):

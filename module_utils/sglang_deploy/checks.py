@@ -44,7 +44,9 @@ class Checks:
         out = {"checks": self.items, **extra}
         out["ok"] = all(c["ok"] or c["severity"] == "warn" for c in self.items)
         out["warnings"] = [c["detail"] for c in self.items if not c["ok"] and c["severity"] == "warn"]
-        out["failed_checks"] = [f"{c['name']}: {c['detail']}" for c in self.items if not c["ok"] and c["severity"] == "fail"]
+        out["failed_checks"] = [
+            f"{c['name']}: {c['detail']}" for c in self.items if not c["ok"] and c["severity"] == "fail"
+        ]
         return out
 
 
@@ -124,19 +126,32 @@ def verify(inst: Instance, t: Thresholds, ports, patch_manifest: str | None = No
     """Every check on the running instance; never raises for what the server does."""
     c = Checks()
     props = ports.show(inst.unit)
-    c.add("unit", props["ActiveState"] == "active" and props["SubState"] == "running" and props["NRestarts"] == 0,
-          f"{inst.unit} {state(props)}, restarted {props['NRestarts']} times since started")  # fmt: skip
+    c.add(
+        "unit",
+        props["ActiveState"] == "active" and props["SubState"] == "running" and props["NRestarts"] == 0,
+        f"{inst.unit} {state(props)}, restarted {props['NRestarts']} times since started",
+    )
     running = ports.cmdline(props["MainPID"]) if props["MainPID"] else []
     profile = inst.profile_of(running)
     same = bool(running) and masked(running) == masked(inst.argv)
-    c.add("drift", same, f"running profile {profile}" if same else
-          f"running command line differs from the rendered configuration: {drift_summary(inst.argv, running)}; "
-          f"running profile: {profile or 'none of the known profiles (launched by hand?)'}")  # fmt: skip
+    c.add(
+        "drift",
+        same,
+        f"running profile {profile}"
+        if same
+        else f"running command line differs from the rendered configuration: {drift_summary(inst.argv, running)}; "
+        f"running profile: {profile or 'none of the known profiles (launched by hand?)'}",
+    )
     snap = ports.snapshot()
     mine = [x for x in snap["processes"] if x["gpu"] in inst.gpus]
     strangers = [x for x in mine if x.get("unit") != inst.unit]
-    c.add("gpu_processes", not strangers, f"{len(mine)} processes of {inst.unit} on GPUs {inst.gpus}" if not strangers
-          else "not the service's: " + "; ".join(format_offender(x) for x in strangers))  # fmt: skip
+    c.add(
+        "gpu_processes",
+        not strangers,
+        f"{len(mine)} processes of {inst.unit} on GPUs {inst.gpus}"
+        if not strangers
+        else "not the service's: " + "; ".join(format_offender(x) for x in strangers),
+    )
     gpu_mem = {g["index"]: g["memory_used_mib"] for g in snap["gpus"] if g["index"] in inst.gpus}
     extra = {"running_profile": profile, "gpu_memory_mib": gpu_mem, "tokens_per_s": None, "accept_length": None}
     if inst.serves_http:
@@ -168,8 +183,11 @@ def http_checks(inst: Instance, t: Thresholds, c: Checks, extra: dict) -> None:
         c.add("server_info", False, str(exc))
     if expected_algo:
         got = info.get("speculative_algorithm")
-        c.add("speculative_algorithm", str(got).upper() == expected_algo.upper(),
-              f"server reports speculative_algorithm {got}, configured {expected_algo}")  # fmt: skip
+        c.add(
+            "speculative_algorithm",
+            str(got).upper() == expected_algo.upper(),
+            f"server reports speculative_algorithm {got}, configured {expected_algo}",
+        )
     if t.load_requests > 0:
         load_checks(inst, t, c, extra, info, expected_algo, key)
 
@@ -187,17 +205,26 @@ def load_checks(inst: Instance, t: Thresholds, c: Checks, extra: dict, info: dic
         accepts = [float(r["accept_length"]) for r in runs if isinstance(r["accept_length"], (int, float))]
         accept = sum(accepts) / len(accepts) if accepts else http.server_accept_length(inst.base, info, key)
         extra["accept_length"] = round(accept, 3) if accept is not None else None
-        c.add("accept_length", accept is not None and accept > t.accept_length_min,
-              f"average accept length {accept if accept is None else round(accept, 2)} over {len(runs)} requests "
-              f"(threshold {t.accept_length_min}; 1.0 means no draft token is ever accepted: an "
-              f"EAGLE/EAGLE3 mix-up or a draft that does not fit the target)")  # fmt: skip
+        c.add(
+            "accept_length",
+            accept is not None and accept > t.accept_length_min,
+            f"average accept length {accept if accept is None else round(accept, 2)} over {len(runs)} requests "
+            f"(threshold {t.accept_length_min}; 1.0 means no draft token is ever accepted: an "
+            f"EAGLE/EAGLE3 mix-up or a draft that does not fit the target)",
+        )
     if t.baseline_tokens_per_s:
         base = t.baseline_tokens_per_s
-        c.add("throughput_vs_profile_baseline", tok_s >= base * (1 - t.regression_threshold),
-              f"{tok_s:.1f} tok/s against the profile's baseline {base:g} ({(tok_s / base - 1) * 100:+.1f} %)",
-              t.regression_action)  # fmt: skip
+        c.add(
+            "throughput_vs_profile_baseline",
+            tok_s >= base * (1 - t.regression_threshold),
+            f"{tok_s:.1f} tok/s against the profile's baseline {base:g} ({(tok_s / base - 1) * 100:+.1f} %)",
+            t.regression_action,
+        )
     if algo and t.no_spec_tokens_per_s:
         nospec = t.no_spec_tokens_per_s
-        c.add("throughput_vs_no_speculation", tok_s >= nospec,
-              f"{tok_s:.1f} tok/s with speculation against {nospec:g} without ({(tok_s / nospec - 1) * 100:+.1f} %)",
-              t.regression_action)  # fmt: skip
+        c.add(
+            "throughput_vs_no_speculation",
+            tok_s >= nospec,
+            f"{tok_s:.1f} tok/s with speculation against {nospec:g} without ({(tok_s / nospec - 1) * 100:+.1f} %)",
+            t.regression_action,
+        )

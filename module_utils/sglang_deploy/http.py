@@ -62,7 +62,10 @@ def get_json(url: str, timeout: float = 30.0, api_key: str | None = None) -> dic
 def generate(base: str, prompt: str, max_new_tokens: int, timeout: float = 120.0, api_key: str | None = None) -> dict:
     """One /generate request; {text, completion_tokens, seconds, accept_length}."""
     t0 = time.monotonic()
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
     code, data = request(f"{base}/generate", body, timeout=timeout, api_key=api_key)
     seconds = time.monotonic() - t0
     if code != 200:
@@ -76,7 +79,12 @@ def generate(base: str, prompt: str, max_new_tokens: int, timeout: float = 120.0
         tokens = 0
     if not isinstance(text, str) or not text or not tokens:
         raise HttpError(f"{base}/generate answered without generating: {data[:300].decode(errors='replace')}")
-    return {"text": text, "completion_tokens": tokens, "seconds": seconds, "accept_length": meta.get("spec_accept_length")}
+    return {
+        "text": text,
+        "completion_tokens": tokens,
+        "seconds": seconds,
+        "accept_length": meta.get("spec_accept_length"),
+    }
 
 
 def healthy(base: str, timeout: float = 2.0, api_key: str | None = None) -> bool:

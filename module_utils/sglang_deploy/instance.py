@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .procinfo import API_KEY_VAR, masked  # noqa: F401 - one definition, shared with the gate's package
+from .procinfo import API_KEY_VAR, masked
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 

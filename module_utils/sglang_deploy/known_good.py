@@ -102,7 +102,7 @@ class Store:
             try:
                 with open(path, encoding="utf-8") as fh:
                     record = json.load(fh)
-                if not isinstance(record, dict) or not REQUIRED <= set(record):
+                if not isinstance(record, dict) or not set(record) >= REQUIRED:
                     continue
                 record["path"] = path
                 return record
@@ -117,15 +117,23 @@ class Store:
         os.chmod(inst.kg_dir, 0o700)
         now = time.time()
         record = {
-            "instance": inst.name, "unit": inst.unit, "profile": inst.profile, "argv": masked(argv),
-            "files": started["files"], "config_hash": started["config_hash"], "argv_hash": argv_hash(argv),
+            "instance": inst.name,
+            "unit": inst.unit,
+            "profile": inst.profile,
+            "argv": masked(argv),
+            "files": started["files"],
+            "config_hash": started["config_hash"],
+            "argv_hash": argv_hash(argv),
             "software": software_of(inst.venv),
             "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-            "tokens_per_s": verify.get("tokens_per_s"), "accept_length": verify.get("accept_length"),
+            "tokens_per_s": verify.get("tokens_per_s"),
+            "accept_length": verify.get("accept_length"),
             "checks": [{k: c.get(k) for k in ("name", "ok", "severity")} for c in verify.get("checks") or []],
-        }  # fmt: skip
+        }
         # Ordered by a sequence number, not the clock: a clock stepped back must not make an older generation newest.
-        generation = f"{self.next_sequence():06d}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}-{record['config_hash']}"
+        generation = (
+            f"{self.next_sequence():06d}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}-{record['config_hash']}"
+        )
         record["generation"] = generation
         write_atomic(os.path.join(self.dir, generation + ".json"), json.dumps(record, indent=1, sort_keys=True), 0o600)
         self.prune()
@@ -135,7 +143,9 @@ class Store:
         return summary(record)
 
     def next_sequence(self) -> int:
-        numbers = [int(n.split("-", 1)[0]) for n in map(os.path.basename, self.records()) if n.split("-", 1)[0].isdigit()]
+        numbers = [
+            int(n.split("-", 1)[0]) for n in map(os.path.basename, self.records()) if n.split("-", 1)[0].isdigit()
+        ]
         return max(numbers, default=0) + 1
 
     def prune(self) -> list[str]:
@@ -160,7 +170,20 @@ class Store:
 
 def summary(record: dict) -> dict:
     sw = record.get("software") or {}
-    return {"generation": record.get("generation"), "config_hash": record.get("config_hash"),
-            "profile": record.get("profile"), "recorded_at": record.get("recorded_at"),
-            "software": {k: sw.get(k) for k in ("generation", "sglang_version", "lock_sha256", "patch_series_sha256",
-                                                 "patch_manifest_sha256", "venv")}}  # fmt: skip
+    return {
+        "generation": record.get("generation"),
+        "config_hash": record.get("config_hash"),
+        "profile": record.get("profile"),
+        "recorded_at": record.get("recorded_at"),
+        "software": {
+            k: sw.get(k)
+            for k in (
+                "generation",
+                "sglang_version",
+                "lock_sha256",
+                "patch_series_sha256",
+                "patch_manifest_sha256",
+                "venv",
+            )
+        },
+    }

@@ -20,15 +20,19 @@ LOCK_DIR = "/run/sglang-deploy/locks"
 class Locked(RuntimeError):
     def __init__(self, name: str, holder: dict):
         self.holder = holder
-        super().__init__(f"{name} is locked by another operation: {describe(holder)}. Nothing was touched; "
-                         "retry once it ends (python -m driver status shows where it stands).")  # fmt: skip
+        super().__init__(
+            f"{name} is locked by another operation: {describe(holder)}. Nothing was touched; "
+            "retry once it ends (python -m driver status shows where it stands)."
+        )
 
 
 def describe(holder: dict) -> str:
     if not holder:
         return "a holder that has not written its name yet"
-    return (f"{holder.get('operation', '?')} by pid {holder.get('pid', '?')} ({holder.get('command', '?')}) "
-            f"from controller {holder.get('controller') or '?'} since {holder.get('since', '?')}")  # fmt: skip
+    return (
+        f"{holder.get('operation', '?')} by pid {holder.get('pid', '?')} ({holder.get('command', '?')}) "
+        f"from controller {holder.get('controller') or '?'} since {holder.get('since', '?')}"
+    )
 
 
 class InstanceLock:
@@ -52,8 +56,13 @@ class InstanceLock:
                 raise Locked(self.name, holder) from None
             raise
         try:  # interrupted here (SIGTERM, a full /run), the lock must not stay held for the process's life
-            holder = {"operation": self.operation, "pid": os.getpid(), "command": self.command or command_of(os.getpid()),
-                      "controller": self.controller, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+            holder = {
+                "operation": self.operation,
+                "pid": os.getpid(),
+                "command": self.command or command_of(os.getpid()),
+                "controller": self.controller,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(holder).encode(), 0)
         except BaseException:

@@ -16,7 +16,9 @@ NOT_RECOVERED = "not_recovered"  # failed, and no known-good configuration could
 GPUS_NOT_CLEAN = "gpus_not_clean"  # another process holds the instance's GPUs
 LOCKED = "locked"  # another operation holds the instance's lock
 INVALID_CONFIG = "invalid_config"  # a setting was refused (validation)
-REFUSED = "refused"  # the operation cannot apply here (nothing to roll back to, a multi-node rollback): the cause says why
+REFUSED = (
+    "refused"  # the operation cannot apply here (nothing to roll back to, a multi-node rollback): the cause says why
+)
 # Check mode.
 WOULD_RESTART = "would_restart"
 WOULD_ROLL_BACK = "would_roll_back"

@@ -24,8 +24,8 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import gpu, outcomes, procinfo, unit
 from .checks import Thresholds
@@ -36,6 +36,7 @@ from .instance import Instance, masked
 from .known_good import Store, content_hash, write_atomic
 from .lock import InstanceLock, Locked, peek
 from .stage import promote, read_text, stage_complete
+
 
 class Failure(Exception):
     def __init__(self, phase: str, cause: str, **details):
@@ -130,13 +131,22 @@ class Machine:
         except gpu.NvidiaSmiError as exc:
             raise Failure(outcomes.PREFLIGHT, f"{exc}. Nothing was stopped.", checked=True) from None
         i = self.inst
-        foreign = [p for p in snap["processes"] if p["gpu"] in i.gpus and p.get("unit") != i.unit
-                   and not may_stop(p, self.s.stop_policy, i.unit, i.service_user)]  # fmt: skip
+        foreign = [
+            p
+            for p in snap["processes"]
+            if p["gpu"] in i.gpus
+            and p.get("unit") != i.unit
+            and not may_stop(p, self.s.stop_policy, i.unit, i.service_user)
+        ]
         if foreign:
-            raise Failure(outcomes.PREFLIGHT, "GPUs held by processes outside this service: " +
-                          "; ".join(format_offender(x) for x in foreign) +
-                          ". Nothing was stopped. Stop them, or rerun with stop policy 'force'.",
-                          offenders=foreign, checked=True)  # fmt: skip
+            raise Failure(
+                outcomes.PREFLIGHT,
+                "GPUs held by processes outside this service: "
+                + "; ".join(format_offender(x) for x in foreign)
+                + ". Nothing was stopped. Stop them, or rerun with stop policy 'force'.",
+                offenders=foreign,
+                checked=True,
+            )
         return {"processes": len([x for x in snap["processes"] if x["gpu"] in i.gpus]), "pending": self.pending}
 
     def check_staged(self) -> None:
@@ -145,16 +155,27 @@ class Machine:
         try:
             target = {live: read_text(i.pending_files.get(live, live)) for live in i.config_files}
         except OSError as exc:
-            raise Failure(outcomes.PREFLIGHT, f"the configuration to start cannot be read ({exc}): run deploy again. "
-                          "Nothing was stopped.", kind=outcomes.REFUSED) from None  # fmt: skip
+            raise Failure(
+                outcomes.PREFLIGHT,
+                f"the configuration to start cannot be read ({exc}): run deploy again. Nothing was stopped.",
+                kind=outcomes.REFUSED,
+            ) from None
         if i.pending_files and not stage_complete(i):
-            raise Failure(outcomes.PREFLIGHT, f"the pending configuration of {i.name} is incomplete (a deploy was "
-                          "interrupted?): run deploy again. Nothing was stopped.", kind=outcomes.REFUSED)  # fmt: skip
+            raise Failure(
+                outcomes.PREFLIGHT,
+                f"the pending configuration of {i.name} is incomplete (a deploy was "
+                "interrupted?): run deploy again. Nothing was stopped.",
+                kind=outcomes.REFUSED,
+            )
         expected = self.s.expected_config_hash
         if expected and content_hash(target) != expected:
-            raise Failure(outcomes.PREFLIGHT, f"the configuration staged for {i.name} is not the one this run rendered "
-                          f"(hash {content_hash(target)}, this run {expected}): another controller staged it. "
-                          "Nothing was stopped.", kind=outcomes.REFUSED)  # fmt: skip
+            raise Failure(
+                outcomes.PREFLIGHT,
+                f"the configuration staged for {i.name} is not the one this run rendered "
+                f"(hash {content_hash(target)}, this run {expected}): another controller staged it. "
+                "Nothing was stopped.",
+                kind=outcomes.REFUSED,
+            )
 
     def stop(self) -> dict:
         out = self.ports.systemctl("stop", self.inst.unit)
@@ -167,8 +188,9 @@ class Machine:
 
     def wait_gpus(self) -> dict:
         i, s = self.inst, self.s
-        res = self.ports.wait_clean(i.gpus, s.gpu_timeout, s.gpu_interval, s.max_used_mib, s.stop_policy, i.unit,
-                                    i.service_user)  # fmt: skip
+        res = self.ports.wait_clean(
+            i.gpus, s.gpu_timeout, s.gpu_interval, s.max_used_mib, s.stop_policy, i.unit, i.service_user
+        )
         if not res["clean"]:
             raise Failure(outcomes.GPUS, res["message"], offenders=res.get("offenders"), busy=res.get("busy"))
         return {"waited_s": round(res["waited_s"], 3), "polls": res["polls"], "stopped": res["stopped"]}
@@ -211,10 +233,14 @@ class Machine:
                 return {"main_pid": props["MainPID"], "ready_after_s": round(p.clock() - t0, 3)}
             if p.clock() - t0 >= self.s.ready_timeout:
                 lines = p.journal(i.unit, props.get("InvocationID") or None)
-                raise Failure(outcomes.START, f"{i.unit} not ready after {self.s.ready_timeout:g}s (unit "
-                              f"{unit.state(props)}; /health never answered 200). "
-                              f"Last log line: {lines[-1] if lines else 'none'}",
-                              journal_tail=lines[-40:], traceback=unit.traceback_of(lines))  # fmt: skip
+                raise Failure(
+                    outcomes.START,
+                    f"{i.unit} not ready after {self.s.ready_timeout:g}s (unit "
+                    f"{unit.state(props)}; /health never answered 200). "
+                    f"Last log line: {lines[-1] if lines else 'none'}",
+                    journal_tail=lines[-40:],
+                    traceback=unit.traceback_of(lines),
+                )
             p.sleep(0.1)
 
     def generation(self) -> dict:
@@ -232,7 +258,9 @@ class Machine:
                 p.sleep(0.05)
                 props = p.show(i.unit)
             if unit.has_failed(props):
-                raise self.failure_from_journal(outcomes.GENERATE, props, f"the server died on its first generation ({exc})")
+                raise self.failure_from_journal(
+                    outcomes.GENERATE, props, f"the server died on its first generation ({exc})"
+                ) from exc
             raise Failure(outcomes.GENERATE, f"generation failed: {exc}") from None
 
     def verify(self) -> dict:
@@ -247,7 +275,11 @@ class Machine:
         now = self.store.snapshot()
         props = self.ports.show(self.inst.unit)
         argv = self.ports.cmdline(props["MainPID"]) if props["MainPID"] else []
-        if self.started is None or now["config_hash"] != self.started["config_hash"] or masked(argv) != masked(self.argv):
+        if (
+            self.started is None
+            or now["config_hash"] != self.started["config_hash"]
+            or masked(argv) != masked(self.argv)
+        ):
             put_back = ""
             if self.started is not None and now["config_hash"] != self.started["config_hash"]:
                 # What is on disk is not what verified: a crash or a boot must start what did.
@@ -255,13 +287,16 @@ class Machine:
                     write_atomic(path, content, 0o600 if path.endswith(".env") else 0o644)
                 self.systemctl_ok("daemon-reload")
                 put_back = "; the files that started and verified were put back"
-            raise Failure(outcomes.RECORD, "the unit's configuration or command line changed during the restart "
-                          f"(another tool wrote it?): not recorded as known-good{put_back}")  # fmt: skip
+            raise Failure(
+                outcomes.RECORD,
+                "the unit's configuration or command line changed during the restart "
+                f"(another tool wrote it?): not recorded as known-good{put_back}",
+            )
         summary = self.store.record(self.started, argv, self.verified or {})
         try:
             self.systemctl_ok("enable", self.inst.unit)  # verified: now it may start at boot
             summary["enabled"] = True
-        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - recorded all the same: say so
+        except (Exception, KeyboardInterrupt) as exc:
             summary.update(enabled=False, enable_error=as_failure(outcomes.RECORD, exc).cause)
         return summary
 
@@ -272,8 +307,10 @@ class Machine:
         if not host:
             raise Failure(outcomes.VERIFY, f"{i.name}: no dist_init_addr to reach rank 0 by")
         if not healthy(f"http://{host}:{i.port}", timeout=10, api_key=i.api_key()):
-            raise Failure(outcomes.VERIFY, f"rank 0 of {i.name} ({host}:{i.port}) does not serve: this rank's start "
-                          "is not confirmed")  # fmt: skip
+            raise Failure(
+                outcomes.VERIFY,
+                f"rank 0 of {i.name} ({host}:{i.port}) does not serve: this rank's start is not confirmed",
+            )
         return {"rank0": f"{host}:{i.port}"}
 
     def load_started(self) -> dict:
@@ -325,10 +362,19 @@ class Machine:
         timing = {}
         exited = props.get("ExecMainExitTimestampMonotonic") or 0
         if exited:  # CLOCK_MONOTONIC in microseconds, the clock of time.monotonic()
-            timing = {"exit_to_detect_s": round(t0 - exited / 1e6, 3), "exit_to_report_s": round(p.clock() - exited / 1e6, 3)}
-        return Failure(phase, unit.cause_of(lines) or fallback, journal_tail=lines[-40:], traceback=unit.traceback_of(lines),
-                       unit_state=unit.state(props), exit=f"{props.get('ExecMainCode', '?')}/{props.get('ExecMainStatus', '?')}",
-                       **timing)  # fmt: skip
+            timing = {
+                "exit_to_detect_s": round(t0 - exited / 1e6, 3),
+                "exit_to_report_s": round(p.clock() - exited / 1e6, 3),
+            }
+        return Failure(
+            phase,
+            unit.cause_of(lines) or fallback,
+            journal_tail=lines[-40:],
+            traceback=unit.traceback_of(lines),
+            unit_state=unit.state(props),
+            exit=f"{props.get('ExecMainCode', '?')}/{props.get('ExecMainStatus', '?')}",
+            **timing,
+        )
 
     def run_steps(self, steps: tuple[Step, ...], log: list[dict], label: str = "") -> tuple[Step, Failure] | None:
         """Run the steps in order; the first failure stops them and is returned with its step."""
@@ -339,13 +385,27 @@ class Machine:
                 at = round(self.ports.wall(), 3)
                 t0 = self.ports.clock()
                 detail = step.run(self) or {}
-                log.append({"phase": label + step.phase, "at": at, "seconds": round(self.ports.clock() - t0, 3),
-                            "ok": True, "detail": detail})  # fmt: skip
-            except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every exception ends in a defined state
+                log.append(
+                    {
+                        "phase": label + step.phase,
+                        "at": at,
+                        "seconds": round(self.ports.clock() - t0, 3),
+                        "ok": True,
+                        "detail": detail,
+                    }
+                )
+            except (Exception, KeyboardInterrupt) as exc:
                 failure = as_failure(step.phase, exc)
                 now = self.ports.clock()
-                log.append({"phase": label + step.phase, "at": at, "seconds": round(now - (t0 if t0 is not None else now), 3), "ok": False,
-                            "detail": failure.cause})  # fmt: skip
+                log.append(
+                    {
+                        "phase": label + step.phase,
+                        "at": at,
+                        "seconds": round(now - (t0 if t0 is not None else now), 3),
+                        "ok": False,
+                        "detail": failure.cause,
+                    }
+                )
                 return step, failure
         return None
 
@@ -366,10 +426,13 @@ class Machine:
                 failed = self.quietly(self.restore)
                 end["files"] = failed or f"known-good generation {record.get('generation')} put back, not started"
                 if failed:  # the failed files stay on disk: a boot must not start them
-                    end["disable"] = self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or "unit disabled"
+                    end["disable"] = (
+                        self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or "unit disabled"
+                    )
             elif not record:
                 end["files"] = self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or (
-                    "no known-good generation: the unit is disabled so that a boot does not start it")  # fmt: skip
+                    "no known-good generation: the unit is disabled so that a boot does not start it"
+                )
             props = self.quietly_value(lambda: self.ports.show(self.inst.unit)) or {}
             end["unit_state"] = unit.state(props) if props else "unknown"
         finally:
@@ -384,7 +447,7 @@ class Machine:
         try:
             fn()
             return None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return f"failed: {type(exc).__name__}: {exc}"
 
     @staticmethod
@@ -393,7 +456,7 @@ class Machine:
             return fn()
         except Terminated:
             raise  # not "no value": the caller's defined ending handles it
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
 
 
@@ -468,7 +531,7 @@ def restart(m: Machine) -> dict:
             res["verify"] = failed[1].details.get("verify")
             recover(m, res)
         return res
-    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - between phases (SIGTERM, a bug): still a defined end
+    except (Exception, KeyboardInterrupt) as exc:
         escaped(m, res, exc)
         return res
     finally:
@@ -518,7 +581,9 @@ def refused(m: Machine, res: dict, steps: tuple[Step, ...]) -> bool:
         return False
     step, failure = failed
     # The step's refusal when its own check said no; any other exception there touched nothing either.
-    outcome = failure.details.pop("kind", None) or (step.refusal if failure.details.pop("checked", False) else outcomes.REFUSED)
+    outcome = failure.details.pop("kind", None) or (
+        step.refusal if failure.details.pop("checked", False) else outcomes.REFUSED
+    )
     res.update(outcome=outcome, failure=failure.as_dict())
     if "lock" in failure.details:
         res["lock"] = failure.details["lock"]
@@ -539,16 +604,27 @@ def recover(m: Machine, res: dict) -> None:
     record = Machine.quietly_value(m.store.latest)
     live = Machine.quietly_value(lambda: m.store.snapshot()["config_hash"])
     started = any(p["phase"] == outcomes.START for p in res["phases"])  # before it, the files may be the known-good
-    why = ("rollback is off (sglang_service_rollback)" if not m.s.rollback else
-           "no known-good generation is recorded" if record is None else
-           "the failed configuration is the known-good one" if started and record.get("config_hash") == live else "")  # fmt: skip
+    why = (
+        "rollback is off (sglang_service_rollback)"
+        if not m.s.rollback
+        else "no known-good generation is recorded"
+        if record is None
+        else "the failed configuration is the known-good one"
+        if started and record.get("config_hash") == live
+        else ""
+    )
     if why:
         res["rollback"] = {"attempted": False, "why": why}
         m.contain(res)
         return
     m.target = record
-    rb = {"attempted": True, "to_generation": record.get("generation"), "to_profile": record.get("profile"),
-          "config_hash": record.get("config_hash"), "phases": []}  # fmt: skip
+    rb = {
+        "attempted": True,
+        "to_generation": record.get("generation"),
+        "to_profile": record.get("profile"),
+        "config_hash": record.get("config_hash"),
+        "phases": [],
+    }
     res["rollback"] = rb
     m.inst.argv, m.inst.profile = record["argv"], record["profile"]
     failed = m.run_steps(ROLLBACK, rb["phases"], outcomes.ROLLBACK_PREFIX)
@@ -571,7 +647,10 @@ def multinode(m: Machine, res: dict) -> dict:
     failed = m.run_steps(steps, res["phases"])
     if failed is not None:
         res["failure"] = failed[1].as_dict()
-        res["rollback"] = {"attempted": False, "why": f"{i.name} spans {i.nnodes} nodes: no automatic rollback across nodes"}
+        res["rollback"] = {
+            "attempted": False,
+            "why": f"{i.name} spans {i.nnodes} nodes: no automatic rollback across nodes",
+        }
         m.contain(res)
         return res
     if phase == "stop":
@@ -590,20 +669,38 @@ def rollback(m: Machine) -> dict:
     t0 = m.ports.clock()
     try:
         if m.inst.nnodes > 1:
-            res.update(outcome=outcomes.REFUSED, failure={"phase": outcomes.RESTORE, "cause": (
-                f"{m.inst.name} spans {m.inst.nnodes} nodes: rolling its ranks back one node at a time would start them "
-                "out of step. Put the known-good settings back in group_vars and run restart (all its nodes at once).")})  # fmt: skip
+            res.update(
+                outcome=outcomes.REFUSED,
+                failure={
+                    "phase": outcomes.RESTORE,
+                    "cause": (
+                        f"{m.inst.name} spans {m.inst.nnodes} nodes: rolling its ranks back one node at a time would start them "
+                        "out of step. Put the known-good settings back in group_vars and run restart (all its nodes at once)."
+                    ),
+                },
+            )
             return res
         if refused(m, res, (LOCK,)):
             return res
         record = m.store.latest()
         if record is None:
-            res.update(outcome=outcomes.REFUSED, failure={"phase": outcomes.RESTORE, "cause": (
-                f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
-                "it succeeds. Nothing was touched.")})  # fmt: skip
+            res.update(
+                outcome=outcomes.REFUSED,
+                failure={
+                    "phase": outcomes.RESTORE,
+                    "cause": (
+                        f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
+                        "it succeeds. Nothing was touched."
+                    ),
+                },
+            )
             return res
-        res["rollback"] = {"attempted": True, "to_generation": record.get("generation"), "to_profile": record.get("profile"),
-                           "config_hash": record.get("config_hash")}  # fmt: skip
+        res["rollback"] = {
+            "attempted": True,
+            "to_generation": record.get("generation"),
+            "to_profile": record.get("profile"),
+            "config_hash": record.get("config_hash"),
+        }
         if m.s.check_mode:
             res["outcome"] = outcomes.WOULD_ROLL_BACK
             return res
@@ -615,13 +712,15 @@ def rollback(m: Machine) -> dict:
             res.update(outcome=outcomes.ROLLED_BACK, profile=record["profile"], verify=m.verified)
             res["rollback"]["outcome"] = "serving"
             done = m.run_steps((RECORD,), res["phases"])
-            res["known_good"] = res["phases"][-1]["detail"] if done is None else {"recorded": False, "why": done[1].cause}
+            res["known_good"] = (
+                res["phases"][-1]["detail"] if done is None else {"recorded": False, "why": done[1].cause}
+            )
         else:
             res["failure"] = failed[1].as_dict()
             res["rollback"]["outcome"] = "failed"
             m.contain(res)
         return res
-    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - between phases (SIGTERM, a bug): still a defined end
+    except (Exception, KeyboardInterrupt) as exc:
         escaped(m, res, exc)
         return res
     finally:
@@ -632,32 +731,51 @@ def verify(m: Machine) -> dict:
     res = {"changed": False, "instance": m.inst.name, "profile": m.inst.profile}
     try:
         v = run_checks(m.inst, m.s.thresholds, m.ports, m.s.patch_manifest)
-    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - e.g. nvidia-smi or systemctl failing
+    except (Exception, KeyboardInterrupt) as exc:
         failure = as_failure(outcomes.VERIFY, exc)
-        v = {"ok": False, "checks": [{"name": "verify", "ok": False, "severity": "fail", "detail": failure.cause}],
-             "warnings": [], "failed_checks": [f"verify: {failure.cause}"]}  # fmt: skip
+        v = {
+            "ok": False,
+            "checks": [{"name": "verify", "ok": False, "severity": "fail", "detail": failure.cause}],
+            "warnings": [],
+            "failed_checks": [f"verify: {failure.cause}"],
+        }
     res.update(outcome=outcomes.VERIFIED if v["ok"] else outcomes.VERIFY_FAILED, verify=v)
-    res["msg"] = f"{m.inst.name}: verified" if v["ok"] else f"{m.inst.name}: verification failed: " + "; ".join(v["failed_checks"])
+    res["msg"] = (
+        f"{m.inst.name}: verified"
+        if v["ok"]
+        else f"{m.inst.name}: verification failed: " + "; ".join(v["failed_checks"])
+    )
     return res
 
 
 def status(m: Machine) -> dict:
     i, p = m.inst, m.ports
-    out = {"changed": False, "outcome": outcomes.STATUS, "instance": i.name, "unit": i.unit, "configured_profile": i.profile}
+    out = {
+        "changed": False,
+        "outcome": outcomes.STATUS,
+        "instance": i.name,
+        "unit": i.unit,
+        "configured_profile": i.profile,
+    }
     errors = []
 
     def part(name: str, fn: Callable[[], None]) -> None:
         try:
             fn()
-        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - status reports what it can
+        except (Exception, KeyboardInterrupt) as exc:
             errors.append(f"{name}: {as_failure(name, exc).cause}")
 
     def unit_part() -> None:
         props = p.show(i.unit)
         running = p.cmdline(props["MainPID"]) if props["MainPID"] else []
-        out.update(state=unit.state(props), restarts=props["NRestarts"], main_pid=props["MainPID"],
-                   running_profile=i.profile_of(running), drift=bool(running) and masked(running) != masked(i.argv),
-                   enabled=props.get("UnitFileState"))  # fmt: skip
+        out.update(
+            state=unit.state(props),
+            restarts=props["NRestarts"],
+            main_pid=props["MainPID"],
+            running_profile=i.profile_of(running),
+            drift=bool(running) and masked(running) != masked(i.argv),
+            enabled=props.get("UnitFileState"),
+        )
 
     def gpu_part() -> None:
         snap = p.snapshot()
@@ -687,7 +805,8 @@ def status(m: Machine) -> dict:
         part(name, fn)
     out["errors"] = errors
     out["msg"] = f"{i.name}: {out.get('state', '?')}, profile {out.get('running_profile') or '?'}" + (
-        f"; errors: {'; '.join(errors)}" if errors else "")  # fmt: skip
+        f"; errors: {'; '.join(errors)}" if errors else ""
+    )
     return out
 
 
@@ -706,7 +825,9 @@ def message(m: Machine, res: dict) -> str:
     if outcome == outcomes.ROLLED_BACK and m.action == "restart":
         msg += f". Rolled back to the last-known-good configuration (profile {rb.get('to_profile')}): serving."
     elif outcome == outcomes.ROLLED_BACK:
-        msg = f"{i.name}: rolled back to generation {rb.get('to_generation')} (profile {rb.get('to_profile')}): serving."
+        msg = (
+            f"{i.name}: rolled back to generation {rb.get('to_generation')} (profile {rb.get('to_profile')}): serving."
+        )
     elif outcome == outcomes.NOT_RECOVERED:
         if rb.get("attempted") and rb.get("failure"):
             msg += f". Rollback failed too: {rb['failure'].get('phase')}: {rb['failure'].get('cause')}"
@@ -717,4 +838,3 @@ def message(m: Machine, res: dict) -> str:
         if contained.get("files"):
             msg += f" {contained['files']}."
     return msg
-

@@ -37,7 +37,7 @@ META_DIR = "sglang-deploy"
 RECORD = "generation.json"
 MANIFEST = "patches.json"
 IDENTITY = ("python_version", "sglang_version", "install_profile", "lock_sha256", "patch_series_sha256")
-RECORD_KEYS = ("generation",) + IDENTITY + ("created",)
+RECORD_KEYS = ("generation", *IDENTITY, "created")
 # Files that name the software a unit runs or may run again (units, staged units, known-good records).
 REFERENCES = (
     "/etc/systemd/system/sglang-*.service",
@@ -138,8 +138,14 @@ def plan(gen_dir: str, current: str, keep: int, refs: dict[str, list[str]], link
         if os.path.islink(path) or not os.path.isdir(path):
             continue
         record = read_record(path)
-        d = {"name": name, "path": path, "keep": True, "reason": "", "created": _created(path, record),
-             "sglang_version": (record or {}).get("sglang_version")}  # fmt: skip
+        d = {
+            "name": name,
+            "path": path,
+            "keep": True,
+            "reason": "",
+            "created": _created(path, record),
+            "sglang_version": (record or {}).get("sglang_version"),
+        }
         decisions.append(d)
         if name.startswith(".") and name.endswith(REMOVING):
             d.update(keep=False, reason="the rest of an interrupted removal")
@@ -177,8 +183,9 @@ def remove(path: str) -> None:
     shutil.rmtree(hidden)
 
 
-def prune(gen_dir: str, current: str, keep: int = 2, patterns=REFERENCES, link: str | None = None,
-          check_mode: bool = False) -> dict:  # fmt: skip
+def prune(
+    gen_dir: str, current: str, keep: int = 2, patterns=REFERENCES, link: str | None = None, check_mode: bool = False
+) -> dict:
     """Remove what plan() does not keep; {changed, kept, removed, warnings}, each entry with its reason."""
     result: dict = {"changed": False, "kept": [], "removed": [], "warnings": []}
     if not os.path.isdir(gen_dir):
@@ -224,8 +231,9 @@ def _installed_version(venv: str, package: str = "sglang") -> str | None:
     return None
 
 
-def migrate(link: str, gen_dir: str, manifest: str | None = None, check_mode: bool = False,
-            now: float | None = None) -> dict:  # fmt: skip
+def migrate(
+    link: str, gen_dir: str, manifest: str | None = None, check_mode: bool = False, now: float | None = None
+) -> dict:
     """A real virtualenv directory at link becomes gen_dir/legacy-<UTC time>, and link a link to it.
 
     Its generation.json says what can be read from it (Python and SGLang versions); the patch
@@ -253,9 +261,16 @@ def migrate(link: str, gen_dir: str, manifest: str | None = None, check_mode: bo
     tmp = f"{link}.{os.getpid()}.tmp"
     os.symlink(dest, tmp)
     os.replace(tmp, link)
-    record = {"generation": name, "python_version": _python_version(dest), "sglang_version": _installed_version(dest),
-              "install_profile": None, "lock_sha256": None, "patch_series_sha256": None,
-              "created": stamp(when), "migrated_from": link}  # fmt: skip
+    record = {
+        "generation": name,
+        "python_version": _python_version(dest),
+        "sglang_version": _installed_version(dest),
+        "install_profile": None,
+        "lock_sha256": None,
+        "patch_series_sha256": None,
+        "created": stamp(when),
+        "migrated_from": link,
+    }
     os.makedirs(os.path.join(dest, META_DIR), mode=0o755, exist_ok=True)
     if manifest and os.path.isfile(manifest):
         shutil.copy2(manifest, manifest_path(dest))

@@ -59,8 +59,9 @@ def read(path: str) -> str | None:
 def verify_unit(path: str, unit: str) -> None:
     """systemd-analyze verify on the file as it will be named (the kubespray way)."""
     try:
-        out = subprocess.run(["systemd-analyze", "verify", f"{path}:{unit}"], capture_output=True, text=True,
-                             check=False, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            ["systemd-analyze", "verify", f"{path}:{unit}"], capture_output=True, text=True, check=False, timeout=60
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ValueError(f"systemd-analyze verify {unit} could not run: {exc}") from exc
     if out.returncode != 0:
@@ -74,8 +75,13 @@ def mode_of(path: str) -> int:
 def stage(inst: Instance, rendered: dict[str, str], secrets: str | None, check_mode: bool = False) -> dict:
     """rendered: {live path: content} for the unit and the environment file. Hold the instance's lock."""
     live = {path: read(path) for path in rendered}
-    res: dict = {"instance": inst.name, "changed": False, "pending": False, "wrote": [],
-                 "config_hash": content_hash(rendered)}  # what a restart of this run must find staged
+    res: dict = {
+        "instance": inst.name,
+        "changed": False,
+        "pending": False,
+        "wrote": [],
+        "config_hash": content_hash(rendered),
+    }  # what a restart of this run must find staged
     if all(live[p] == rendered[p] for p in rendered):
         res["outcome"] = outcomes.UNCHANGED
         stale = list(inst.pending_files.values()) + [m for m in [manifest_path(inst)] if os.path.exists(m)]
@@ -101,8 +107,9 @@ def stage(inst: Instance, rendered: dict[str, str], secrets: str | None, check_m
         res["changed"] = True
         if not check_mode:
             for path in targets:
-                os.makedirs(os.path.dirname(path), mode=0o700 if path.startswith(inst.pending_dir) else 0o755,
-                            exist_ok=True)  # fmt: skip
+                os.makedirs(
+                    os.path.dirname(path), mode=0o700 if path.startswith(inst.pending_dir) else 0o755, exist_ok=True
+                )
             unit_file = next((p for p in targets if os.path.basename(p) == os.path.basename(inst.unit_path)), None)
             if unit_file:  # checked before anything is written: a refused unit leaves no file behind
                 probe = os.path.join(os.path.dirname(unit_file), f".{inst.unit}.verify")
@@ -111,9 +118,9 @@ def stage(inst: Instance, rendered: dict[str, str], secrets: str | None, check_m
                     verify_unit(probe, inst.unit)
                 finally:
                     os.unlink(probe)
-            if res["pending"]:  # incomplete until the manifest, written last, says what the set is
-                if os.path.exists(manifest_path(inst)):
-                    os.unlink(manifest_path(inst))
+            # incomplete until the manifest, written last, says what the set is
+            if res["pending"] and os.path.exists(manifest_path(inst)):
+                os.unlink(manifest_path(inst))
             for path, content in targets.items():
                 write_atomic(path, content, mode_of(path))
             if res["pending"]:
@@ -135,7 +142,9 @@ def promote(inst: Instance, reload=lambda: checked("daemon-reload")) -> dict:
     """The pending files become the unit's (called by the safe restart, under the lock, after the stop)."""
     pending = inst.pending_files
     if pending and not stage_complete(inst):
-        raise ValueError(f"the pending configuration of {inst.name} is incomplete (a deploy was interrupted?): deploy again")
+        raise ValueError(
+            f"the pending configuration of {inst.name} is incomplete (a deploy was interrupted?): deploy again"
+        )
     for live, path in pending.items():
         with open(path, encoding="utf-8") as fh:
             write_atomic(live, fh.read(), mode_of(live))

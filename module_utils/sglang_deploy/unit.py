@@ -5,8 +5,18 @@ from __future__ import annotations
 import re
 import subprocess
 
-UNIT_PROPS = ("ActiveState", "SubState", "MainPID", "NRestarts", "ExecMainStatus", "ExecMainCode", "InvocationID",
-              "ExecMainExitTimestampMonotonic", "UnitFileState", "NeedDaemonReload")  # fmt: skip
+UNIT_PROPS = (
+    "ActiveState",
+    "SubState",
+    "MainPID",
+    "NRestarts",
+    "ExecMainStatus",
+    "ExecMainCode",
+    "InvocationID",
+    "ExecMainExitTimestampMonotonic",
+    "UnitFileState",
+    "NeedDaemonReload",
+)
 INT_PROPS = ("MainPID", "NRestarts", "ExecMainStatus", "ExecMainExitTimestampMonotonic")
 
 
@@ -46,7 +56,10 @@ def state(props: dict) -> str:
 def has_failed(props: dict) -> bool:
     """The unit's start failed or its process exited (auto-restart counts as failed)."""
     return props.get("ActiveState") in ("failed", "inactive", "deactivating") or props.get("SubState") in (
-        "auto-restart", "failed", "dead")  # fmt: skip
+        "auto-restart",
+        "failed",
+        "dead",
+    )
 
 
 def journal(unit: str, invocation: str | None = None, lines: int = 80) -> list[str]:
@@ -87,8 +100,12 @@ def cause_of(lines: list[str]) -> str | None:
         m = re.search(r"Main process exited, code=\w+, status=\d+/(\w+)", line)
         if m and m.group(1) == "SYS":
             return m.group(0) + " (a system call the unit's SystemCallFilter denies)"
-    for pattern in (r"error: .*", r"sglang-gpu-gate: .*refusing.*", r"sglang-gpu-gate: (?!GPUs \[[\d, ]*\] clean).*",
-                    r"Main process exited, code=\w+, status=.*"):  # fmt: skip
+    for pattern in (
+        r"error: .*",
+        r"sglang-gpu-gate: .*refusing.*",
+        r"sglang-gpu-gate: (?!GPUs \[[\d, ]*\] clean).*",
+        r"Main process exited, code=\w+, status=.*",
+    ):
         for line in reversed(lines):
             m = re.search(pattern, line)
             if m:

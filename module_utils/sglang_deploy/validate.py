@@ -85,12 +85,34 @@ NCCL_CHOICES = {
     "NCCL_DEBUG": {"VERSION", "WARN", "INFO", "TRACE"},
 }
 NCCL_NUMERIC = frozenset(
-    "NCCL_MIN_NCHANNELS NCCL_MAX_NCHANNELS NCCL_BUFFSIZE NCCL_NTHREADS NCCL_MIN_CTAS NCCL_MAX_CTAS "
-    "NCCL_NET_GDR_LEVEL NCCL_IB_TIMEOUT NCCL_IB_RETRY_CNT NCCL_SOCKET_NTHREADS NCCL_NSOCKS_PERTHREAD".split()
+    [
+        "NCCL_MIN_NCHANNELS",
+        "NCCL_MAX_NCHANNELS",
+        "NCCL_BUFFSIZE",
+        "NCCL_NTHREADS",
+        "NCCL_MIN_CTAS",
+        "NCCL_MAX_CTAS",
+        "NCCL_NET_GDR_LEVEL",
+        "NCCL_IB_TIMEOUT",
+        "NCCL_IB_RETRY_CNT",
+        "NCCL_SOCKET_NTHREADS",
+        "NCCL_NSOCKS_PERTHREAD",
+    ]
 )
 NCCL_FREE = frozenset(
-    "NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_DEBUG_SUBSYS NCCL_DEBUG_FILE NCCL_TOPO_FILE NCCL_NET "
-    "NCCL_IB_GID_INDEX NCCL_CROSS_NIC NCCL_NET_GDR_READ NCCL_GRAPH_FILE NCCL_LAUNCH_MODE".split()
+    [
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_HCA",
+        "NCCL_DEBUG_SUBSYS",
+        "NCCL_DEBUG_FILE",
+        "NCCL_TOPO_FILE",
+        "NCCL_NET",
+        "NCCL_IB_GID_INDEX",
+        "NCCL_CROSS_NIC",
+        "NCCL_NET_GDR_READ",
+        "NCCL_GRAPH_FILE",
+        "NCCL_LAUNCH_MODE",
+    ]
 )
 
 SPEC_NEEDS_DRAFT = {"EAGLE", "EAGLE3"}
@@ -686,7 +708,7 @@ def _parse_all(instances, installed, service_user, store, patch_manifest, parser
         else:
             to_parse.setdefault(py, []).append(i)
     for py, idxs in to_parse.items():
-        for i, out in zip(idxs, parser(py, [instances[i]["server_argv"] for i in idxs])):
+        for i, out in zip(idxs, parser(py, [instances[i]["server_argv"] for i in idxs]), strict=True):
             parses[i] = out
     return parses, keys, cached
 
@@ -746,5 +768,5 @@ def validate_host(
         result.update(failed=True, outcome=INVALID_CONFIG, msg="; ".join(messages))
     else:
         summary = f"{len(instances)} instance(s) valid ({len(cached)} parser verdict(s) from the cache)"
-        result["msg"] = "; ".join([summary] + notes)
+        result["msg"] = "; ".join([summary, *notes])
     return result

@@ -15,8 +15,17 @@ from driver import cli, exitcodes, ledger  # noqa: E402
 
 
 def measurement(profile, tok, acc, running=None, host="n1", config_hash="abc"):
-    return {"host": host, "instance": "main", "outcome": "restarted", "profile": profile, "running_profile": running or profile,
-            "config_hash": config_hash, "downtime_s": 3.2, "tokens_per_s": tok, "accept_length": acc}
+    return {
+        "host": host,
+        "instance": "main",
+        "outcome": "restarted",
+        "profile": profile,
+        "running_profile": running or profile,
+        "config_hash": config_hash,
+        "downtime_s": 3.2,
+        "tokens_per_s": tok,
+        "accept_length": acc,
+    }
 
 
 def test_runs_are_recorded_and_listed_newest_first(tmp_path):
@@ -35,11 +44,19 @@ def test_runs_are_recorded_and_listed_newest_first(tmp_path):
 def test_compare_answers_which_config_gave_what_and_whether_it_ran(tmp_path):
     book = ledger.Ledger(tmp_path / "l.sqlite3")
     run = book.start("restart", [], None, None)
-    book.finish(run, 0, "success", 1, ["n1"], [
-        measurement("eagle3_5tok_cuda_graph", 82.3, 1.9, config_hash="h1"),
-        measurement("eagle3_5tok_cuda_graph", 80.1, 1.8, running="eagle3_topk1", config_hash="h2"),
-        measurement("baseline_no_spec", 90.0, None, config_hash="h3"),
-    ], None)  # fmt: skip
+    book.finish(
+        run,
+        0,
+        "success",
+        1,
+        ["n1"],
+        [
+            measurement("eagle3_5tok_cuda_graph", 82.3, 1.9, config_hash="h1"),
+            measurement("eagle3_5tok_cuda_graph", 80.1, 1.8, running="eagle3_topk1", config_hash="h2"),
+            measurement("baseline_no_spec", 90.0, None, config_hash="h3"),
+        ],
+        None,
+    )
     rows = {r["profile"]: r for r in book.compare()}
     five = rows["eagle3_5tok_cuda_graph"]
     assert five["measurements"] == 2 and five["best_tokens_per_s"] == 82.3 and five["median_tokens_per_s"] == 81.2
@@ -48,11 +65,17 @@ def test_compare_answers_which_config_gave_what_and_whether_it_ran(tmp_path):
 
 
 def test_extra_vars_from_options():
-    args = cli.parser().parse_args(["restart", "--profile", "p1", "--instance", "a", "--no-rollback", "--force-stop", "-e", "x=1"])
+    args = cli.parser().parse_args(
+        ["restart", "--profile", "p1", "--instance", "a", "--no-rollback", "--force-stop", "-e", "x=1"]
+    )
     ev = cli.extravars(args)
     assert ev[0] == "x=1"
-    assert [json.loads(e) for e in ev[1:]] == [{"sglang_profile": "p1"}, {"sglang_service_instances_selected": ["a"]},
-                                               {"sglang_service_rollback": False}, {"sglang_service_stop_policy": "force"}]
+    assert [json.loads(e) for e in ev[1:]] == [
+        {"sglang_profile": "p1"},
+        {"sglang_service_instances_selected": ["a"]},
+        {"sglang_service_rollback": False},
+        {"sglang_service_stop_policy": "force"},
+    ]
 
 
 def test_every_command_has_a_playbook_that_exists():
@@ -61,11 +84,21 @@ def test_every_command_has_a_playbook_that_exists():
 
 
 def test_exit_codes_are_distinct_and_documented_in_help():
-    codes = [exitcodes.OK, exitcodes.INVALID_CONFIG, exitcodes.GPUS_NOT_CLEAN, exitcodes.ROLLED_BACK,
-             exitcodes.NOT_RECOVERED, exitcodes.VERIFY_FAILED, exitcodes.UNREACHABLE, exitcodes.LOCKED,
-             exitcodes.INTERRUPTED]  # fmt: skip
+    codes = [
+        exitcodes.OK,
+        exitcodes.INVALID_CONFIG,
+        exitcodes.GPUS_NOT_CLEAN,
+        exitcodes.ROLLED_BACK,
+        exitcodes.NOT_RECOVERED,
+        exitcodes.VERIFY_FAILED,
+        exitcodes.UNREACHABLE,
+        exitcodes.LOCKED,
+        exitcodes.INTERRUPTED,
+    ]
     assert len(set(codes)) == len(codes)
-    out = subprocess.run([sys.executable, "-m", "driver", "--help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "driver", "--help"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     for code in codes:
         assert f"{code:>3}  {exitcodes.MEANING[code]}" in out
 

@@ -47,7 +47,10 @@ def test_restart_rolled_back_shows_the_traceback(capsys, monkeypatch):
     assert code == exitcodes.ROLLED_BACK
     (row,) = t.rows()
     assert row["result"] == "rolled_back" and row["phase"] == "generate"
-    assert "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller' -> rollback to eagle3_topk1: serving" in row["detail"]
+    assert (
+        "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller' -> rollback to eagle3_topk1: serving"
+        in row["detail"]
+    )
     assert row["tokens_per_s"] > 100, "the rolled-back server's own measurement"
     display.summary(t, code, run_id=8)
     out = capsys.readouterr().out
@@ -59,7 +62,10 @@ def test_invalid_configuration_names_the_setting():
     assert code == exitcodes.INVALID_CONFIG
     (row,) = t.rows()
     assert row["phase"] == "validate" and row["result"] == "failed"
-    assert "--speculative-algorithm is EAGLE (set by sglang_instances[0].flags.speculative_algorithm): use EAGLE3" in row["detail"]
+    assert (
+        "--speculative-algorithm is EAGLE (set by sglang_instances[0].flags.speculative_algorithm): use EAGLE3"
+        in row["detail"]
+    )
 
 
 def test_gpus_not_clean_names_the_offender():
@@ -73,7 +79,9 @@ def test_not_recovered():
     t, code = replay("restart-not-recovered", "restart", runner_status="failed", rc=2)
     assert code == exitcodes.NOT_RECOVERED
     (row,) = t.rows()
-    assert row["result"] == "not_recovered" and row["detail"].startswith("start: RuntimeError: CUDA error: out of memory")
+    assert row["result"] == "not_recovered" and row["detail"].startswith(
+        "start: RuntimeError: CUDA error: out of memory"
+    )
 
 
 def test_verify_failed_says_which_check():

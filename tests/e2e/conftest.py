@@ -19,12 +19,16 @@ import lab as labmod  # noqa: E402
 VENV_BIN = Path(sys.executable).parent
 
 
-def ansible(*args: str, inventory: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+def ansible(
+    *args: str, inventory: Path, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0", **(env or {})}
     cmd = [str(VENV_BIN / args[0]), "-i", str(inventory), *args[1:]]
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, text=True, capture_output=True, check=False)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 

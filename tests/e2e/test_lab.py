@@ -17,8 +17,15 @@ pytestmark = pytest.mark.lab
 def test_nodes_boot_systemd_and_answer_over_ssh(lab):
     the_lab, hosts = lab
     assert [h["name"] for h in hosts] == ["lab-node1", "lab-node2"]
-    proc = ansible("ansible", "sglang_nodes", "-m", "ansible.builtin.command",
-                   "-a", "systemctl is-system-running", inventory=the_lab.inventory)  # fmt: skip
+    proc = ansible(
+        "ansible",
+        "sglang_nodes",
+        "-m",
+        "ansible.builtin.command",
+        "-a",
+        "systemctl is-system-running",
+        inventory=the_lab.inventory,
+    )
     assert proc.stdout.count("CHANGED") == 2 and proc.stdout.count("running") == 2, proc.stdout
 
 
@@ -27,14 +34,23 @@ def test_nodes_resolve_each_other_by_hostname(lab):
     _, hosts = lab
     for host in hosts:
         other = next(h["name"] for h in hosts if h is not host)
-        out = subprocess.run(["podman", "exec", host["container"], "getent", "hosts", other], capture_output=True, text=True)
+        out = subprocess.run(
+            ["podman", "exec", host["container"], "getent", "hosts", other], capture_output=True, text=True
+        )
         assert out.returncode == 0 and other in out.stdout, f"{host['name']} cannot resolve {other}: {out.stderr}"
 
 
 def test_each_node_has_8_simulated_gpus_with_distinct_uuids(lab):
     the_lab, _ = lab
-    proc = ansible("ansible", "sglang_nodes", "-m", "ansible.builtin.command",
-                   "-a", "nvidia-smi --query-gpu=uuid --format=csv,noheader", inventory=the_lab.inventory)  # fmt: skip
+    proc = ansible(
+        "ansible",
+        "sglang_nodes",
+        "-m",
+        "ansible.builtin.command",
+        "-a",
+        "nvidia-smi --query-gpu=uuid --format=csv,noheader",
+        inventory=the_lab.inventory,
+    )
     uuids = re.findall(r"GPU-[0-9a-f-]{36}", proc.stdout)
     assert len(uuids) == 16
     assert len(set(uuids)) == 16
@@ -47,7 +63,12 @@ def test_check_mode_on_fresh_nodes_succeeds_and_changes_nothing(lab):
     for h in hosts:
         absent = subprocess.run(["podman", "exec", h["container"], "test", "-e", "/opt/ml-env"], check=False)
         assert absent.returncode == 1, "check mode must not create the virtualenv"
-        assert subprocess.run(["podman", "exec", h["container"], "id", "sglang"], check=False, capture_output=True).returncode == 1
+        assert (
+            subprocess.run(
+                ["podman", "exec", h["container"], "id", "sglang"], check=False, capture_output=True
+            ).returncode
+            == 1
+        )
 
 
 def test_deploy_converges_then_changes_nothing(lab):
@@ -61,7 +82,9 @@ def test_deploy_converges_then_changes_nothing(lab):
 
 def test_deploy_in_check_mode_changes_nothing(lab):
     the_lab, _ = lab
-    out = recap(ansible("ansible-playbook", "playbooks/deploy.yml", "--check", "--diff", inventory=the_lab.inventory).stdout)
+    out = recap(
+        ansible("ansible-playbook", "playbooks/deploy.yml", "--check", "--diff", inventory=the_lab.inventory).stdout
+    )
     assert {h: r["changed"] for h, r in out.items()} == {"lab-node1": 0, "lab-node2": 0}
 
 
@@ -74,7 +97,10 @@ def test_deploy_fails_clearly_when_nvidia_smi_fails(lab):
     the_lab, hosts = lab
     with lab_gpu_state(hosts[1]["container"], ["fail", "driver-mismatch"], ["fail", "none"]):
         proc = refused(the_lab, "playbooks/deploy.yml")
-    assert "lab-node2: `nvidia-smi` failed (rc=18): Failed to initialize NVML: Driver/library version mismatch" in proc.flat
+    assert (
+        "lab-node2: `nvidia-smi` failed (rc=18): Failed to initialize NVML: Driver/library version mismatch"
+        in proc.flat
+    )
     assert recap(proc.stdout)["lab-node1"]["failed"] == 0
 
 
@@ -93,6 +119,8 @@ def test_lab_down_leaves_no_container_network_or_inventory():
     assert subprocess.run(["podman", "network", "exists", the_lab.network], check=False).returncode == 1
     assert not the_lab.inventory.exists()
     assert not the_lab.state.exists()
-    images = json.loads(subprocess.run(["podman", "images", "--format", "json"], capture_output=True, text=True, check=True).stdout)
+    images = json.loads(
+        subprocess.run(["podman", "images", "--format", "json"], capture_output=True, text=True, check=True).stdout
+    )
     assert any(labmod.IMAGE in (img.get("Names") or []) for img in images), "the cached image must stay"
     assert not Path("/var/tmp/sglang-deploy-image-build").exists(), "the image build directory must not stay"

@@ -47,12 +47,25 @@ def test_cuda_skips_only_the_driver_check_on_a_host_without_gpus(lab):
     container = hosts[1]["container"]
     podman_exec(container, "mv", "/usr/local/bin/nvidia-smi", "/usr/local/bin/nvidia-smi.away")
     try:
-        proc = ansible("ansible-playbook", "playbooks/deploy.yml", "--tags", "cuda_preflight", "--limit", "lab-node2",
-                       "--skip-tags", "gpu_node_preflight,sglang_service_validate", inventory=the_lab.inventory, check=False)  # fmt: skip
+        proc = ansible(
+            "ansible-playbook",
+            "playbooks/deploy.yml",
+            "--tags",
+            "cuda_preflight",
+            "--limit",
+            "lab-node2",
+            "--skip-tags",
+            "gpu_node_preflight,sglang_service_validate",
+            inventory=the_lab.inventory,
+            check=False,
+        )
     finally:
         podman_exec(container, "mv", "/usr/local/bin/nvidia-smi.away", "/usr/local/bin/nvidia-smi")
     flat = " ".join(proc.stdout.split())
-    assert "lab-node2: no NVIDIA driver (nvidia-smi not found): a host with no GPU; skipping only the driver check." in flat
+    assert (
+        "lab-node2: no NVIDIA driver (nvidia-smi not found): a host with no GPU; skipping only the driver check."
+        in flat
+    )
     assert recap(proc.stdout)["lab-node2"]["failed"] == 0
 
 
@@ -62,10 +75,9 @@ def test_cuda_skips_only_the_driver_check_on_a_host_without_gpus(lab):
         (["-e", "sglang_version=0.5.99"], "No complete lock for sglang 0.5.99 (profile parser)"),
         (["-e", "sglang_install_profile=full"], "No complete lock for sglang 0.5.23 (profile full)"),
         (["-e", "sglang_install_profile=gpu"], "sglang_install_profile"),
-        (["-e", "sglang_patch_series_version=0.4.0", "-e", "sglang_patches_enabled=true"],
-         "holds no *.patch"),
+        (["-e", "sglang_patch_series_version=0.4.0", "-e", "sglang_patches_enabled=true"], "holds no *.patch"),
     ],
-)  # fmt: skip
+)
 def test_sglang_preflight_errors_name_the_variable(lab, extra, message):
     proc = refused(lab[0], "playbooks/deploy.yml", "--tags", "sglang_preflight", *extra)
     assert message in proc.flat

@@ -29,9 +29,18 @@ def core(deployed, tmp_path_factory):
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     yield run, node
     podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")
-    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good/main", "/etc/sglang/pending", "/etc/sglang/secrets/main.env")
-    ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", NODE, "--tags", "sglang_service_configure",
-            inventory=the_lab.inventory)  # fmt: skip
+    podman_exec(
+        node, "rm", "-rf", "/var/lib/sglang/known-good/main", "/etc/sglang/pending", "/etc/sglang/secrets/main.env"
+    )
+    ansible(
+        "ansible-playbook",
+        "playbooks/deploy.yml",
+        "--limit",
+        NODE,
+        "--tags",
+        "sglang_service_configure",
+        inventory=the_lab.inventory,
+    )
 
 
 def row(doc: dict) -> dict:
@@ -48,9 +57,11 @@ def running_argv(node: str) -> str:
 
 def http_status(node: str, path: str) -> int | None:
     """The status of GET http://127.0.0.1:30000{path} on the node (no curl in the lab image); None if refused."""
-    code = ("import sys, urllib.request as u, urllib.error as e\n"
-            "try:\n    print(u.urlopen('http://127.0.0.1:30000%s', timeout=5).status)\n"
-            "except e.HTTPError as x:\n    print(x.code)\nexcept Exception:\n    print(0)\n") % path  # fmt: skip
+    code = (
+        "import sys, urllib.request as u, urllib.error as e\n"
+        "try:\n    print(u.urlopen('http://127.0.0.1:30000%s', timeout=5).status)\n"
+        "except e.HTTPError as x:\n    print(x.code)\nexcept Exception:\n    print(0)\n"
+    ) % path
     out = subprocess.run(["podman", "exec", node, "python3", "-c", code], capture_output=True, text=True).stdout.strip()
     return int(out) if out.isdigit() and out != "0" else None
 
@@ -88,7 +99,9 @@ def test_two_drivers_at_once_one_restarts_the_other_is_refused_naming_the_holder
     detail = row(doc)["detail"]
     assert f"held by pid {held['pid']}" in detail and held["controller"] in detail, detail
     assert refused_in < 60, "refused at once, not after waiting for the first restart"
-    assert "LAB_STANDIN_READY_S" in running_argv(node) or "LAB_STANDIN_READY_S" in podman_exec(node, "cat", "/etc/sglang/main.env")
+    assert "LAB_STANDIN_READY_S" in running_argv(node) or "LAB_STANDIN_READY_S" in podman_exec(
+        node, "cat", "/etc/sglang/main.env"
+    )
 
 
 def test_a_server_killed_between_deploy_and_restart_comes_back_on_its_known_good_profile(core):
@@ -134,8 +147,13 @@ def test_a_rotated_secret_survives_a_rollback_and_is_recorded_nowhere(core, tmp_
     assert "LAB_STANDIN_FAULT" not in environ
     secrets = "/etc/sglang/secrets/main.env"
     assert podman_exec(node, "stat", "-c", "%U %a", secrets).split() == ["root", "600"]
-    found = podman_exec(node, "sh", "-c", "grep -rl 'token-4' /var/lib/sglang /etc/systemd/system /etc/sglang/main.env "
-                        "/etc/sglang/pending 2>/dev/null; true").split()  # fmt: skip
+    found = podman_exec(
+        node,
+        "sh",
+        "-c",
+        "grep -rl 'token-4' /var/lib/sglang /etc/systemd/system /etc/sglang/main.env "
+        "/etc/sglang/pending 2>/dev/null; true",
+    ).split()
     assert found == [], f"a secret outside the secrets file: {found}"
     for text in (run.ledger.read_bytes(), proc.stdout.encode(), proc.stderr.encode()):
         assert b"token-42" not in text and b"token-41" not in text
@@ -159,8 +177,13 @@ def test_a_server_with_an_api_key_restarts_verifies_and_refuses_the_unauthentica
     assert "lab-api-key-77" in journal, "the server logged it, as SGLang 0.5.23 does"
     assert "server_args=" in proc.stdout, "the journal tail is in the result"
     outputs += proc.stdout + proc.stderr
-    found = podman_exec(node, "sh", "-c", "grep -rl 'lab-api-key-77' /var/lib/sglang /etc/systemd/system /etc/sglang/main.env "
-                        "/etc/sglang/pending 2>/dev/null; true").split()  # fmt: skip
+    found = podman_exec(
+        node,
+        "sh",
+        "-c",
+        "grep -rl 'lab-api-key-77' /var/lib/sglang /etc/systemd/system /etc/sglang/main.env "
+        "/etc/sglang/pending 2>/dev/null; true",
+    ).split()
     assert found == []
     assert b"lab-api-key-77" not in run.ledger.read_bytes() and "lab-api-key-77" not in outputs
     code, doc, proc = run("restart")  # and without a key again

@@ -29,8 +29,14 @@ def drive(deployed, tmp_path_factory):
 
     def history(*args: str):
         env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger)}
-        out = subprocess.run([sys.executable, "-m", "driver", "history", "--json", *args], cwd=REPO, env=env, text=True,
-                             capture_output=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "driver", "history", "--json", *args],
+            cwd=REPO,
+            env=env,
+            text=True,
+            capture_output=True,
+            check=True,
+        ).stdout
         return json.loads(out)
 
     run.history = history
@@ -38,8 +44,15 @@ def drive(deployed, tmp_path_factory):
     yield run, node
     podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")  # back to deployed, never verified
     podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/etc/sglang/pending")
-    ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", NODE, "--tags", "sglang_service_configure",
-            inventory=the_lab.inventory)  # fmt: skip
+    ansible(
+        "ansible-playbook",
+        "playbooks/deploy.yml",
+        "--limit",
+        NODE,
+        "--tags",
+        "sglang_service_configure",
+        inventory=the_lab.inventory,
+    )
 
 
 def row(doc: dict) -> dict:
@@ -66,7 +79,12 @@ def test_restart_status_verify(drive):
     assert r["result"] == "restarted" and r["tokens_per_s"] > 100 and r["accept_length"] > 1.5
     code, doc, _ = run("status")
     inst = doc["hosts"][NODE]["instances"]["main"]
-    assert code == 0 and inst["state"] == "active/running" and inst["running_profile"] == "eagle3_topk1" and not inst["drift"]
+    assert (
+        code == 0
+        and inst["state"] == "active/running"
+        and inst["running_profile"] == "eagle3_topk1"
+        and not inst["drift"]
+    )
     code, doc, _ = run("verify")
     assert code == 0 and row(doc)["result"] == "verified"
     code, doc, _ = run("verify", "-e", "sglang_service_verify_accept_length_min=5")
@@ -92,8 +110,13 @@ def test_restart_failure_paths(drive):
 def test_unreachable_host(drive, tmp_path):
     run, _ = drive
     inv = tmp_path / "hosts.yml"
-    inv.write_text(run.the_lab.inventory.read_text().replace(
-        "      hosts:\n", "      hosts:\n        lab-node9:\n          ansible_host: 127.0.0.1\n          ansible_port: 1\n", 1))  # fmt: skip
+    inv.write_text(
+        run.the_lab.inventory.read_text().replace(
+            "      hosts:\n",
+            "      hosts:\n        lab-node9:\n          ansible_host: 127.0.0.1\n          ansible_port: 1\n",
+            1,
+        )
+    )
     code, doc, _ = run("status", inventory=inv, limit=f"{NODE},lab-node9")
     assert code == 8
     assert doc["hosts"]["lab-node9"]["status"] == "unreachable" and doc["hosts"][NODE]["status"] == "ok"
@@ -112,9 +135,18 @@ def test_ctrl_c_stops_and_says_where_hosts_were(drive):
     record = ""
     while time.monotonic() < deadline and "LAB_STANDIN_READY_S" not in record:
         time.sleep(1)
-        record = subprocess.run(["podman", "exec", node, "sh", "-c",
-                                 "cat $(ls -1 /var/lib/sglang/known-good/main/generations/*.json | tail -n 1)"],
-                                capture_output=True, text=True).stdout  # fmt: skip
+        record = subprocess.run(
+            [
+                "podman",
+                "exec",
+                node,
+                "sh",
+                "-c",
+                "cat $(ls -1 /var/lib/sglang/known-good/main/generations/*.json | tail -n 1)",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout
     assert "LAB_STANDIN_READY_S" in record, "the interrupted restart did not finish on the host"
 
 

@@ -27,8 +27,16 @@ def instances(**a_env) -> str:
 
 def run(the_lab, playbook: str, *extra: str) -> tuple[int, dict, str]:
     """Run a playbook on NODE; (rc, {instance: module result}, the failure message if any)."""
-    proc = ansible("ansible-playbook", playbook, "--limit", NODE, *extra, inventory=the_lab.inventory, check=False,
-                   env={"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"})  # fmt: skip
+    proc = ansible(
+        "ansible-playbook",
+        playbook,
+        "--limit",
+        NODE,
+        *extra,
+        inventory=the_lab.inventory,
+        check=False,
+        env={"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"},
+    )
     start = proc.stdout.find("\n{\n")
     assert start >= 0, f"no JSON in the output of {playbook}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     doc, _ = json.JSONDecoder().raw_decode(proc.stdout, start + 1)
@@ -47,8 +55,15 @@ def run(the_lab, playbook: str, *extra: str) -> tuple[int, dict, str]:
 
 
 def restart(the_lab, *extra: str, select=("a",), **a_env):
-    return run(the_lab, "playbooks/restart.yml", "-e", instances(**a_env),
-               "-e", json.dumps({"sglang_service_instances_selected": list(select)}), *extra)  # fmt: skip
+    return run(
+        the_lab,
+        "playbooks/restart.yml",
+        "-e",
+        instances(**a_env),
+        "-e",
+        json.dumps({"sglang_service_instances_selected": list(select)}),
+        *extra,
+    )
 
 
 def latest_record(node: str, name: str) -> tuple[str, dict]:
@@ -68,9 +83,11 @@ def main_pid(node: str, name: str) -> int:
 
 
 def generate(node: str, port: int) -> dict:
-    code = ("import json, urllib.request as u; r = u.urlopen(u.Request('http://127.0.0.1:%d/generate', "
-            "data=json.dumps({'text': 'hi', 'sampling_params': {'max_new_tokens': 8}}).encode(), "
-            "headers={'Content-Type': 'application/json'}), timeout=30); print(r.read().decode())") % port  # fmt: skip
+    code = (
+        "import json, urllib.request as u; r = u.urlopen(u.Request('http://127.0.0.1:%d/generate', "
+        "data=json.dumps({'text': 'hi', 'sampling_params': {'max_new_tokens': 8}}).encode(), "
+        "headers={'Content-Type': 'application/json'}), timeout=30); print(r.read().decode())"
+    ) % port
     return json.loads(podman_exec(node, "python3", "-c", code))
 
 
@@ -85,9 +102,17 @@ def serving(deployed):
     yield the_lab, node
     for name in ("a", "b"):
         podman_exec(node, "systemctl", "disable", "--now", f"sglang-{name}.service")
-        podman_exec(node, "rm", "-rf", f"/etc/systemd/system/sglang-{name}.service", f"/etc/sglang/{name}.env",
-                    f"/etc/sglang/pending/sglang-{name}.service", f"/etc/sglang/pending/{name}.env",
-                    f"/etc/sglang/secrets/{name}.env", f"/var/lib/sglang/known-good/{name}")  # fmt: skip
+        podman_exec(
+            node,
+            "rm",
+            "-rf",
+            f"/etc/systemd/system/sglang-{name}.service",
+            f"/etc/sglang/{name}.env",
+            f"/etc/sglang/pending/sglang-{name}.service",
+            f"/etc/sglang/pending/{name}.env",
+            f"/etc/sglang/secrets/{name}.env",
+            f"/var/lib/sglang/known-good/{name}",
+        )
     podman_exec(node, "systemctl", "daemon-reload")
 
 
@@ -104,7 +129,9 @@ def bystander(serving):
 def assert_rolled_back(node: str, result: dict) -> None:
     assert result["outcome"] == "rolled_back", result
     assert result["rollback"]["outcome"] == "serving"
-    assert "LAB_STANDIN_FAULT" not in podman_exec(node, "cat", "/etc/sglang/a.env"), "the known-good environment is back"
+    assert "LAB_STANDIN_FAULT" not in podman_exec(node, "cat", "/etc/sglang/a.env"), (
+        "the known-good environment is back"
+    )
     assert generate(node, A["port"])["meta_info"]["completion_tokens"] == 8
 
 
@@ -113,8 +140,17 @@ def test_restart_phases_and_known_good_record(serving, bystander):
     rc, res, msg = restart(the_lab)
     assert rc == 0, msg
     a = res["a"]
-    assert [p["phase"] for p in a["phases"]] == ["lock", "preflight", "stop", "gpus", "promote", "start", "generate",
-                                                 "verify", "record"]  # fmt: skip
+    assert [p["phase"] for p in a["phases"]] == [
+        "lock",
+        "preflight",
+        "stop",
+        "gpus",
+        "promote",
+        "start",
+        "generate",
+        "verify",
+        "record",
+    ]
     assert all(p["ok"] for p in a["phases"])
     assert a["verify"]["accept_length"] > 1.5 and a["verify"]["running_profile"] == "eagle3_topk1"
     path, record = latest_record(node, "a")
@@ -132,13 +168,18 @@ def test_restart_phases_and_known_good_record(serving, bystander):
         # the server dies while loading: its traceback, within a poll of the unit's state
         ("crash-startup", [], "start", "RuntimeError: CUDA error: out of memory while loading draft model weights"),
         # the seed's: loads, serves /health, dies on the first decode
-        ("crash-first-decode", [], "generate", "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller'"),
+        (
+            "crash-first-decode",
+            [],
+            "generate",
+            "AttributeError: 'EAGLEWorkerV2' object has no attribute 'adaptive_controller'",
+        ),
         # never ready: the ready timeout, and the last log line says where it hangs
         ("hang", ["-e", "sglang_service_ready_timeout=4"], "start", "not ready after 4s"),
         # speculation accepts nothing (an EAGLE/EAGLE3 mix-up): verify fails
         ("wrong-accept", [], "verify", "accept_length: average accept length 1.0"),
     ],
-)  # fmt: skip
+)
 def test_fault_is_reported_with_its_cause_and_rolled_back(serving, bystander, fault, extra, phase, cause):
     the_lab, node = serving
     rc, res, msg = restart(the_lab, *extra, lab_standin_fault=fault)
@@ -161,8 +202,12 @@ def test_without_rollback_the_failed_unit_is_stopped_and_explained(serving, byst
     assert res["a"]["outcome"] == "not_recovered" and res["a"]["rollback"] == {"attempted": False, "why": why}
     assert f"Not rolled back: {why}; sglang-a.service is stopped" in msg
     assert unit_state(node, "a") in ("inactive", "failed"), "stopped, never activating (a crash loop)"
-    assert "LAB_STANDIN_FAULT" not in podman_exec(node, "cat", "/etc/sglang/a.env"), "the known-good files are back on disk"
-    assert "LAB_STANDIN_FAULT" in podman_exec(node, "cat", "/var/lib/sglang/known-good/a/failed/a.env"), "the failed one kept"
+    assert "LAB_STANDIN_FAULT" not in podman_exec(node, "cat", "/etc/sglang/a.env"), (
+        "the known-good files are back on disk"
+    )
+    assert "LAB_STANDIN_FAULT" in podman_exec(node, "cat", "/var/lib/sglang/known-good/a/failed/a.env"), (
+        "the failed one kept"
+    )
     rc, res, msg = restart(the_lab)  # and the good configuration serves again
     assert rc == 0, msg
 
@@ -173,7 +218,12 @@ def test_stray_child_is_killed_at_stop_and_no_process_survives(serving, bystande
     rc, res, msg = restart(the_lab, lab_standin_fault="stray-child")
     assert rc == 0, msg
     cgroup = podman_exec(node, "systemctl", "show", "-p", "ControlGroup", "--value", "sglang-a.service").strip()
-    pids = podman_exec(node, "sh", "-c", f"cat /sys/fs/cgroup/systemd{cgroup}/cgroup.procs 2>/dev/null || cat /sys/fs/cgroup{cgroup}/cgroup.procs").split()
+    pids = podman_exec(
+        node,
+        "sh",
+        "-c",
+        f"cat /sys/fs/cgroup/systemd{cgroup}/cgroup.procs 2>/dev/null || cat /sys/fs/cgroup{cgroup}/cgroup.procs",
+    ).split()
     assert len(pids) == 5, pids  # the server and its 4 schedulers
     rc, res, msg = restart(the_lab)
     assert rc == 0, msg
@@ -196,8 +246,11 @@ def test_slow_release_is_waited_for_by_polling(serving, bystander):
 def test_a_foreign_process_on_the_gpus_refuses_before_anything_is_stopped(serving, bystander):
     the_lab, node = serving
     before = main_pid(node, "a")
-    with lab_gpu_state(node, ["hold", "--pid", "1", "--gpu", "2", "--mib", "8148", "--name", "someone-elses-job"],
-                       ["release", "--pid", "1"]):  # fmt: skip
+    with lab_gpu_state(
+        node,
+        ["hold", "--pid", "1", "--gpu", "2", "--mib", "8148", "--name", "someone-elses-job"],
+        ["release", "--pid", "1"],
+    ):
         rc, res, msg = restart(the_lab)
     assert rc != 0
     assert res["a"]["outcome"] == "gpus_not_clean"
@@ -210,8 +263,16 @@ def test_verify_passes_and_names_the_profile(serving, bystander):
     rc, res, msg = run(the_lab, "playbooks/verify.yml", "-e", instances())
     assert rc == 0, msg
     v = res["a"]["verify"]
-    assert {c["name"] for c in v["checks"]} >= {"unit", "drift", "gpu_processes", "health_generate", "generate",
-                                                "speculative_algorithm", "accept_length", "patches"}  # fmt: skip
+    assert {c["name"] for c in v["checks"]} >= {
+        "unit",
+        "drift",
+        "gpu_processes",
+        "health_generate",
+        "generate",
+        "speculative_algorithm",
+        "accept_length",
+        "patches",
+    }
     assert all(c["ok"] for c in v["checks"]) and v["running_profile"] == "eagle3_topk1" and v["tokens_per_s"] > 100
 
 
@@ -221,15 +282,25 @@ def test_verify_reports_drift_and_names_what_runs(serving, bystander):
     unit = podman_exec(node, "cat", "/etc/systemd/system/sglang-a.service")
     exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     by_hand = exec_start.replace("--speculative-num-steps 2", "--speculative-num-steps 3")
-    podman_exec(node, "sh", "-c", "mkdir -p /etc/systemd/system/sglang-a.service.d && printf '[Service]\\nExecStart=\\n%s\\n' "
-                f"'{by_hand}' > /etc/systemd/system/sglang-a.service.d/by-hand.conf && systemctl daemon-reload && systemctl restart sglang-a.service")  # fmt: skip
+    podman_exec(
+        node,
+        "sh",
+        "-c",
+        "mkdir -p /etc/systemd/system/sglang-a.service.d && printf '[Service]\\nExecStart=\\n%s\\n' "
+        f"'{by_hand}' > /etc/systemd/system/sglang-a.service.d/by-hand.conf && systemctl daemon-reload && systemctl restart sglang-a.service",
+    )
     try:
         rc, res, msg = run(the_lab, "playbooks/verify.yml", "-e", instances())
     finally:
-        podman_exec(node, "sh", "-c", "rm -rf /etc/systemd/system/sglang-a.service.d/by-hand.conf && systemctl daemon-reload")
+        podman_exec(
+            node, "sh", "-c", "rm -rf /etc/systemd/system/sglang-a.service.d/by-hand.conf && systemctl daemon-reload"
+        )
     assert rc != 0
     assert res["a"]["outcome"] == "verify_failed"
-    assert "drift: running command line differs from the rendered configuration: --speculative-num-steps: configured '2', running '3'" in msg
+    assert (
+        "drift: running command line differs from the rendered configuration: --speculative-num-steps: configured '2', running '3'"
+        in msg
+    )
     assert "running profile: none of the known profiles (launched by hand?)" in msg
     rc, res, msg = restart(the_lab)  # the configured server again
     assert rc == 0, msg
@@ -238,9 +309,13 @@ def test_verify_reports_drift_and_names_what_runs(serving, bystander):
 def test_a_profile_slower_than_no_speculation_is_reported(serving, bystander):
     """The seed's "best config": EAGLE-3 at 82.3 tok/s, below the 90 tok/s of no speculation."""
     the_lab, node = serving
-    slow = json.dumps({"sglang_instances": [{**A, "profile": "eagle3_5tok_cuda_graph", "env": {"LAB_STANDIN_TOKENS_PER_S": "80"}}, B]})
+    slow = json.dumps(
+        {"sglang_instances": [{**A, "profile": "eagle3_5tok_cuda_graph", "env": {"LAB_STANDIN_TOKENS_PER_S": "80"}}, B]}
+    )
     select = json.dumps({"sglang_service_instances_selected": ["a"]})
-    rc, res, msg = run(the_lab, "playbooks/restart.yml", "-e", slow, "-e", select, "-e", "sglang_service_verify_regression_action=fail")
+    rc, res, msg = run(
+        the_lab, "playbooks/restart.yml", "-e", slow, "-e", select, "-e", "sglang_service_verify_regression_action=fail"
+    )
     assert rc != 0 and res["a"]["failure"]["phase"] == "verify"
     assert "throughput_vs_no_speculation" in res["a"]["failure"]["cause"]
     assert res["a"]["outcome"] == "rolled_back" and res["a"]["rollback"]["to_profile"] == "eagle3_topk1"
@@ -256,7 +331,9 @@ def test_a_stray_of_the_service_user_is_stopped_by_policy_own(serving, bystander
     """The seed's hand-started `nohup python -m sglang.launch_server &`, as the service user, outside the unit."""
     the_lab, node = serving
     podman_exec(node, "sh", "-c", "runuser -u sglang -- sleep 600 > /dev/null 2>&1 &")
-    pid = podman_exec(node, "sh", "-c", "for i in $(seq 50); do p=$(pgrep -u sglang -x sleep) && break; sleep 0.1; done; echo $p").strip()
+    pid = podman_exec(
+        node, "sh", "-c", "for i in $(seq 50); do p=$(pgrep -u sglang -x sleep) && break; sleep 0.1; done; echo $p"
+    ).strip()
     assert pid.isdigit(), pid
     podman_exec(node, "lab-gpu", "hold", "--pid", pid, "--gpu", "1", "--mib", "30000", "--name", "python3")
     rc, res, msg = restart(the_lab, "-e", "sglang_service_stop_policy=none")

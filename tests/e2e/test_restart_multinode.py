@@ -18,9 +18,18 @@ def inventory_with_multinode(the_lab, tmp_path, rank1_env: dict | None = None):
     """The lab's inventory, each node given its rank of the instance `mn` (host variables)."""
     text = the_lab.inventory.read_text()
     for rank, host in enumerate(("lab-node1", "lab-node2")):
-        inst = {"name": "mn", "port": PORT, "gpus": [0, 1, 2, 3], "nnodes": 2, "node_rank": rank,
-                "dist_init_addr": "lab-node1:5757", "env": (rank1_env or {}) if rank == 1 else {}}  # fmt: skip
-        text = text.replace(f"        {host}:\n", f"        {host}:\n          sglang_instances: {json.dumps([inst])}\n", 1)
+        inst = {
+            "name": "mn",
+            "port": PORT,
+            "gpus": [0, 1, 2, 3],
+            "nnodes": 2,
+            "node_rank": rank,
+            "dist_init_addr": "lab-node1:5757",
+            "env": (rank1_env or {}) if rank == 1 else {},
+        }
+        text = text.replace(
+            f"        {host}:\n", f"        {host}:\n          sglang_instances: {json.dumps([inst])}\n", 1
+        )
     inv = tmp_path / "hosts.yml"
     inv.write_text(text)
     return inv
@@ -44,13 +53,23 @@ def nodes(deployed):
     the_lab, hosts = deployed
     yield the_lab, {h["name"]: h["container"] for h in hosts}
     for h in hosts:
-        podman_exec(h["container"], "sh", "-c", "systemctl disable --now sglang-mn.service; rm -rf /etc/systemd/system/sglang-mn.service "
-                    "/etc/sglang/mn.env /var/lib/sglang/known-good/mn /etc/sglang/pending/*mn*; systemctl daemon-reload")  # fmt: skip
+        podman_exec(
+            h["container"],
+            "sh",
+            "-c",
+            "systemctl disable --now sglang-mn.service; rm -rf /etc/systemd/system/sglang-mn.service "
+            "/etc/sglang/mn.env /var/lib/sglang/known-good/mn /etc/sglang/pending/*mn*; systemctl daemon-reload",
+        )
 
 
 def restart(the_lab, inv):
-    return ansible("ansible-playbook", "playbooks/restart.yml", inventory=inv, check=False,
-                   env={"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"})  # fmt: skip
+    return ansible(
+        "ansible-playbook",
+        "playbooks/restart.yml",
+        inventory=inv,
+        check=False,
+        env={"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"},
+    )
 
 
 def test_every_rank_stops_before_any_starts_and_both_are_recorded(nodes, tmp_path):
@@ -67,7 +86,9 @@ def test_every_rank_stops_before_any_starts_and_both_are_recorded(nodes, tmp_pat
     assert {c["name"] for c in rank1["verify"]["checks"]} == {"unit", "drift", "gpu_processes", "patches"}
     # Every rank's stop ended before any rank's start began: Ansible ran the phases as tasks over both hosts.
     for host, container in containers.items():
-        argv = podman_exec(container, "sh", "-c", "tr '\\0' ' ' < /proc/$(systemctl show -p MainPID --value sglang-mn.service)/cmdline")
+        argv = podman_exec(
+            container, "sh", "-c", "tr '\\0' ' ' < /proc/$(systemctl show -p MainPID --value sglang-mn.service)/cmdline"
+        )
         assert f"--node-rank {0 if host == 'lab-node1' else 1}" in argv and "--nnodes 2" in argv
         newest = "cat $(ls -1 /var/lib/sglang/known-good/mn/generations/*.json | tail -n 1)"
         assert json.loads(podman_exec(container, "sh", "-c", newest))["profile"] == "eagle3_topk1"
@@ -82,5 +103,7 @@ def test_a_failing_rank_is_reported_and_not_rolled_back_across_nodes(nodes, tmp_
     # Rank 1 dies about 3 s after its start: within its start phase, or found by the confirm phase.
     assert failed["outcome"] == "not_recovered" and failed["failure"]["phase"] in ("start", "verify"), failed["failure"]
     assert "no automatic rollback across nodes" in failed["rollback"]["why"]
-    state = podman_exec(containers["lab-node2"], "systemctl", "show", "-p", "ActiveState", "--value", "sglang-mn.service").strip()
+    state = podman_exec(
+        containers["lab-node2"], "systemctl", "show", "-p", "ActiveState", "--value", "sglang-mn.service"
+    ).strip()
     assert state != "active"

@@ -17,18 +17,36 @@ def node1(deployed):
     """lab-node1 deployed and never restarted, whatever ran on it before: this module reads that state."""
     the_lab, hosts = deployed
     node = hosts[0]["container"]
-    podman_exec(node, "sh", "-c", "systemctl disable --now sglang-main.service; "
-                "rm -rf /var/lib/sglang/known-good/main /etc/sglang/pending /etc/sglang/secrets/main.env")  # fmt: skip
-    ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", "--tags", "sglang_service_configure",
-            inventory=the_lab.inventory)  # fmt: skip
+    podman_exec(
+        node,
+        "sh",
+        "-c",
+        "systemctl disable --now sglang-main.service; "
+        "rm -rf /var/lib/sglang/known-good/main /etc/sglang/pending /etc/sglang/secrets/main.env",
+    )
+    ansible(
+        "ansible-playbook",
+        "playbooks/deploy.yml",
+        "--limit",
+        "lab-node1",
+        "--tags",
+        "sglang_service_configure",
+        inventory=the_lab.inventory,
+    )
     return the_lab, node
 
 
 def test_unit_is_written_verified_not_enabled_and_not_started(node1):
     _, node = node1
-    enabled = subprocess.run(["podman", "exec", node, "systemctl", "is-enabled", "sglang-main.service"], capture_output=True, text=True)
-    assert enabled.stdout.strip() == "disabled", "never verified: a boot must not start it (a verified restart enables it)"
-    state = subprocess.run(["podman", "exec", node, "systemctl", "is-active", "sglang-main.service"], capture_output=True, text=True)
+    enabled = subprocess.run(
+        ["podman", "exec", node, "systemctl", "is-enabled", "sglang-main.service"], capture_output=True, text=True
+    )
+    assert enabled.stdout.strip() == "disabled", (
+        "never verified: a boot must not start it (a verified restart enables it)"
+    )
+    state = subprocess.run(
+        ["podman", "exec", node, "systemctl", "is-active", "sglang-main.service"], capture_output=True, text=True
+    )
     assert state.stdout.strip() == "inactive", "deploy must not start servers: the safe restart does"
     podman_exec(node, "systemd-analyze", "verify", "/etc/systemd/system/sglang-main.service")
 
@@ -49,7 +67,12 @@ def test_a_changed_flag_changes_exactly_its_files_and_never_restarts(node1):
     """Never verified, so nothing to protect: written as the unit's (a verified one is staged: test_restart.py)."""
     the_lab, node = node1
     before = podman_exec(node, "systemctl", "show", "-p", "InactiveEnterTimestamp", "sglang-main.service")
-    extra = ["--limit", "lab-node1", "-e", '{"sglang_server_flags": {"trust_remote_code": true, "mem_fraction_static": 0.85, "enable_metrics": true}}']
+    extra = [
+        "--limit",
+        "lab-node1",
+        "-e",
+        '{"sglang_server_flags": {"trust_remote_code": true, "mem_fraction_static": 0.85, "enable_metrics": true}}',
+    ]
     proc = ansible("ansible-playbook", "playbooks/deploy.yml", *extra, inventory=the_lab.inventory)
     assert changed_tasks(proc.stdout) == ["sglang_service : Stage each instance's configuration"], proc.stdout[-4000:]
     assert "--mem-fraction-static 0.85" in podman_exec(node, "cat", "/etc/systemd/system/sglang-main.service")
@@ -68,15 +91,26 @@ def test_second_deploy_changes_nothing(node1):
 
 def test_the_units_gpu_gate_refuses_busy_gpus_and_says_who(node1):
     the_lab, node = node1
-    ansible("ansible-playbook", "playbooks/deploy.yml", "--limit", "lab-node1", "-e", "sglang_service_gpu_gate_timeout=2",
-            inventory=the_lab.inventory)  # fmt: skip
+    ansible(
+        "ansible-playbook",
+        "playbooks/deploy.yml",
+        "--limit",
+        "lab-node1",
+        "-e",
+        "sglang_service_gpu_gate_timeout=2",
+        inventory=the_lab.inventory,
+    )
     podman_exec(node, "lab-gpu", "hold", "--pid", "4242", "--gpu", "3", "--mib", "8148", "--pinned", "--name", "stray")
     try:
-        start = subprocess.run(["podman", "exec", node, "systemctl", "start", "sglang-main.service"], capture_output=True, text=True)
+        start = subprocess.run(
+            ["podman", "exec", node, "systemctl", "start", "sglang-main.service"], capture_output=True, text=True
+        )
         assert start.returncode != 0
         journal = podman_exec(node, "journalctl", "-u", "sglang-main.service", "--no-pager", "-o", "cat")
-        assert "/opt/ml-env/bin/python -m lab_sglang_standin" not in subprocess.run(
-            ["podman", "exec", node, "ps", "-eo", "args"], capture_output=True, text=True).stdout, "the server must not have started"
+        assert (
+            "/opt/ml-env/bin/python -m lab_sglang_standin"
+            not in subprocess.run(["podman", "exec", node, "ps", "-eo", "args"], capture_output=True, text=True).stdout
+        ), "the server must not have started"
     finally:
         # Stop it first: Restart=on-failure would start it again once the GPU is free.
         subprocess.run(["podman", "exec", node, "systemctl", "stop", "sglang-main.service"], check=False)

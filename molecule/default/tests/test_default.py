@@ -62,7 +62,9 @@ def test_simulated_nvidia_smi_shows_a_process_holding_memory(host):
     pid = int(holder.stdout.strip())
     try:
         host.run_expect([0], f"sudo lab-gpu hold --pid {pid} --gpu 3 --mib 8148 --name python3")
-        apps = host.check_output("nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits")
+        apps = host.check_output(
+            "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits"
+        )
         uuid3 = host.check_output("nvidia-smi -i 3 --query-gpu=uuid --format=csv,noheader")
         assert apps == f"{pid}, {uuid3}, 8148, python3"
         used = host.check_output("nvidia-smi -i 3 --query-gpu=memory.used --format=csv,noheader,nounits")

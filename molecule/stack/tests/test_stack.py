@@ -27,8 +27,13 @@ PY = "/opt/ml-env/bin/python"
 def identity(series):
     """What the sglang role records for the lab's converge (ml_env_requirements empty, parser profile)."""
     patches = [{"name": p.name, "content": p.read_text()} for p in series]
-    return {"python_version": "3.11", "sglang_version": "0.5.23", "install_profile": "parser",
-            "lock_sha256": software.lock_sha256(LOCK), "patch_series_sha256": software.patch_series_sha256(patches)}  # fmt: skip
+    return {
+        "python_version": "3.11",
+        "sglang_version": "0.5.23",
+        "install_profile": "parser",
+        "lock_sha256": software.lock_sha256(LOCK),
+        "patch_series_sha256": software.patch_series_sha256(patches),
+    }
 
 
 A = software.generation_id(identity(SERIES))
