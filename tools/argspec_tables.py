@@ -1,7 +1,11 @@
-"""Variable tables for the README, from each role's meta/argument_specs.yml.
+"""Variable tables, one page per role, generated from each role's meta/argument_specs.yml.
 
-python tools/argspec_tables.py            # print the tables
-python tools/argspec_tables.py --write    # rewrite them in README.md between the markers
+python tools/argspec_tables.py            # print every page
+python tools/argspec_tables.py --write    # rewrite docs/variables/<role>.md and index.md (remove pages of roles gone)
+python tools/argspec_tables.py --check    # exit 1 naming each page that is not current
+
+The pages are generated: edit a role's argument_specs.yml, then run --write.
+tests/test_docs.py fails while a page is not current.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-BEGIN = "<!-- BEGIN role variables (tools/argspec_tables.py --write) -->"
-END = "<!-- END role variables -->"
+OUT_DIR = REPO / "docs" / "variables"
+HEADER = "| Variable | Type | Default | Description |\n| --- | --- | --- | --- |"
 
 
 def _cell(value: object) -> str:
@@ -27,48 +31,129 @@ def _cell(value: object) -> str:
 
 
 def _default(value: object) -> str:
-    if value in ("", [], {}):
-        return "`" + json.dumps(value) + "`"
-    if isinstance(value, list):
+    if value in ("", [], {}) or isinstance(value, list):
         return "`" + json.dumps(value) + "`"
     return "`" + str(value) + "`"
 
 
-def tables() -> str:
-    out = []
-    for spec_file in sorted(REPO.glob("roles/*/meta/argument_specs.yml")):
-        role = spec_file.parts[-3]
-        spec = yaml.safe_load(spec_file.read_text())["argument_specs"]["main"]
-        out += [f"### Role `{role}`", "", _cell(spec.get("short_description", "")), ""]
-        out += ["| Variable | Type | Default | Description |", "| --- | --- | --- | --- |"]
-        for name, opt in spec["options"].items():
-            kind = opt.get("type", "str")
-            if kind == "list" and "elements" in opt:
-                kind = f"list of {opt['elements']}"
-            if "choices" in opt:
-                kind += " (" + ", ".join(str(c) for c in opt["choices"]) + ")"
-            default = "required" if opt.get("required") else (_default(opt["default"]) if "default" in opt else "")
-            out.append(f"| `{name}` | {kind} | {default} | {_cell(opt.get('description', ''))} |")
-        out.append("")
-    return "\n".join(out).rstrip() + "\n"
+def _row(name: str, opt: dict) -> str:
+    kind = opt.get("type", "str")
+    if kind == "list" and "elements" in opt:
+        kind = f"list of {opt['elements']}"
+    if "choices" in opt:
+        kind += " (" + ", ".join(str(c) for c in opt["choices"]) + ")"
+    default = "required" if opt.get("required") else (_default(opt["default"]) if "default" in opt else "")
+    return f"| `{name}` | {kind} | {default} | {_cell(opt.get('description', ''))} |"
 
 
-def splice(readme: str, body: str) -> str:
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{body}{END}{tail}"
+def _table(options: dict) -> list[str]:
+    return [HEADER, *(_row(name, opt) for name, opt in options.items())]
+
+
+def roles() -> list[str]:
+    """Every role with an argument spec, sorted."""
+    return sorted(p.parts[-3] for p in REPO.glob("roles/*/meta/argument_specs.yml"))
+
+
+def page(role: str) -> str:
+    """The Markdown page of one role: its main entry point's variables, then its other entry points."""
+    source = f"roles/{role}/meta/argument_specs.yml"
+    specs = yaml.safe_load((REPO / source).read_text())["argument_specs"]
+    main = specs["main"]
+    options = main.get("options", {})
+    out = [
+        f"<!-- Generated from {source} by tools/argspec_tables.py --write: edit the spec, not this page. -->",
+        f"# Role `{role}`: variables",
+        "",
+        _cell(main.get("short_description", "")),
+        "",
+        "What the role does: [docs/roles.md](../roles.md). Variables of the role's `main` entry point:",
+        "",
+        *_table(options),
+    ]
+    others = [name for name in specs if name != "main"]
+    if others:
+        out += ["", "## Other entry points", ""]
+        out += ["Called by other roles or by the playbooks with `tasks_from: <entry point>`."]
+    for name in others:
+        spec = specs[name]
+        opts = spec.get("options", {})
+        out += ["", f"### `{name}`", "", _cell(spec.get("short_description", "")), ""]
+        if opts == options:
+            out.append("Variables: the same as `main`'s.")
+        elif all(opts.get(k) == v for k, v in options.items()):
+            out += ["Variables: `main`'s, and:", "", *_table({k: v for k, v in opts.items() if k not in options})]
+        else:
+            out += _table(opts)
+    return "\n".join(out) + "\n"
+
+
+def index() -> str:
+    """docs/variables/index.md: every role's page, what the role is, its entry points."""
+    out = [
+        "<!-- Generated by tools/argspec_tables.py --write from roles/*/meta/argument_specs.yml. -->",
+        "# Role variables",
+        "",
+        "One page per role, generated from the role's `meta/argument_specs.yml` by",
+        "`python tools/argspec_tables.py --write`: edit the spec, then run it (`tests/test_docs.py`",
+        "fails while a page is not current). What each role does: [docs/roles.md](../roles.md).",
+        "",
+        "| role | what | entry points |",
+        "| --- | --- | --- |",
+    ]
+    for role in roles():
+        specs = yaml.safe_load((REPO / "roles" / role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+        what = _cell(specs["main"].get("short_description", ""))
+        out.append(f"| [{role}]({role}.md) | {what} | {', '.join(f'`{name}`' for name in specs)} |")
+    return "\n".join(out) + "\n"
+
+
+def pages() -> dict[Path, str]:
+    """docs/variables/<role>.md for every role, and docs/variables/index.md, with their text."""
+    return {OUT_DIR / "index.md": index()} | {OUT_DIR / f"{role}.md": page(role) for role in roles()}
+
+
+def stale() -> list[str]:
+    """Pages that are missing, differ from their spec, or belong to no role (paths relative to the repository)."""
+    want = pages()
+    have = set(OUT_DIR.glob("*.md")) if OUT_DIR.is_dir() else set()
+    bad = [p for p, text in want.items() if not p.is_file() or p.read_text() != text]
+    bad += sorted(have - set(want))
+    return [str(p.relative_to(REPO)) for p in sorted(bad)]
+
+
+def write() -> list[str]:
+    """Bring docs/variables/ up to date; return what was done, a line per page."""
+    done = []
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    want = pages()
+    for path in sorted(OUT_DIR.glob("*.md")):
+        if path not in want:
+            path.unlink()
+            done.append(f"removed {path.relative_to(REPO)} (no such role)")
+    for path, text in want.items():
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+            done.append(f"wrote {path.relative_to(REPO)}")
+    return done
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite docs/variables/")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a page is not current")
     args = parser.parse_args()
-    body = tables()
     if args.write:
-        path = REPO / "README.md"
-        path.write_text(splice(path.read_text(), body))
-    else:
-        sys.stdout.write(body)
+        for line in write():
+            print(line)
+        return 0
+    if args.check:
+        bad = stale()
+        for path in bad:
+            print(f"not current: {path} (run: python tools/argspec_tables.py --write)", file=sys.stderr)
+        return 1 if bad else 0
+    sys.stdout.write("\n".join(pages().values()))
     return 0
 
 
