@@ -72,35 +72,135 @@ def journal(unit: str, invocation: str | None = None, lines: int = 80) -> list[s
     return out.stdout.splitlines()
 
 
-EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(?:Error|Exception|Interrupt)\b:?.*$")
+# A Python exception line: a dotted name ending in Error/Exception/Interrupt/Exit, alone (SGLang's launcher re-raises
+# a bare EOFError) or followed by ": message". "Exception raised from checkTimeout at ..." (a c10 stack) is not one.
+EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*)?(?:Error|Exception|Interrupt|Exit)(?::(?:\s.*)?)?\s*$"
+)
+TRACEBACK_HEADER = "Traceback (most recent call last):"
+# Python's words between the tracebacks of one chain: the first of the chain is the root.
+CHAINED = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
+# A line inside a traceback, between its header and its exception line: '  File ...', code, '^^^^' markers.
+FRAME_LINE = re.compile(r"^(?:\s+\S|[\^~]+\s*$)")
+# The header of a crashed SGLang subprocess ("Scheduler hit an exception: Traceback ...", "[... TP3] Traceback ...").
+SUBPROCESS_HEADER = re.compile(r"hit an exception|\b(?:TP|DP|PP|EP)\d+\]")
+# Tracebacks that only report an earlier failure: SGLang's launcher finding a scheduler dead (engine.py re-raises
+# the pipe's EOFError, or raises one of these), and Python's "Exception ignored in: ..." during cleanup.
+CONSEQUENCE = re.compile(
+    r"^(?:EOFError\s*$|RuntimeError: (?:Initialization failed\. Please see the error messages above"
+    r"|Failed to initialize scheduler rank \d+))"
+)
+# Fatal lines that are no Python traceback: the NCCL watchdog (also inside a c10::DistBackendError's what()), a C++
+# exception that terminated the process, the interpreter's own fatal errors.
+FATAL_LINE = (
+    re.compile(r"(?:\[Rank \d+\] )?Watchdog caught collective operation timeout: .*"),
+    re.compile(r"(?<=what\(\):  ).*"),
+    re.compile(r"Fatal Python error: .*"),
+)
+C10_STACK_LINE = re.compile(r"^(?:Exception raised from |frame #\d+: )")
+
+
+def _blocks(lines: list[str]) -> list[tuple[int, int]]:
+    """Each traceback in the log as (first line, exception line). A traceback whose header scrolled out of the
+    journal's tail starts at the first of the frame lines before its exception line; one cut off before its
+    exception line is no block."""
+    blocks, i = [], 0
+    while i < len(lines):
+        if TRACEBACK_HEADER in lines[i]:
+            for k in range(i + 1, len(lines)):
+                if TRACEBACK_HEADER in lines[k]:
+                    break  # cut off before its exception line: the next one starts here
+                if EXCEPTION_LINE.match(lines[k]):
+                    blocks.append((i, k))
+                    i = k
+                    break
+        elif EXCEPTION_LINE.match(lines[i]) and i > 0 and FRAME_LINE.match(lines[i - 1]):
+            j = i - 1
+            while j > 0 and FRAME_LINE.match(lines[j - 1]):
+                j -= 1
+            if not blocks or j > blocks[-1][1]:
+                blocks.append((j, i))
+        i += 1
+    return blocks
+
+
+def _chains(lines: list[str], blocks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """The blocks grouped as Python chains them ("During handling of the above exception ...")."""
+    chains: list[list[tuple[int, int]]] = []
+    for block in blocks:
+        before = [line.strip() for line in lines[chains[-1][-1][1] + 1 : block[0]] if line.strip()] if chains else []
+        if before and before[-1] in CHAINED:  # the words right above this traceback's header
+            chains[-1].append(block)
+        else:
+            chains.append([block])
+    return chains
+
+
+def _consequence(lines: list[str], chain: list[tuple[int, int]]) -> bool:
+    start, end = chain[0][0], chain[-1][1]
+    ignored = start > 0 and lines[start - 1].startswith("Exception ignored in")
+    return ignored or bool(CONSEQUENCE.match(lines[end]))
+
+
+def _root(lines: list[str]) -> tuple[str, list[str]] | None:
+    """The root failure in the log, as (cause, the lines that show it).
+
+    SGLang's processes share the journal: a scheduler that dies prints its traceback, the launcher then says
+    "Received sigquit from a child process" and may print its own traceback (the pipe's EOFError, "Initialization
+    failed"), other ranks print theirs, cleanup may raise more. The root is the first traceback of a crashed
+    subprocess (SGLang's "... hit an exception:" or a rank tag on its header), else the first traceback that is
+    no consequence of another; within a chain, the first exception. An NCCL watchdog timeout, an uncaught C++
+    exception or a fatal interpreter error printed before that traceback is the root instead: the tracebacks
+    printed after one are the ranks being torn down."""
+    chains = [c for c in _chains(lines, _blocks(lines)) if not _consequence(lines, c)]
+    marked = [c for c in chains if SUBPROCESS_HEADER.search(lines[c[0][0]])]
+    chain = (marked or chains or [None])[0]
+    for i, line in enumerate(lines[: chain[0][0] if chain else len(lines)]):
+        for pattern in FATAL_LINE:
+            m = pattern.search(line)
+            if m:
+                shown = [line]
+                for more in lines[i + 1 :]:
+                    if not C10_STACK_LINE.match(more):
+                        break
+                    shown.append(more)
+                return m.group(0).strip(), shown
+    if chain:
+        start, end = chain[0]
+        return lines[end].strip(), lines[start : end + 1]
+    return None
 
 
 def traceback_of(lines: list[str]) -> list[str]:
-    """The last traceback in the log, from its first line to the exception line."""
-    start = None
-    for i, line in enumerate(lines):
-        if "Traceback (most recent call last)" in line:
-            start = i
-    if start is None:
-        return []
-    out = []
-    for line in lines[start:]:
-        out.append(line)
-        if len(out) > 1 and EXCEPTION_LINE.match(line):
-            break
-    return out
+    """The lines that show the root failure (see _root): a traceback from its first line to its exception line,
+    or a fatal line with the C++ stack that follows it. With none, the last traceback header to the end."""
+    root = _root(lines)
+    if root:
+        return root[1]
+    starts = [i for i, line in enumerate(lines) if TRACEBACK_HEADER in line]
+    return lines[starts[-1] :] if starts else []
 
 
 def cause_of(lines: list[str]) -> str | None:
-    """The line that says why: a traceback's last line, SGLang's argparse error, the GPU gate's refusal."""
-    tb = traceback_of(lines)
-    if len(tb) > 1 and EXCEPTION_LINE.match(tb[-1]):
-        return tb[-1].strip()
+    """The line that says why: the root failure's exception (see _root), SGLang's argparse error, the GPU gate's
+    refusal, a port already in use, a scheduler that died without a traceback (killed: its exit code)."""
+    root = _root(lines)
+    if root:
+        return root[0]
     for line in reversed(lines):
         m = re.search(r"Main process exited, code=\w+, status=\d+/(\w+)", line)
         if m and m.group(1) == "SYS":
             return m.group(0) + " (a system call the unit's SystemCallFilter denies)"
+    for i, line in enumerate(lines):  # killed (the OOM killer's -9): no traceback of its own, the launcher says so
+        m = re.search(r"Rank \d+ scheduler is dead\..*", line)
+        if m:
+            code = next((c for c in (re.search(r"Exit code: (-?\d+)", x) for x in lines[i + 1 : i + 3]) if c), None)
+            return m.group(0).strip() + (f" (exit code {code.group(1)})" if code else "")
     for pattern in (
+        r"\[Errno 98\] .*",  # uvicorn's "ERROR:    [Errno 98] error while attempting to bind on address ..."
         r"error: .*",
         r"sglang-gpu-gate: .*refusing.*",
         r"sglang-gpu-gate: (?!GPUs \[[\d, ]*\] clean).*",
