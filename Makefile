@@ -18,13 +18,17 @@ PYTEST_ARGS ?=
 # the restart state machine must stay at 90 % or more (issue #10).
 COV := --cov=module_utils/sglang_deploy --cov=driver --cov=filter_plugins --cov-report=term
 
-.PHONY: help setup image lab-up lab-down lab-status demo test lint pytest unit e2e molecule upgrade-check lock clean
+.PHONY: help setup doctor image lab-up lab-down lab-status demo test lint pytest unit e2e molecule upgrade-check lock lock-sglang clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 
-setup: ## install missing system packages and the pinned controller virtualenv
+setup: ## install missing system packages and the pinned controller virtualenv, then the self-check
 	@lab/bin/setup-host
+	@lab/bin/doctor --setup
+
+doctor: ## check each part the lab relies on (podman, runc, network, debootstrap, ssh, .venv)
+	@lab/bin/doctor
 
 image: setup ## build the lab node image once (debootstrap + podman import; FORCE=1 rebuilds)
 	@lab/image/build.sh
@@ -67,6 +71,11 @@ test: lint pytest molecule ## every test
 upgrade-check: setup ## does the patch series apply to SGLANG_CANDIDATE? (fetches its wheel, changes nothing)
 	@test -n "$(SGLANG_CANDIDATE)" || { echo "usage: make upgrade-check SGLANG_CANDIDATE=X.Y.Z" >&2; exit 2; }
 	@ansible-playbook playbooks/upgrade-check.yml -e sglang_candidate_version=$(SGLANG_CANDIDATE)
+
+lock-sglang: setup ## SGLang's complete lock with hashes: SGLANG_VERSION=x.y.z PROFILE=full|parser [PYTHON_VERSION= PLATFORM=]
+	@test -n "$(SGLANG_VERSION)" || { echo "usage: make lock-sglang SGLANG_VERSION=x.y.z PROFILE=full|parser [PYTHON_VERSION=3.11 PLATFORM=manylinux_2_34_x86_64]" >&2; exit 2; }
+	@$(BIN)/python tools/lock_sglang.py --sglang-version $(SGLANG_VERSION) --profile $(or $(PROFILE),full) \
+		--python-version $(or $(PYTHON_VERSION),3.11) --platform $(or $(PLATFORM),manylinux_2_34_x86_64)
 
 lock: ## refresh requirements.lock from requirements.in
 	@$(BIN)/python -m pip install -q -r requirements.in
