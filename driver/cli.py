@@ -104,26 +104,59 @@ def extravars(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def usage_error(args: argparse.Namespace, message: str) -> int:
+    """Exit 2 before anything ran: the message on stderr; with --json, also the one result document on stdout."""
+    print(f"python -m driver {args.command}: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        import json
+
+        doc = {"command": args.command, "exit_code": exitcodes.USAGE, "meaning": exitcodes.MEANING[exitcodes.USAGE]}
+        print(json.dumps({**doc, "error": message, "run_id": None}))
+    return exitcodes.USAGE
+
+
 def run_playbook(args: argparse.Namespace, argv: list[str]) -> int:
+    """Check the inventory, record the run, run its playbook, record how it ended, show it.
+
+    SIGINT is the driver's own from the start to the end (driver/interrupts.py): no Ctrl-C raises
+    KeyboardInterrupt, and the ledger row gets its exit code whatever happens.
+    """
     import signal
+
+    from driver.interrupts import Interrupts
+
+    interrupts = Interrupts(args.command)
+    previous = signal.signal(signal.SIGINT, interrupts.handler)
+    try:
+        return _run_playbook(args, argv, interrupts)
+    except KeyboardInterrupt:  # raised by code that installs its own handler: the run was recorded already
+        return exitcodes.INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
     import time
 
-    from driver import display, events, ledger, runner
+    from driver import inventory
+
+    try:
+        inventory.check(args.inventory, args.limit)
+    except inventory.InventoryError as e:
+        return usage_error(args, str(e))
+    if interrupts.interrupted:
+        print("interrupted before anything ran", file=sys.stderr)
+        return exitcodes.INTERRUPTED
+
+    from driver import display, events, ledger, redact, runner
 
     tracker = events.Tracker(args.command)
+    redactor = redact.Redactor()
     book = ledger.Ledger()
-    run_id = book.start(args.command, argv, args.inventory, args.profile)
-    record = book.events_dir(run_id) / "events.jsonl"
-    interrupted = {"flag": False}
-
-    def on_sigint(signum, frame):
-        if interrupted["flag"]:
-            raise KeyboardInterrupt
-        interrupted["flag"] = True
-        print("\ninterrupt: stopping the run (Ctrl-C again to abandon it)...", file=sys.stderr)
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    t0 = time.monotonic()
+    run_id = book.start(args.command, redactor.argv(argv), args.inventory, args.profile)
+    run_dir = book.events_dir(run_id)
+    record = run_dir / "events.jsonl"
+    interrupts.arm(run_dir / "cancel")
     job = runner.Job(
         playbook=PLAYBOOKS[args.command][0],
         inventory=args.inventory,
@@ -131,36 +164,52 @@ def run_playbook(args: argparse.Namespace, argv: list[str]) -> int:
         extravars=extravars(args),
         check=args.check,
         verbosity=args.verbose,
+        env={
+            "SGLANG_DEPLOY_CANCEL_FILE": str(run_dir / "cancel"),
+            "SGLANG_DEPLOY_COMMAND": f"python -m driver {args.command}",
+        },
+        scrub=redactor.scrub if redactor.secrets else None,
     )
+    t0 = time.monotonic()
+    code = exitcodes.FAILED  # what the row says if the driver itself fails below
     try:
         with display.Progress(tracker, quiet=args.json) as progress:
+            interrupts.say = progress.say
 
             def on_event(event: dict) -> None:
                 tracker.handle(event)
                 progress.update()
+                interrupts.announce()
 
-            outcome = runner.run(job, on_event, lambda: interrupted["flag"], record=record)
+            try:
+                outcome = runner.run(job, on_event, interrupts.poll, record=record)
+            except KeyboardInterrupt:  # from code under the runner that raised its own
+                interrupts.abandon()
+                outcome = runner.Outcome(status="canceled", rc=254)
+            interrupts.announce()
+        code = tracker.exit_code(outcome.status, outcome.rc, interrupts.interrupted)
     finally:
-        signal.signal(signal.SIGINT, previous)
-    code = tracker.exit_code(outcome.status, outcome.rc, interrupted["flag"])
-    book.finish(
-        run_id,
-        code,
-        exitcodes.MEANING.get(code, "?"),
-        round(time.monotonic() - t0, 1),
-        list(tracker.hosts),
-        tracker.measurements(),
-        str(record),
-    )
-    book.close()
+        if interrupts.interrupted:
+            code = exitcodes.INTERRUPTED
+        book.finish(
+            run_id,
+            code,
+            exitcodes.MEANING.get(code, "?"),
+            round(time.monotonic() - t0, 1),
+            list(tracker.hosts),
+            tracker.measurements(),
+            str(record),
+        )
+        book.close()
+    left = tracker.left_in(abandoned=interrupts.abandoned) if code == exitcodes.INTERRUPTED else None
     if args.json:
-        display.as_json(tracker, code, run_id)
+        display.as_json(tracker, code, run_id, left=left)
     else:
         display.summary(tracker, code, run_id, svg=args.svg)
-        if code == exitcodes.INTERRUPTED:
-            print("interrupted; hosts were left so:", file=sys.stderr)
-            for line in tracker.left_in():
-                print(f"  {line}", file=sys.stderr)
+    if left is not None:
+        print("interrupted; hosts were left so:", file=sys.stderr)
+        for line in left:
+            print(f"  {line}", file=sys.stderr)
     return code
 
 
@@ -175,23 +224,22 @@ def history(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, default=str))
         return exitcodes.OK
-    from rich.console import Console
-    from rich.table import Table
+    from driver import display
 
-    console = Console()
     if args.compare:
-        table = Table(title="profiles, from the recorded measurements")
-        for col in (
-            "profile",
-            "measurements",
-            "median tok/s",
-            "best tok/s",
-            "median accept len",
-            "verified running",
-            "config hashes",
-            "last measured",
-        ):
-            table.add_column(col)
+        table = display.table(
+            "profiles, from the recorded measurements",
+            (
+                "profile",
+                "measurements",
+                "median tok/s",
+                "best tok/s",
+                "median accept len",
+                "verified running",
+                "config hashes",
+                "last measured",
+            ),
+        )
         for r in data:
             table.add_row(
                 r["profile"],
@@ -204,22 +252,23 @@ def history(args: argparse.Namespace) -> int:
                 r["last_measured"],
             )
     else:
-        table = Table(title=f"last {args.last} runs")
-        for col in (
-            "run",
-            "started",
-            "user",
-            "command",
-            "hosts",
-            "profile",
-            "config",
-            "exit",
-            "outcome",
-            "s",
-            "tok/s",
-            "accept",
-        ):
-            table.add_column(col)
+        table = display.table(
+            f"last {args.last} runs",
+            (
+                "run",
+                "started",
+                "user",
+                "command",
+                "hosts",
+                "profile",
+                "config",
+                "exit",
+                "outcome",
+                "s",
+                "tok/s",
+                "accept",
+            ),
+        )
         for r in data:
             ms = r["measurements"]
             tok = ", ".join(f"{m['tokens_per_s']}" for m in ms if m["tokens_per_s"] is not None) or "-"
@@ -238,13 +287,17 @@ def history(args: argparse.Namespace) -> int:
                 tok,
                 acc,
             )
-    console.print(table)
+    display.console().print(table)
     return exitcodes.OK
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser().parse_args(argv)
-    if args.command == "history":
-        return history(args)
-    return run_playbook(args, argv)
+    try:
+        args = parser().parse_args(argv)
+        if args.command == "history":
+            return history(args)
+        return run_playbook(args, argv)
+    except KeyboardInterrupt:  # before the driver's own handler, or after it: nothing half-recorded, no traceback
+        print("\ninterrupted", file=sys.stderr)
+        return exitcodes.INTERRUPTED

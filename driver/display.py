@@ -3,15 +3,42 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 from driver import exitcodes
-from driver.events import WAITS, Tracker
+from driver.events import NOT_BEGUN, WAITS, Tracker
 from module_utils.sglang_deploy import outcomes
 
 # Results shown green: the host ended well, or the instance serves (a restart's rollback shows yellow).
 GOOD = outcomes.SUCCESS | {outcomes.ROLLED_BACK, "ok"}
+# Output that is no terminal's (a pipe, a file, CI): as wide as the widest line, so no cell is cut to fit
+# 80 columns; rich's own width where there is a terminal (or $COLUMNS says).
+WIDE = 1000
+# The SVG picture's width when there is no terminal to take it from.
+SVG_WIDTH = 140
+
+
+def console(stderr: bool = False, record: bool = False, width: int | None = None):
+    """A rich Console that never truncates a table to fit a pipe."""
+    from rich.console import Console
+
+    c = Console(stderr=stderr, record=record, width=width)
+    if width is None and not c.is_terminal and not os.environ.get("COLUMNS"):
+        c = Console(stderr=stderr, record=record, width=WIDE)
+    return c
+
+
+def table(title: str, columns, **kw):
+    """A rich Table whose cells fold rather than end in "…" on a narrow terminal: nothing is lost."""
+    from rich.table import Table
+
+    t = Table(title=title, **kw)
+    for col in columns:
+        name, justify = col if isinstance(col, tuple) else (col, "left")
+        t.add_column(name, justify=justify, overflow="fold")
+    return t
 
 
 class Progress:
@@ -45,6 +72,13 @@ class Progress:
         if self.live:
             self.live.__exit__(*exc)
 
+    def say(self, message: str) -> None:
+        """A line for the operator now (an interruption), above the live display where there is one."""
+        if self.live:
+            self.live.console.print(message, markup=False, highlight=False)
+        else:
+            print(f"\n{message}", file=sys.stderr, flush=True)
+
     def update(self) -> None:
         """Called after each event."""
         for h in self.tracker.hosts.values():
@@ -76,28 +110,30 @@ class Progress:
 
 
 def status_table(tracker: Tracker, exit_code: int):
-    from rich.table import Table
-
-    table = Table(title=f"sglang-deploy status (exit {exit_code})")
-    for col in (
-        "host",
-        "instance",
-        "unit",
-        "running profile",
-        "drift",
-        "GPU memory",
-        "health",
-        "accept len",
-        "tok/s (known-good)",
-    ):
-        table.add_column(col)
+    t = table(
+        f"sglang-deploy status (exit {exit_code})",
+        (
+            "host",
+            "instance",
+            "unit",
+            "running profile",
+            "drift",
+            "GPU memory",
+            "health",
+            "accept len",
+            "tok/s (known-good)",
+        ),
+    )
     for h in sorted(tracker.hosts.values(), key=lambda x: x.name):
         for name, res in sorted(h.instances.items()):
             mem = res.get("gpu_memory_mib") or {}
             used = sum(v or 0 for v in mem.values())
             kg = res.get("known_good") or {}
             health = res.get("health")
-            table.add_row(
+            if res.get("outcome") == NOT_BEGUN:
+                t.add_row(h.name, name, f"[yellow]{NOT_BEGUN}[/yellow]", *["-"] * 6)
+                continue
+            t.add_row(
                 h.name,
                 name,
                 res.get("state", "?"),
@@ -109,22 +145,25 @@ def status_table(tracker: Tracker, exit_code: int):
                 str(kg.get("tokens_per_s") or "-"),
             )
         if not h.instances:
-            table.add_row(h.name, "-", h.status, "-", "-", "-", "-", "-", "-")
-    return table
+            t.add_row(h.name, "-", h.status, "-", "-", "-", "-", "-", "-")
+    return t
 
 
 def summary(tracker: Tracker, exit_code: int, run_id: int | None, svg: str | None = None) -> None:
-    from rich.console import Console
-
-    console = Console(record=bool(svg))
-    _summary(console, tracker, exit_code, run_id)
+    out = console()
+    _summary(out, tracker, exit_code, run_id)
     if svg:
-        console.save_svg(svg, title=f"python -m driver {tracker.command}")
+        import io
+
+        from rich.console import Console
+
+        width = out.width if out.is_terminal or os.environ.get("COLUMNS") else SVG_WIDTH
+        picture = Console(record=True, file=io.StringIO(), width=width)
+        _summary(picture, tracker, exit_code, run_id)
+        picture.save_svg(svg, title=f"python -m driver {tracker.command}")
 
 
 def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> None:
-    from rich.table import Table
-
     if tracker.command == "status":
         console.print(status_table(tracker, exit_code))
         for h in tracker.hosts.values():
@@ -133,23 +172,24 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         if run_id is not None:
             console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
         return
-    table = Table(title=f"sglang-deploy {tracker.command}: {exitcodes.MEANING.get(exit_code, '?')} (exit {exit_code})")
-    for col, justify in (
-        ("host", "left"),
-        ("instance", "left"),
-        ("phase reached", "left"),
-        ("result", "left"),
-        ("seconds", "right"),
-        ("tok/s", "right"),
-        ("accept len", "right"),
-    ):
-        table.add_column(col, justify=justify)
+    t = table(
+        f"sglang-deploy {tracker.command}: {exitcodes.MEANING.get(exit_code, '?')} (exit {exit_code})",
+        (
+            ("host", "left"),
+            ("instance", "left"),
+            ("phase reached", "left"),
+            ("result", "left"),
+            ("seconds", "right"),
+            ("tok/s", "right"),
+            ("accept len", "right"),
+        ),
+    )
     details = []
     for row in tracker.rows():
         style = "green" if row["result"] in GOOD else "red"
-        if row["result"] == outcomes.ROLLED_BACK and tracker.command == "restart":
+        if (row["result"] == outcomes.ROLLED_BACK and tracker.command == "restart") or row["result"] == NOT_BEGUN:
             style = "yellow"
-        table.add_row(
+        t.add_row(
             row["host"],
             row["instance"] or "-",
             row["phase"],
@@ -160,7 +200,7 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         )
         if row["detail"]:
             details.append(f"{row['host']}{'/' + row['instance'] if row['instance'] else ''}: {row['detail']}")
-    console.print(table)
+    console.print(t)
     for line in details:
         console.print(f"  {line}", highlight=False, markup=False)
     # The cause, right there: each failure's traceback or offenders.
@@ -187,7 +227,10 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
 
 
-def as_json(tracker: Tracker, exit_code: int, run_id: int | None) -> None:
+def as_json(tracker: Tracker, exit_code: int, run_id: int | None, left: list[str] | None = None) -> None:
+    """The one result document, on stdout (progress and messages go to stderr)."""
     out = tracker.result(exit_code)
     out["run_id"] = run_id
-    print(json.dumps(out, default=str))
+    if left is not None:
+        out["left"] = left
+    print(json.dumps(out, default=str), flush=True)

@@ -35,6 +35,9 @@ MODULE_PHASES = {
 ROLE_PHASES = {"gpu_node": "node", "cuda": "cuda", "ml_env": "ml-env", "sglang": "sglang"}
 # Ansible's modules that change a host: in a role not named above (sglang_service), writing the configuration.
 WRITING_MODULES = frozenset({"template", "copy", "file", "systemd_service", "systemd"})
+# An instance whose restart or rollback was never begun: the driver's first Ctrl-C came before its turn
+# (roles/sglang_service/tasks/server.yml skips the item once the run's cancel file exists).
+NOT_BEGUN = "not begun (interrupted)"
 WAITS = {
     "restart": "stop, clean GPUs, start, ready (model load, CUDA graphs), generate, verify",
     "rollback": "stop, clean GPUs, start the last-known-good, ready, generate, verify",
@@ -180,6 +183,8 @@ class Tracker:
             record_instance(h, res)
             if not res.get("results") or not h.failures:  # a loop task's items said why, unless none did
                 self.fail(h, data, now)
+        elif kind == "runner_item_on_skipped" and module_of(data) == SERVER_MODULE:
+            record_not_begun(h, res)
         elif kind == "runner_on_unreachable":
             if res.get("results") and h.failures:
                 return  # a loop task's summary of the items already recorded
@@ -266,8 +271,12 @@ class Tracker:
             "messages": self.messages[-40:],
         }
 
-    def left_in(self) -> list[str]:
-        """After an interruption: what each host was doing, and what that means for its servers."""
+    def left_in(self, abandoned: bool = True) -> list[str]:
+        """After an interruption: what each host was doing, and what that means for its servers; then what
+        each instance's restart, rollback, verify or status ended in (not begun: never touched).
+
+        abandoned: ansible-playbook was stopped (a second Ctrl-C), so a host still running was cut off there;
+        otherwise the playbook ran to its end and every host's own result stands."""
         lines = []
         for h in sorted(self.hosts.values(), key=lambda x: x.name):
             if h.status != "running":
@@ -277,8 +286,13 @@ class Tracker:
                     f"{h.name}: interrupted during '{h.task}' ({h.phase}): the module goes on on the host and "
                     "finishes its restart or rollback; check with `python -m driver status`"
                 )
-            else:
+            elif abandoned:
                 lines.append(f"{h.name}: interrupted in phase {h.phase} ('{h.task}'); running servers were not touched")
+            else:
+                lines.append(f"{h.name}: {h.status} (phase {h.phase})")
+            for name, res in sorted(h.instances.items()):
+                if res.get("outcome") not in (outcomes.STAGED, outcomes.UNCHANGED, outcomes.INVALID_CONFIG):
+                    lines.append(f"  {h.name}/{name}: {res.get('outcome')}")
         return lines
 
 
@@ -310,10 +324,20 @@ def record_instance(h: HostState, res: dict) -> None:
         h.instances[res["instance"]] = res
 
 
+def record_not_begun(h: HostState, res: dict) -> None:
+    """An instance's server action skipped by its condition, which is the run's cancel file: never begun."""
+    item = res.get(res.get("ansible_loop_var") or "item")
+    name = item.get("name") if isinstance(item, dict) else None
+    if name and res.get("skip_reason") == "Conditional result was False":
+        h.instances[name] = {"instance": name, "outcome": NOT_BEGUN, "profile": item.get("profile")}
+
+
 def instance_row(h: HostState, name: str, res: dict) -> dict:
     """One instance's row in the summary, from its module's result."""
     v = res.get("verify") or (res.get("rollback") or {}).get("verify") or {}
     seconds = res.get("downtime_s")
+    if res.get("outcome") == NOT_BEGUN:
+        return {**host_row(h), "instance": name, "result": NOT_BEGUN, "seconds": None, "detail": ""}
     return {
         "host": h.name,
         "instance": name,

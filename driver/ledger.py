@@ -2,6 +2,11 @@
 
     $SGLANG_DEPLOY_LEDGER, or ~/.local/state/sglang-deploy/ledger.sqlite3
 
+Private to its user: the database is 0600, its directory (when the ledger made it, or it is the default
+one) and the run directories (runs/<id>/: the event stream, the cancel file) 0700; modes left wider by
+an older driver are narrowed when the ledger is opened. The argv it keeps has its secrets redacted
+(driver/redact.py).
+
 `history` lists runs; `history --compare` puts profiles side by side from the recorded
 measurements: "which configuration gave 82.3 tok/s, and was it really the one running?"
 """
@@ -61,10 +66,49 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def private_dir(d: Path, narrow: bool = True) -> Path:
+    """d, made 0700 if missing; an existing one narrowed to 0700 when narrow (never a directory others share)."""
+    try:
+        d.mkdir(mode=DIR_MODE, parents=True)
+        os.chmod(d, DIR_MODE)  # mkdir's mode is cut by the umask; this one is exact
+    except FileExistsError:
+        if narrow and _ours(d) and d.stat().st_mode & 0o7777 != DIR_MODE:
+            os.chmod(d, DIR_MODE)
+    return d
+
+
+def _ours(d: Path) -> bool:
+    """A directory this user owns that is nobody else's too: not sticky (/tmp), not the home directory."""
+    st = d.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o1000 and d.resolve() != Path.home().resolve()
+
+
+def private_file(f: Path) -> Path:
+    """f created 0600 (or an existing one narrowed to 0600)."""
+    os.close(os.open(f, os.O_CREAT | os.O_WRONLY | os.O_APPEND, FILE_MODE))
+    if f.stat().st_mode & 0o777 != FILE_MODE:
+        os.chmod(f, FILE_MODE)
+    return f
+
+
 class Ledger:
     def __init__(self, path: Path | None = None):
         self.path = path or default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Its own directory: the default one, or one it makes; a directory the user named may be shared.
+        private_dir(self.path.parent, narrow=self.path.parent == default_path().parent)
+        private_file(self.path)
+        runs = self.path.parent / "runs"
+        if runs.exists() and runs.stat().st_mode & 0o777 != DIR_MODE:
+            # Left by an older driver (0755/0644): every run directory and its files become private.
+            for run_dir in (p for p in runs.iterdir() if p.is_dir()):
+                os.chmod(run_dir, DIR_MODE)
+                for f in (f for f in run_dir.iterdir() if f.is_file()):
+                    os.chmod(f, FILE_MODE)
+        private_dir(runs)
         self.db = sqlite3.connect(self.path)
         self.db.row_factory = sqlite3.Row
         self.db.executescript(SCHEMA)
@@ -81,9 +125,8 @@ class Ledger:
         return int(cur.lastrowid)
 
     def events_dir(self, run_id: int) -> Path:
-        d = self.path.parent / "runs" / str(run_id)
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        """The run's private directory (0700): its event stream and its cancel file."""
+        return private_dir(self.path.parent / "runs" / str(run_id))
 
     def finish(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -16,6 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Event fields the driver never needs; dropped before events are handed on or recorded.
 _BULKY = ("stdout",)
+# How often, at most, ansible-runner asks cancelled() while ansible-playbook prints nothing.
+POLL_S = 0.5
 
 
 @dataclass
@@ -26,6 +29,8 @@ class Job:
     extravars: list[str] | None = None  # each as ansible-playbook's -e takes it (k=v, JSON, @file)
     check: bool = False
     verbosity: int = 0
+    env: dict[str, str] | None = None  # more environment for ansible-playbook (SGLANG_DEPLOY_CANCEL_FILE)
+    scrub: Callable[[dict], dict] | None = None  # applied to each event before it is recorded or handed on
 
 
 @dataclass
@@ -39,7 +44,9 @@ def run(
 ) -> Outcome:
     """Run job.playbook; call on_event for every event; stop when cancelled() says so.
 
-    With record, every event is also appended to that file as one JSON line (a replayable stream).
+    cancelled() is asked on every line of output and at least every POLL_S seconds; when it says so,
+    ansible-runner kills ansible-playbook's process group. With record, every event is also appended to that
+    file (created 0600) as one JSON line (a replayable stream).
     """
     import ansible_runner  # heavy: kept off the CLI's start-up path
 
@@ -48,49 +55,67 @@ def run(
         cmdline += ["-e", ev]
     if job.check:
         cmdline += ["--check", "--diff"]
-    sink = record.open("a", encoding="utf-8") if record else None
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open_private(record)) if record else None
+        private = Path(tempfile.mkdtemp(prefix="sglang-deploy-runner-"))
+        stack.callback(shutil.rmtree, private, ignore_errors=True)
+        return _run(ansible_runner, job, cmdline, private, sink, on_event, cancelled)
 
+
+def open_private(path: Path):
+    """path opened for appending, created 0600 (the run's directory is 0700 as well)."""
+    return open(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600), "a", encoding="utf-8")
+
+
+def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_event, cancelled) -> Outcome:
     def handler(event: dict) -> bool:
         # Task output is in event_data; keep stdout only where it is all there is (errors, warnings).
         slim = event if event.get("event") == "verbose" else {k: v for k, v in event.items() if k not in _BULKY}
+        if job.scrub:
+            slim = job.scrub(slim)
         if sink:
             sink.write(json.dumps(slim, default=str) + "\n")
             sink.flush()
         on_event(slim)
         return False  # runner need not keep the event's file: the stream is recorded above
 
-    private = Path(tempfile.mkdtemp(prefix="sglang-deploy-runner-"))
-    try:
-        envvars = {
-            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-            "ANSIBLE_FORCE_COLOR": "0",
-            "ANSIBLE_NOCOLOR": "1",
-            # ansible-runner runs from its private dir: name the project's plugin paths outright.
-            "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
-            "ANSIBLE_LIBRARY": str(REPO / "library"),
-            "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
-            "ANSIBLE_FILTER_PLUGINS": str(REPO / "filter_plugins"),
-            # The ansible-playbook of this Python's environment (.venv), whether on PATH or not.
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        }
-        if not job.inventory:
-            envvars["ANSIBLE_INVENTORY"] = str(REPO / "inventory" / "lab" / "hosts.yml")
-        r = ansible_runner.run(
-            private_data_dir=str(private),
-            project_dir=str(REPO),
-            playbook=str(REPO / job.playbook),
-            inventory=str(Path(job.inventory).resolve()) if job.inventory else None,
-            limit=job.limit,
-            cmdline=shlex.join(cmdline) or None,
-            envvars={**envvars, **{k: v for k, v in os.environ.items() if k.startswith("ANSIBLE_")}},
-            verbosity=job.verbosity or None,
-            event_handler=handler,
-            cancel_callback=cancelled,
-            quiet=True,
-            suppress_env_files=True,
-        )
-        return Outcome(status=r.status, rc=r.rc if r.rc is not None else 1)
-    finally:
-        if sink:
-            sink.close()
-        shutil.rmtree(private, ignore_errors=True)
+    # ansible-runner reads its settings from this file only (a settings= argument is dropped without it).
+    (private / "env").mkdir(mode=0o700)
+    (private / "env" / "settings").write_text(json.dumps({"pexpect_timeout": POLL_S}), encoding="utf-8")
+    envvars = {
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_FORCE_COLOR": "0",
+        "ANSIBLE_NOCOLOR": "1",
+        # ansible-runner runs from its private dir: name the project's plugin paths outright.
+        "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+        "ANSIBLE_LIBRARY": str(REPO / "library"),
+        "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
+        "ANSIBLE_FILTER_PLUGINS": str(REPO / "filter_plugins"),
+        # The ansible-playbook of this Python's environment (.venv), whether on PATH or not.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        **(job.env or {}),
+    }
+    if not job.inventory:
+        envvars["ANSIBLE_INVENTORY"] = str(REPO / "inventory" / "lab" / "hosts.yml")
+    r = ansible_runner.run(
+        private_data_dir=str(private),
+        project_dir=str(REPO),
+        playbook=str(REPO / job.playbook),
+        inventory=inventory_arg(job.inventory),
+        limit=job.limit,
+        cmdline=shlex.join(cmdline) or None,
+        envvars={**envvars, **{k: v for k, v in os.environ.items() if k.startswith("ANSIBLE_")}},
+        verbosity=job.verbosity or None,
+        event_handler=handler,
+        cancel_callback=cancelled,
+        quiet=True,
+        suppress_env_files=True,
+    )
+    return Outcome(status=r.status, rc=r.rc if r.rc is not None else 1)
+
+
+def inventory_arg(inventory: str | None) -> str | None:
+    """-i for ansible-playbook, which runs in its own directory: a path made absolute; a host list as is."""
+    if not inventory:
+        return None
+    return inventory if "," in inventory else str(Path(inventory).resolve())
