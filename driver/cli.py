@@ -32,6 +32,16 @@ PLAYBOOKS = {
         "every instance at a glance: unit, profile, drift, GPU memory, health, accept length",
     ),
     "rollback": ("playbooks/rollback.yml", "put the last-known-good configuration back, restart and verify it"),
+    "preflight": (
+        "playbooks/preflight.yml",
+        "before a restart: NCCL all-reduce bandwidth on each instance's GPUs against a floor, and each multi-node "
+        "group's rendezvous (interfaces, dist_init_addr, a cross-node all-reduce); changes nothing",
+    ),
+    "collect": (
+        "playbooks/collect.yml",
+        "the crash evidence bundle of each instance, now: journal, py-spy of every rank, nvidia-smi -q, Xid lines, "
+        "pip freeze, the configuration with secrets removed; changes nothing on the servers",
+    ),
 }
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(exitcodes.MEANING.items()))
@@ -148,7 +158,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
         print("interrupted before anything ran", file=sys.stderr)
         return exitcodes.INTERRUPTED
 
-    from driver import display, events, ledger, redact, runner
+    from driver import display, events, evidence, ledger, redact, runner
 
     tracker = events.Tracker(args.command)
     redactor = redact.Redactor()
@@ -167,6 +177,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
         env={
             "SGLANG_DEPLOY_CANCEL_FILE": str(run_dir / "cancel"),
             "SGLANG_DEPLOY_COMMAND": f"python -m driver {args.command}",
+            evidence.ENV: str(evidence.directory(run_dir)),
         },
         scrub=redactor.scrub if redactor.secrets else None,
     )
@@ -191,6 +202,14 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
     finally:
         if interrupts.interrupted:
             code = exitcodes.INTERRUPTED
+        bundle = None
+        try:
+            bundle = evidence.package(run_dir, run_id)
+            if bundle:
+                book.set_evidence(run_id, str(bundle))
+            evidence.prune(run_dir.parent)
+        except OSError as exc:
+            print(f"the run's evidence bundles stay under {evidence.directory(run_dir)}: {exc}", file=sys.stderr)
         book.finish(
             run_id,
             code,
@@ -203,9 +222,11 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
         book.close()
     left = tracker.left_in(abandoned=interrupts.abandoned) if code == exitcodes.INTERRUPTED else None
     if args.json:
-        display.as_json(tracker, code, run_id, left=left)
+        display.as_json(tracker, code, run_id, left=left, evidence=str(bundle) if bundle else None)
     else:
         display.summary(tracker, code, run_id, svg=args.svg)
+        if bundle:
+            print(f"crash evidence of this run: {bundle}")
     if left is not None:
         print("interrupted; hosts were left so:", file=sys.stderr)
         for line in left:

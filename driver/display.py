@@ -227,10 +227,13 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
 
 
-def as_json(tracker: Tracker, exit_code: int, run_id: int | None, left: list[str] | None = None) -> None:
+def as_json(
+    tracker: Tracker, exit_code: int, run_id: int | None, left: list[str] | None = None, evidence: str | None = None
+) -> None:
     """The one result document, on stdout (progress and messages go to stderr)."""
     out = tracker.result(exit_code)
     out["run_id"] = run_id
+    out["evidence"] = evidence
     if left is not None:
         out["left"] = left
     print(json.dumps(out, default=str), flush=True)

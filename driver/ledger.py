@@ -36,7 +36,8 @@ CREATE TABLE IF NOT EXISTS runs (
     outcome TEXT,
     exit_code INTEGER,
     duration_s REAL,
-    events_path TEXT
+    events_path TEXT,
+    evidence_path TEXT
 );
 CREATE TABLE IF NOT EXISTS measurements (
     run_id INTEGER NOT NULL REFERENCES runs(id),
@@ -112,6 +113,14 @@ class Ledger:
         self.db = sqlite3.connect(self.path)
         self.db.row_factory = sqlite3.Row
         self.db.executescript(SCHEMA)
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(runs)")}
+        if "evidence_path" not in columns:  # a ledger made before the crash evidence bundle
+            self.db.execute("ALTER TABLE runs ADD COLUMN evidence_path TEXT")
+            self.db.commit()
+
+    def set_evidence(self, run_id: int, path: str) -> None:
+        self.db.execute("UPDATE runs SET evidence_path=? WHERE id=?", (path, run_id))
+        self.db.commit()
 
     def close(self) -> None:
         self.db.close()

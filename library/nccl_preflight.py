@@ -53,6 +53,7 @@ command: {description: "The worker's command line.", type: list, returned: alway
 """
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.sglang_deploy import outcomes
 from ansible.module_utils.sglang_deploy.nccl import preflight
 
 
@@ -89,11 +90,11 @@ def main() -> None:
             nvlink_status=p["nvlink_status"],
         )
     except ValueError as exc:
-        module.fail_json(msg=str(exc), ok=False, status="failed")
+        module.fail_json(outcome=outcomes.INVALID_CONFIG, msg=str(exc), ok=False, status="failed")
     # JSON object keys are strings: the topology's per-GPU maps and nvlink's GPU keys.
     out = module.from_json(module.jsonify(out))
     if not out["ok"]:
-        module.fail_json(msg=out["message"], changed=False, **out)
+        module.fail_json(outcome=outcomes.INVALID_CONFIG, msg=out["message"], changed=False, **out)
     module.exit_json(changed=False, msg=out["message"], **out)
 
 

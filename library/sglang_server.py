@@ -53,6 +53,20 @@ options:
     choices: [all, stop, start, confirm]
     default: all
     description: C(all) for one node; an instance spanning nodes restarts in three tasks (stop, start, confirm).
+  evidence:
+    type: bool
+    default: true
+    description: >-
+      When a start, generation or verification fails, take the crash evidence bundle (journal, py-spy of every
+      rank, nvidia-smi -q, ...; sglang_deploy.evidence) before the rollback; its path is in C(evidence).
+  evidence_budget_s: {type: float, default: 10.0, description: The most the bundle may add to a failed restart.}
+  unit_content:
+    type: str
+    description: >-
+      With I(env_content), this run's rendered configuration: a restart stages it (as sglang_stage does) under
+      the lock it holds to its end, so no other operation can stage between the staging and the start.
+  env_content: {type: str, description: See I(unit_content).}
+  secrets_content: {type: str, no_log: true, description: The secrets file's content (restart; always the current values).}
 author: sglang-deploy
 """
 
@@ -63,6 +77,7 @@ failure: {description: "phase, cause, journal_tail, traceback, ...", type: dict,
 rollback: {description: "attempted, why, to_generation, to_profile, outcome, phases, failure.", type: dict, returned: when relevant}
 contained: {description: How a not-recovered instance was left (stop, files, unit_state)., type: dict, returned: not_recovered}
 verify: {description: "checks, running_profile, tokens_per_s, accept_length, ok, warnings, failed_checks.", type: dict, returned: when run}
+evidence: {description: "The crash evidence bundle on the host: path, bytes, items, seconds (or error).", type: dict, returned: a start, generation or verification failed}
 known_good: {description: The generation recorded (generation, config_hash, profile, software)., type: dict, returned: restarted}
 lock: {description: "holder: operation, pid, command, controller, since.", type: dict, returned: locked}
 """
@@ -105,6 +120,8 @@ SETTINGS = (
     "command",
     "expected_config_hash",
     "phase",
+    "evidence",
+    "evidence_budget_s",
 )
 ACTIONS = {"restart": restart, "rollback": rollback, "verify": verify, "status": status}
 
@@ -137,6 +154,11 @@ def main() -> None:
             command=dict(type="str", default=""),
             expected_config_hash=dict(type="str"),
             phase=dict(type="str", choices=["all", "stop", "start", "confirm"], default="all"),
+            evidence=dict(type="bool", default=True),
+            evidence_budget_s=dict(type="float", default=10.0),
+            unit_content=dict(type="str"),
+            env_content=dict(type="str"),
+            secrets_content=dict(type="str", no_log=True),
         ),
         supports_check_mode=True,
     )
@@ -152,8 +174,13 @@ def main() -> None:
     # SGLang logs its server_args (the API key included) and a journal tail goes into failures: Ansible strips
     # every secret value from whatever this module returns.
     module.no_log_values.update(inst.secret_values())
+    rendered = None
+    if p["unit_content"] is not None and p["env_content"] is not None:
+        rendered = {inst.unit_path: p["unit_content"], inst.env_path: p["env_content"]}
     settings = Settings(
         check_mode=module.check_mode,
+        rendered=rendered if p["action"] == "restart" else None,
+        secrets=p["secrets_content"] if rendered is not None else None,
         thresholds=Thresholds(**{k: p[k] for k in THRESHOLDS}),
         **{k: p[k] for k in SETTINGS},
     )

@@ -104,7 +104,7 @@ def test_the_header_says_how_the_lock_was_made():
     lines = lock_sglang.header("0.5.23", "parser", "3.11", "manylinux_2_34_x86_64", "26.3")
     assert all(ln.startswith("# ") for ln in lines)
     assert "# Made with: make lock-sglang SGLANG_VERSION=0.5.23 PROFILE=parser PYTHON_VERSION=3.11" in lines[2]
-    assert lines[3].startswith("# Input: sglang==0.5.23 (without its dependencies); numpy orjson")
+    assert lines[3].startswith("# Input: sglang==0.5.23 (without its dependencies); py-spy numpy orjson")
 
 
 # --- platform tags and pip's command line ---------------------------------------------------------------------

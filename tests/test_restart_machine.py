@@ -38,15 +38,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from support import MODULE_UTILS, env_with_pythonpath
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import checks, gpu, http, known_good, lock, outcomes, restart, stage  # noqa: E402
-from sglang_deploy.checks import Thresholds, flag_value  # noqa: E402
-from sglang_deploy.instance import Instance, masked, read_env_file  # noqa: E402
-from sglang_deploy.known_good import Store  # noqa: E402
-from sglang_deploy.lock import InstanceLock  # noqa: E402
-from sglang_deploy.restart import Machine, Ports, Settings  # noqa: E402
+from sglang_deploy import checks, gpu, http, known_good, lock, outcomes, restart, stage
+from sglang_deploy.checks import Thresholds, flag_value
+from sglang_deploy.instance import Instance, masked, read_env_file
+from sglang_deploy.known_good import Store
+from sglang_deploy.lock import InstanceLock
+from sglang_deploy.restart import Machine, Ports, Settings
 
 UNIT = "sglang-m.service"
 KEY = "s3cret-key"
@@ -249,6 +248,7 @@ class Host:
         self.starts: list[str] = []  # the profile of each start
         self.start_lag = 1
         self.sigterms = 0
+        self.bundles: list[dict] = []  # each evidence collection: what it was given, and the unit as it was then
 
     # ------------------------------------------------------------ the test's controls
 
@@ -314,7 +314,21 @@ class Host:
             clock=self.clock,
             sleep=self.sleep,
             lock_dir=self.lock_dir,
+            evidence=self.evidence,
         )
+
+    def evidence(self, inst, failure, invocation, *, request=None, budget_s=10.0) -> dict:
+        self.bundles.append(
+            {
+                "failure": failure,
+                "invocation": invocation,
+                "request": request,
+                "budget_s": budget_s,
+                "calls_before": len(self.calls),
+                "unit": (self.unit.active, self.unit.sub, self.unit.pid),
+            }
+        )
+        return {"path": f"/var/lib/sglang/evidence/{inst.name}/bundle-{len(self.bundles)}.tar.gz", "items": []}
 
     def clock(self) -> float:
         return self.t
@@ -452,7 +466,7 @@ class Host:
         u.active, u.sub, u.pid = "activating", "auto-restart", 0
         u.restarts += 1
         u.code, u.status, u.exit_us = "exited", 1, int(self.t * 1e6)
-        self.journals[u.invocation] += lines + [f"{UNIT}: Main process exited, code=exited, status=1/FAILURE"]
+        self.journals[u.invocation] += [*lines, f"{UNIT}: Main process exited, code=exited, status=1/FAILURE"]
         u.server = None  # its thread stops listening itself (crash_close)
 
     def stop_unit(self, stays: bool = False) -> None:
@@ -1319,6 +1333,12 @@ def test_a_unit_exiting_without_a_journal_line_falls_back_to_the_generic_cause(w
 def test_the_ready_timeout_reports_the_last_journal_line(world, handlers):
     world.host.behave("new", health=503)
     world.host.hook("show", lambda h: h.journals[h.unit.invocation].append("Capturing CUDA graphs (bs=160)"), nth=10)
+    # systemd logs about the unit under its invocation too (a namespace it could not set up): not the server's line
+    world.host.hook(
+        "show",
+        lambda h: h.journals[h.unit.invocation].append(f"{UNIT}: ProtectHostname=yes is configured, but ... ignoring"),
+        nth=11,
+    )
     res = restart.restart(world.machine())
     assert res["failure"]["cause"].endswith("Last log line: Capturing CUDA graphs (bs=160)")
     assert "unit active/running" in res["failure"]["cause"]
@@ -1408,7 +1428,7 @@ def test_a_sigterm_between_two_phases_still_ends_in_a_defined_outcome(world, han
     def ticking():
         if sys._getframe(1).f_code.co_name == "run_steps":
             n[0] += 1  # run_steps reads the clock twice a step: t0 (before its try), then for the log
-            if n[0] == 5:  # t0 of the stop, after the lock's and the preflight's two reads each
+            if n[0] == 7:  # t0 of the stop, after the lock's, the stage's and the preflight's two reads each
                 world.host.sigterm()
         return clock()
 
@@ -1451,13 +1471,14 @@ def test_a_second_machine_on_the_instance_is_refused_naming_the_holder_and_touch
 
 def test_a_lock_whose_holder_died_does_not_block(world, handlers):
     code = textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {str(REPO / "module_utils")!r})
+        import os
         from sglang_deploy.lock import InstanceLock
         InstanceLock("m", "restart m", "ctl-dead", "killed", {world.host.lock_dir!r}).acquire()
         os._exit(0)  # dies holding it
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+    subprocess.run(
+        [sys.executable, "-c", code], env=env_with_pythonpath(dict(os.environ), MODULE_UTILS), check=True, timeout=30
+    )
     holder = json.loads(Path(world.host.lock_dir, "m.lock").read_text())
     assert holder["controller"] == "ctl-dead"  # what it wrote is still there, the flock is not
     res = restart.restart(world.machine())
@@ -1489,7 +1510,8 @@ def test_a_successful_restart_promotes_records_a_masked_generation_with_its_soft
     patches = next(c for c in res["verify"]["checks"] if c["name"] == "patches")
     assert patches["ok"] and patches["detail"] == "1 patched files match the manifest (0001-eagle-fix)"
     assert [p["phase"] for p in res["phases"]] == list(outcomes.RESTART_PHASES)
-    assert res["phases"][1]["detail"] == {"processes": 2, "pending": True}
+    assert res["phases"][1]["detail"] == {"skipped": "staged by an earlier task"}
+    assert res["phases"][2]["detail"] == {"processes": 2, "pending": True}
     serving(w, "new")
     assert w.live() == w.files["new"] and w.pending() == []
     assert ("systemctl", "enable", UNIT) in w.host.calls and w.host.unit.file_state == "enabled"
@@ -1686,6 +1708,7 @@ def test_multinode_phases_stop_start_confirm(tmp_path, rank, handlers):
     stop = restart.restart(w.machine(phase="stop"))
     assert stop["outcome"] == outcomes.STOPPED and [p["phase"] for p in stop["phases"]] == [
         "lock",
+        "stage",
         "preflight",
         "stop",
         "gpus",
@@ -1699,7 +1722,7 @@ def test_multinode_phases_stop_start_confirm(tmp_path, rank, handlers):
     if rank == 0:  # rank 0 serves: it generated, verified and recorded in its start phase
         assert start["outcome"] == REST and start["phases"][-1]["phase"] == "record"
         assert confirm["outcome"] == REST and confirm["changed"] is False
-        assert [p["phase"] for p in confirm["phases"]] == ["lock", "preflight"]
+        assert [p["phase"] for p in confirm["phases"]] == ["lock", "stage", "preflight"]
     else:  # a rank above 0: running (2 s on), verified and recorded once rank 0 serves
         assert start["outcome"] == outcomes.STARTED and start["msg"] == "m: started", start["msg"]
         assert [p["phase"] for p in start["phases"]][-2:] == ["promote", "start"]
@@ -1985,7 +2008,7 @@ def test_stage_verify_unit_refusals(monkeypatch, tmp_path):
         return subprocess.CompletedProcess(a, 1, "", "Unknown key name 'ExecStrat'")
 
     monkeypatch.setattr(stage.subprocess, "run", refuse)
-    with pytest.raises(ValueError, match="refuses the rendered x.service: Unknown key name"):
+    with pytest.raises(ValueError, match=r"refuses the rendered x\.service: Unknown key name"):
         stage.verify_unit(str(tmp_path / "u"), "x.service")
 
     def missing(*a, **kw):
@@ -2006,7 +2029,7 @@ def test_http_errors_are_one_kind():
     )
     port = free_port()  # nothing listens: refused
     assert http.server_accept_length(f"http://127.0.0.1:{port}", {}) is None
-    with pytest.raises(http.HttpError, match="ConnectionRefusedError|Connection refused"):
+    with pytest.raises(http.HttpError, match=r"ConnectionRefusedError|Connection refused"):
         http.get_json(f"http://127.0.0.1:{port}/server_info", timeout=1)
 
 
@@ -2125,3 +2148,141 @@ def test_instance_record_from_params_env_file_and_venv(tmp_path):
     env = tmp_path / "x.env"
     env.write_text('# comment\n\nA="q\\"uote \\$HOME \\\\"\nB=plain\nnot a line\n')
     assert read_env_file(str(env)) == {"A": 'q"uote $HOME \\', "B": "plain"}
+
+
+# ---------------------------------------------------------------------------- staging inside the restart
+
+
+def staged_by_the_restart(w: World, monkeypatch, refuse: str | None = None, **kw) -> tuple[Machine, list[bool]]:
+    """A machine given this run's rendered configuration (restart.yml: no earlier stage task); systemd-analyze
+    replaced (absent here), refusing with `refuse`; the list says, per staging, whether the lock was free then."""
+
+    def analyze(path, unit_name):
+        if refuse:
+            raise ValueError(refuse)
+
+    monkeypatch.setattr(stage, "verify_unit", analyze)
+    w.inst = replace(w.inst, argv=list(w.argv["new"]), profile="new")  # this run renders the new profile
+    m = w.machine(rendered=dict(w.files["new"]), secrets=f'SGLANG_API_KEY="{KEY}-rotated"\n', **kw)
+    lock_free_while_staging: list[bool] = []
+
+    def staging(inst, rendered, secrets, check_mode):
+        lock_free_while_staging.append(w.lock_free())
+        return stage.stage(inst, rendered, secrets, check_mode)
+
+    m.ports.stage = staging
+    return m, lock_free_while_staging
+
+
+def test_a_restart_given_its_configuration_stages_it_under_the_lock_it_holds_then_starts_exactly_it(
+    tmp_path, handlers, monkeypatch
+):
+    w = build(tmp_path, new=None)
+    m, lock_free = staged_by_the_restart(w, monkeypatch)
+    res = restart.restart(m)
+    assert res["outcome"] == REST, res.get("failure")
+    assert lock_free == [False]  # no other operation could stage between this staging and the start
+    stage_phase = res["phases"][1]
+    assert stage_phase["phase"] == outcomes.STAGE and stage_phase["ok"]
+    assert stage_phase["detail"]["outcome"] == outcomes.STAGED and stage_phase["detail"]["pending"] is True
+    assert m.s.expected_config_hash == known_good.content_hash(w.files["new"]) == stage_phase["detail"]["config_hash"]
+    serving(w, "new")
+    assert w.live() == w.files["new"] and w.pending() == []
+    assert Path(w.inst.secrets_path).read_text() == f'SGLANG_API_KEY="{KEY}-rotated"\n'
+
+
+def test_a_unit_systemd_refuses_at_the_restarts_staging_is_invalid_config_and_nothing_is_stopped(
+    tmp_path, handlers, monkeypatch
+):
+    w = build(tmp_path, new=None)
+    m, _ = staged_by_the_restart(w, monkeypatch, refuse="systemd-analyze verify refused the unit: bad ExecStart")
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.INVALID_CONFIG
+    assert res["failure"]["phase"] == outcomes.STAGE
+    assert "systemd-analyze verify refused the unit: bad ExecStart. Nothing was stopped." in res["failure"]["cause"]
+    assert w.host.systemctl_calls() == [] and w.host.unit.invocation == w.boot_invocation
+    serving(w, "good")
+    assert w.live() == w.files["good"] and w.pending() == []
+    assert w.lock_free()
+
+
+def test_a_locked_instance_refuses_the_restart_before_its_staging_writes_anything(tmp_path, handlers, monkeypatch):
+    w = build(tmp_path, new=None)
+    m, lock_free = staged_by_the_restart(w, monkeypatch)
+    holder = InstanceLock(w.inst.name, "deploy m", "ctl-b", "python -m driver deploy", w.host.lock_dir)
+    holder.acquire()
+    try:
+        res = restart.restart(m)
+    finally:
+        holder.release()
+    assert res["outcome"] == outcomes.LOCKED and lock_free == []
+    assert [p["phase"] for p in res["phases"]] == [outcomes.LOCK]
+    assert w.pending() == [] and w.host.systemctl_calls() == []
+    serving(w, "good")
+
+
+def test_check_mode_stages_nothing_and_says_it_would_restart(tmp_path, handlers, monkeypatch):
+    w = build(tmp_path, new=None)
+    m, _ = staged_by_the_restart(w, monkeypatch, check_mode=True)
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.WOULD_RESTART
+    assert res["phases"][1]["detail"]["outcome"] == outcomes.STAGED and m.s.expected_config_hash is None
+    assert w.pending() == [] and w.live() == w.files["good"] and w.host.systemctl_calls() == []
+    assert Path(w.inst.secrets_path).read_text() == f'SGLANG_API_KEY="{KEY}"\n'
+
+
+# ---------------------------------------------------------------------------- the crash evidence bundle
+
+
+def test_a_crash_on_the_first_generation_is_bundled_before_the_rollback_stops_anything(world, handlers):
+    world.host.behave("new", generate_fault="crash")
+    res = restart.restart(world.machine())
+    assert res["outcome"] == R
+    [bundle] = world.host.bundles
+    assert res["evidence"]["path"] == "/var/lib/sglang/evidence/m/bundle-1.tar.gz"
+    assert bundle["failure"]["phase"] == outcomes.GENERATE and bundle["failure"]["cause"] == res["failure"]["cause"]
+    assert bundle["invocation"] and bundle["invocation"] == res["failure"]["invocation"]  # the failing start's
+    assert bundle["request"] == {"prompt": "The capital of France is", "max_new_tokens": 16}
+    assert bundle["budget_s"] == 10.0
+    # taken before any stop of the rollback: the rollback's systemctl calls all come after it
+    later = [c for c in world.host.calls[bundle["calls_before"] :] if c[:2] == ("systemctl", "stop")]
+    assert later and not [c for c in world.host.calls[: bundle["calls_before"]] if c[:2] == ("systemctl", "stop")][1:]
+
+
+def test_a_server_that_never_becomes_ready_is_bundled_while_its_processes_still_run(tmp_path, handlers):
+    w = build(tmp_path, ready_timeout=1.0)
+    w.host.behave("new", health=503)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == R and res["failure"]["phase"] == outcomes.START
+    [bundle] = w.host.bundles
+    assert bundle["unit"][0] == "active" and bundle["unit"][2] > 0  # py-spy can still dump every rank
+    assert bundle["request"] is None
+
+
+def test_no_bundle_for_a_refusal_a_failed_stop_or_when_switched_off(tmp_path, handlers):
+    w = build(tmp_path)
+    w.host.foreign = True
+    assert restart.restart(w.machine())["outcome"] == outcomes.GPUS_NOT_CLEAN
+    w.host.foreign = False
+    w.host.inject("stop", "rc")
+    res = restart.restart(w.machine())
+    assert res["failure"]["phase"] == outcomes.STOP and "evidence" not in res
+    w2 = build(tmp_path / "off")
+    w2.host.behave("new", generate_fault="crash")
+    res = restart.restart(w2.machine(evidence=False))
+    assert res["outcome"] == R and "evidence" not in res
+    assert w.host.bundles == [] and w2.host.bundles == []
+
+
+def test_a_bundle_that_fails_is_reported_and_the_rollback_still_runs(world, handlers):
+    world.host.behave("new", generate_fault="crash")
+    m = world.machine()
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    m.ports.evidence = broken
+    res = restart.restart(m)
+    assert res["outcome"] == R
+    assert res["evidence"] == {"error": "no evidence bundle: OSError: [Errno 28] No space left on device"}
+    serving(world, "good")

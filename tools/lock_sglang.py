@@ -40,8 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LOCKS = REPO / "roles" / "sglang" / "files" / "locks"
 DEFAULT_PLATFORM = "manylinux_2_34_x86_64"
-# What SGLang's argument parser (sglang.srt.server_args) imports on a CPU; torch is the CPU build.
+# What SGLang's argument parser (sglang.srt.server_args) imports on a CPU; torch is the CPU build. And py-spy
+# (an SGLang dependency, in the full lock too): the crash evidence bundle dumps every rank with it.
 PARSER_SET = [
+    "py-spy",
     "numpy",
     "orjson",
     "psutil",

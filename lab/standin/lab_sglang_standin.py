@@ -87,7 +87,20 @@ def lab_gpu(*args: str) -> None:
 # --------------------------------------------------------------------------- processes
 
 
-def scheduler_process(rank: int, gpu: int, mib: int, release_s: float, stray: bool) -> None:
+def hang_in_cuda_graph_capture(rank: int, parent: int) -> None:
+    """Fault hang: the rank stays here (a py-spy dump of it names this frame) while its launcher lives."""
+    log(f"scheduler TP{rank}: Capture cuda graph begin. (lab fault hang)")
+    while os.getppid() == parent:
+        time.sleep(0.2)
+
+
+def wait_for_schedulers_ready() -> None:
+    """Fault hang: the launcher waits here for ranks that never report ready."""
+    while True:
+        time.sleep(3600)
+
+
+def scheduler_process(rank: int, gpu: int, mib: int, release_s: float, stray: bool, hang: bool = False) -> None:
     """Child: one tensor-parallel rank holding its GPU's memory until told to stop."""
     lab_gpu(
         "hold",
@@ -108,6 +121,8 @@ def scheduler_process(rank: int, gpu: int, mib: int, release_s: float, stray: bo
         while True:
             time.sleep(3600)
     parent = os.getppid()
+    if hang:
+        hang_in_cuda_graph_capture(rank, parent)
     while os.getppid() == parent:
         time.sleep(0.2)
 
@@ -119,7 +134,14 @@ def start_schedulers(args: argparse.Namespace, knobs: Knobs) -> list[int]:
         pid = os.fork()
         if pid == 0:
             try:
-                scheduler_process(rank, gpu, mib, knobs.release_s, "stray-child" in knobs.faults and rank == 0)
+                scheduler_process(
+                    rank,
+                    gpu,
+                    mib,
+                    knobs.release_s,
+                    "stray-child" in knobs.faults and rank == 0,
+                    hang="hang" in knobs.faults,
+                )
             finally:
                 os._exit(0)
         pids.append(pid)
@@ -379,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"Uvicorn running on http://{args.host}:{args.port}")
     if "hang" in knobs.faults:
         log("Capture cuda graph begin. (lab fault hang: never ready)")
-        while True:
-            time.sleep(3600)
+        wait_for_schedulers_ready()
     time.sleep(max(0.0, knobs.ready_s - (time.monotonic() - T0)))
     state.ready = True
     log("The server is fired up and ready to roll!")

@@ -27,7 +27,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import gpu, outcomes, procinfo, unit
+from . import evidence, gpu, outcomes, procinfo, unit
+from . import stage as staging
 from .checks import Thresholds
 from .checks import verify as run_checks
 from .gpu import format_offender, may_stop
@@ -72,6 +73,14 @@ class Settings:
     command: str = ""
     phase: str = "all"
     expected_config_hash: str | None = None
+    # This run's rendered configuration ({live path: content} of the unit and environment file) and the
+    # secrets file's content: staged by the restart itself, under the lock it holds to the end.
+    rendered: dict | None = None
+    secrets: str | None = None
+    # The crash evidence bundle (sglang_deploy.evidence), taken when a start, generation or verification fails,
+    # before the rollback restarts the unit; at most evidence_budget_s.
+    evidence: bool = True
+    evidence_budget_s: float = 10.0
     check_mode: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
 
@@ -90,6 +99,8 @@ class Ports:
     wall: Callable = time.time  # the epoch time each phase began: comparable across hosts and with the controller
     sleep: Callable = time.sleep
     lock_dir: str = "/run/sglang-deploy/locks"
+    stage: Callable = staging.stage
+    evidence: Callable = evidence.for_failure
 
 
 def sigterm(signum, frame):
@@ -122,6 +133,21 @@ class Machine:
             self.lock = None
             raise Failure(outcomes.LOCK, str(exc), lock={"holder": exc.holder}, checked=True) from None
         return {"holder": holder}
+
+    def stage(self) -> dict:
+        """Write this run's configuration as pending (sglang_deploy.stage) under the lock this restart holds, so no
+        other controller can stage between here and the start; the preflight then finds exactly it."""
+        if self.s.rendered is None:
+            return {"skipped": "staged by an earlier task"}
+        try:
+            out = self.ports.stage(self.inst, self.s.rendered, self.s.secrets, self.s.check_mode)
+        except ValueError as exc:  # systemd-analyze refused the unit: before anything was written
+            raise Failure(
+                outcomes.STAGE, f"{exc}. Nothing was stopped.", kind=outcomes.INVALID_CONFIG, checked=True
+            ) from None
+        if not self.s.check_mode:  # in check mode nothing was written: the files on disk are not this run's
+            self.s.expected_config_hash = out["config_hash"]
+        return {k: out[k] for k in ("outcome", "pending", "wrote", "config_hash") if k in out}
 
     def preflight(self) -> dict:
         """Refuse before touching anything: another configuration than this run's staged, or GPUs held by others."""
@@ -233,11 +259,14 @@ class Machine:
                 return {"main_pid": props["MainPID"], "ready_after_s": round(p.clock() - t0, 3)}
             if p.clock() - t0 >= self.s.ready_timeout:
                 lines = p.journal(i.unit, props.get("InvocationID") or None)
+                # The server's own last line, not systemd's about the unit ("sglang-a.service: ...").
+                said = [line for line in lines if not line.startswith(f"{i.unit}: ")]
                 raise Failure(
                     outcomes.START,
                     f"{i.unit} not ready after {self.s.ready_timeout:g}s (unit "
                     f"{unit.state(props)}; /health never answered 200). "
-                    f"Last log line: {lines[-1] if lines else 'none'}",
+                    f"Last log line: {said[-1] if said else 'none'}",
+                    invocation=props.get("InvocationID") or None,
                     journal_tail=lines[-40:],
                     traceback=unit.traceback_of(lines),
                 )
@@ -369,6 +398,7 @@ class Machine:
         return Failure(
             phase,
             unit.cause_of(lines) or fallback,
+            invocation=props.get("InvocationID") or None,
             journal_tail=lines[-40:],
             traceback=unit.traceback_of(lines),
             unit_state=unit.state(props),
@@ -478,6 +508,7 @@ def as_failure(phase: str, exc: BaseException) -> Failure:
 # ---------------------------------------------------------------------- the machines as data
 
 LOCK = Step(outcomes.LOCK, Machine.take_lock, outcomes.LOCKED)
+STAGE = Step(outcomes.STAGE, Machine.stage, outcomes.INVALID_CONFIG)
 PREFLIGHT = Step(outcomes.PREFLIGHT, Machine.preflight, outcomes.GPUS_NOT_CLEAN)
 STOP = Step(outcomes.STOP, Machine.stop)
 GPUS = Step(outcomes.GPUS, Machine.wait_gpus)
@@ -489,7 +520,7 @@ VERIFY = Step(outcomes.VERIFY, Machine.verify)
 RECORD = Step(outcomes.RECORD, Machine.record)
 CONFIRM = Step(outcomes.VERIFY, Machine.confirm)
 
-REFUSALS = (LOCK, PREFLIGHT)
+REFUSALS = (LOCK, STAGE, PREFLIGHT)
 RESTART = (STOP, GPUS, PROMOTE, START, GENERATE, VERIFY)
 ROLLBACK = (RESTORE, STOP, GPUS, START, GENERATE, VERIFY)
 # One model over several nodes: one task per phase, each over every node (all ranks down before any starts).
@@ -499,7 +530,7 @@ MULTINODE = {
     "start": (PROMOTE, START, GENERATE, VERIFY),
     "confirm": (CONFIRM,),
 }
-assert tuple(s.phase for s in (LOCK, PREFLIGHT, *RESTART, RECORD)) == outcomes.RESTART_PHASES
+assert tuple(s.phase for s in (*REFUSALS, *RESTART, RECORD)) == outcomes.RESTART_PHASES
 assert tuple(s.phase for s in ROLLBACK) == outcomes.ROLLBACK_PHASES
 
 
@@ -529,6 +560,7 @@ def restart(m: Machine) -> dict:
         else:
             res["failure"] = failed[1].as_dict()
             res["verify"] = failed[1].details.get("verify")
+            take_evidence(m, res, failed[0].phase)
             recover(m, res)
         return res
     except (Exception, KeyboardInterrupt) as exc:
@@ -599,6 +631,27 @@ def finish_restarted(m: Machine, res: dict) -> None:
         res["known_good"] = {"recorded": False, "why": failed[1].cause}
 
 
+EVIDENCE_PHASES = (outcomes.START, outcomes.GENERATE, outcomes.VERIFY)
+
+
+def take_evidence(m: Machine, res: dict, phase: str) -> None:
+    """The evidence of a failed start, generation or verification, before a rollback or containment destroys it."""
+    if not m.s.evidence or m.s.check_mode or phase not in EVIDENCE_PHASES:
+        return
+    t = m.s.thresholds
+    request = {"prompt": t.prompt, "max_new_tokens": t.max_new_tokens} if phase == outcomes.GENERATE else None
+    try:
+        res["evidence"] = m.ports.evidence(
+            m.inst,
+            res["failure"],
+            res["failure"].get("invocation"),
+            request=request,
+            budget_s=m.s.evidence_budget_s,
+        )
+    except Exception as exc:  # for_failure never raises; a replaced port might
+        res["evidence"] = {"error": f"no evidence bundle: {type(exc).__name__}: {exc}"}
+
+
 def recover(m: Machine, res: dict) -> None:
     """After a failure past the stop: the known-good generation back, started and verified; else contained."""
     record = Machine.quietly_value(m.store.latest)
@@ -647,6 +700,7 @@ def multinode(m: Machine, res: dict) -> dict:
     failed = m.run_steps(steps, res["phases"])
     if failed is not None:
         res["failure"] = failed[1].as_dict()
+        take_evidence(m, res, failed[0].phase)
         res["rollback"] = {
             "attempted": False,
             "why": f"{i.name} spans {i.nnodes} nodes: no automatic rollback across nodes",

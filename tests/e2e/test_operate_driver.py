@@ -1,5 +1,5 @@
 """python -m driver against lab nodes: every command, the failure paths and their exit codes,
-the JSON result, the ledger, and Ctrl-C. Uses lab-node1's `main` instance; at the end stops it
+the JSON result and the ledger (Ctrl-C: test_driver_ux.py). Uses lab-node1's `main` instance; at the end stops it
 and writes back the group_vars configuration (named test_operate_* to run after test_lab, which
 needs fresh nodes)."""
 
@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from conftest import REPO, ansible, driver_runner, lab_gpu_state, main_with, podman_exec
+from support.e2e import REPO, ansible, driver_runner, lab_gpu_state, main_with, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -120,34 +118,6 @@ def test_unreachable_host(drive, tmp_path):
     code, doc, _ = run("status", inventory=inv, limit=f"{NODE},lab-node9")
     assert code == 8
     assert doc["hosts"]["lab-node9"]["status"] == "unreachable" and doc["hosts"][NODE]["status"] == "ok"
-
-
-def test_ctrl_c_stops_and_says_where_hosts_were(drive):
-    run, node = drive
-    proc = run("restart", "-e", main_with(env={"LAB_STANDIN_READY_S": "6"}), json_out=False, popen=True)
-    time.sleep(12)  # into the restart
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert "interrupted; hosts were left so:" in err and f"{NODE}: " in err
-    # The restart under way goes on on the host, to its end: the new configuration is recorded as known-good.
-    deadline = time.monotonic() + 90
-    record = ""
-    while time.monotonic() < deadline and "LAB_STANDIN_READY_S" not in record:
-        time.sleep(1)
-        record = subprocess.run(
-            [
-                "podman",
-                "exec",
-                node,
-                "sh",
-                "-c",
-                "cat $(ls -1 /var/lib/sglang/known-good/main/generations/*.json | tail -n 1)",
-            ],
-            capture_output=True,
-            text=True,
-        ).stdout
-    assert "LAB_STANDIN_READY_S" in record, "the interrupted restart did not finish on the host"
 
 
 def test_history_and_compare(drive):
