@@ -1,4 +1,4 @@
-"""python -m driver: deploy, restart, verify, validate, status, rollback, history.
+"""python -m driver: deploy, restart, verify, validate, status, rollback, preflight, collect, history.
 
 Only argparse is imported at start-up: `--help` answers at once (bench/driver_help.py).
 """
