@@ -1856,6 +1856,7 @@ def test_verify_verified(tmp_path):
     w.settings.thresholds.no_spec_tokens_per_s = 1.0
     res = restart.verify(w.machine())
     assert res["outcome"] == outcomes.VERIFIED and res["msg"] == "m: verified" and res["verify"]["ok"]
+    assert w.host.bundles == [] and "evidence" not in res
     names = [c["name"] for c in res["verify"]["checks"]]
     assert names == [
         "unit",
@@ -1885,6 +1886,10 @@ def test_verify_failed_names_the_failed_checks(tmp_path):
     assert "running profile: good" in failed
     assert "gpu_processes: not the service's: GPU 0: pid 999999" in failed
     assert res["msg"].startswith("m: verification failed: ")
+    # the running server's evidence, taken while it still runs
+    [bundle] = w.host.bundles
+    assert bundle["failure"] == {"phase": outcomes.VERIFY, "cause": "; ".join(res["verify"]["failed_checks"])}
+    assert bundle["unit"][0] == "active" and res["evidence"]["path"].endswith("bundle-1.tar.gz")
 
 
 @pytest.mark.parametrize("kind", ["nvsmi", "timeout", "boom", "sigint"])

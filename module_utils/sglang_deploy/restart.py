@@ -794,6 +794,9 @@ def verify(m: Machine) -> dict:
             "failed_checks": [f"verify: {failure.cause}"],
         }
     res.update(outcome=outcomes.VERIFIED if v["ok"] else outcomes.VERIFY_FAILED, verify=v)
+    if not v["ok"]:  # a running server that fails verification: its evidence, while it still runs
+        res["failure"] = {"phase": outcomes.VERIFY, "cause": "; ".join(v["failed_checks"])}
+        take_evidence(m, res, outcomes.VERIFY)
     res["msg"] = (
         f"{m.inst.name}: verified"
         if v["ok"]

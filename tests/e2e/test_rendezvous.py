@@ -200,3 +200,16 @@ def test_rank0s_port_held_by_another_process_is_named_with_the_holder(rdv_nodes,
         "not meeting: rank 0 (lab-node1) failed its check: dist_init_addr"
     )
     assert_nothing_stopped(containers, pids)
+
+
+def test_a_restart_with_its_preflight_refused_stops_nothing(rdv_nodes, tmp_path):
+    """restart.yml -e sglang_restart_preflight=true: the rendezvous fails on rank 1 (a missing GLOO interface),
+    so neither rank is restarted: the hosts that failed the preflight play leave the run, rank 0 restarts
+    nothing alone (restart.yml asserts a multi-node instance's nodes restart together)."""
+    the_lab, containers, pids = rdv_nodes
+    inv = inventory_with_rdv(the_lab, tmp_path, {"GLOO_SOCKET_IFNAME": "nosuch0"})
+    proc = playbook("restart.yml", inv, "-e", "sglang_restart_preflight=true")
+    assert proc.returncode != 0
+    res = rdv_results(proc.stdout)
+    assert res["lab-node2"]["check"]["msg"].startswith("GLOO_SOCKET_IFNAME"), res["lab-node2"]["check"]["msg"]
+    assert_nothing_stopped(containers, pids)
