@@ -8,72 +8,20 @@ tests prove that the layout works, not only the code.
 from __future__ import annotations
 
 import ast
-import contextlib
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-GATE = REPO / "roles" / "sglang_service" / "files" / "sglang-gpu-gate"
+import nvsim
+from support import REPO, wait_for
+from support.gpus import GATE, GATE_PACKAGE, PACKAGE, holding, nvidia_smi_calls
+
 GATE_YML = REPO / "roles" / "sglang_service" / "tasks" / "gate.yml"
-PACKAGE = REPO / "module_utils" / "sglang_deploy"
-GATE_PACKAGE = ("__init__.py", "gpu.py", "procinfo.py", "launch.py")  # what gate.yml installs beside the gate
 HOST_GATE = "/usr/local/libexec/sglang-deploy/sglang-gpu-gate"
-sys.path.insert(0, str(REPO / "lab" / "gpu_sim"))
-import nvsim  # noqa: E402
-
-
-def install_gate(root: Path) -> Path:
-    """The host layout under root: root/sglang-gpu-gate and root/sglang_deploy/{GATE_PACKAGE}; the gate's path."""
-    (root / "sglang_deploy").mkdir(parents=True)
-    for name in GATE_PACKAGE:
-        shutil.copy2(PACKAGE / name, root / "sglang_deploy" / name)
-    shutil.copy2(GATE, root / "sglang-gpu-gate")
-    return root / "sglang-gpu-gate"
-
-
-@pytest.fixture(scope="session")
-def installed_gate(tmp_path_factory) -> Path:
-    return install_gate(tmp_path_factory.mktemp("libexec") / "sglang-deploy")
-
-
-def simulated(where: Path, count: int = 4, seed: str = "gate") -> tuple[str, dict]:
-    """`count` simulated GPUs under where, and an environment whose nvidia-smi reads them: (state file, env)."""
-    state = where / "state.json"
-    nvsim.write_state(nvsim.default_state(count, seed=seed), str(state))
-    bin_dir = where / "bin"
-    bin_dir.mkdir()
-    shim = bin_dir / "nvidia-smi"
-    shim.write_text(
-        f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO / 'lab' / 'gpu_sim')!r})\n"
-        "import nvsim\nnvsim.main_nvidia_smi()\n"
-    )
-    shim.chmod(0o755)
-    return str(state), {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LAB_GPU_STATE": str(state)}
-
-
-@pytest.fixture
-def gpus(tmp_path):
-    """4 simulated GPUs, and an nvidia-smi on PATH that reads them."""
-    return simulated(tmp_path)
-
-
-@contextlib.contextmanager
-def holding(state, argv, gpu, mib):
-    """A real process (argv) registered as holding `mib` on simulated GPU `gpu`; killed on exit."""
-    holder = subprocess.Popen(argv)
-    try:
-        nvsim.lab_gpu(["hold", "--pid", str(holder.pid), "--gpu", str(gpu), "--mib", str(mib)], path=state)
-        yield holder
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def run_gate(gate_path: Path, env: dict, *args: str, **kw) -> subprocess.Popen:
@@ -192,7 +140,7 @@ def test_waits_for_a_process_to_go_then_passes(gpus, gate):
     state, env = gpus
     with holding(state, ["sleep", "30"], gpu=0, mib=20000):
         proc = gate(env, "--gpus", "0", "--timeout", "20")
-        time.sleep(0.5)
+        wait_for("the gate to poll nvidia-smi 3 times", lambda: nvidia_smi_calls(state) >= 6, timeout=15)  # 2 a poll
         assert proc.poll() is None, "the gate must wait while the GPU is held"
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err

@@ -23,20 +23,16 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "module_utils"))
-from test_gpu_gate import installed_gate, nvsim, simulated  # noqa: E402,F401 (installed_gate: a fixture)
-from test_gpu_state import run_module  # noqa: E402
-from test_nvsim import VEC, VECTORS, expected_text  # noqa: E402
-
-from sglang_deploy import gpu  # noqa: E402
+import nvsim
+from sglang_deploy import gpu
+from support import started
+from support.gpus import VEC, VECTORS, expected_text, run_gpu_state, simulated
 
 ONE_IDLE = "1 GPU, idle"
 ONE_BUSY = "1 GPU, one python3 process holding 20 GB (torch.empty on cuda)"
@@ -312,8 +308,12 @@ CASES = [
         TWO_BUSY,
         [0, 1],
         "refused",
-        ["GPU 0: pid 564 holds 8148 MiB", "GPU 0: pid 565 holds 518 MiB"]
-        + ["GPU 1: pid 564 holds 8148 MiB", "GPU 1: pid 565 holds 3380 MiB"],
+        [
+            "GPU 0: pid 564 holds 8148 MiB",
+            "GPU 0: pid 565 holds 518 MiB",
+            "GPU 1: pid 564 holds 8148 MiB",
+            "GPU 1: pid 565 holds 3380 MiB",
+        ],
     ),
     vector_case(TWO_BUSY, [1], "refused", ["GPU 1: pid 564 holds 8148 MiB", "GPU 1: pid 565 holds 3380 MiB"]),
     vector_case(RELEASE, [0, 1], "refused", ["GPU 0: pid 769 holds ? MiB"], module=SEQUENCE),
@@ -368,11 +368,8 @@ CASES = [
 @contextlib.contextmanager
 def state_for(case: Case, where: Path) -> Iterator[tuple[dict, int]]:
     """(an environment whose nvidia-smi answers the case's state, the pid of the case's live process)."""
-    proc = subprocess.Popen(["sleep", "30"])
+    proc = started(["sleep", "30"])  # /proc shows "sleep 30", not an empty command line mid-exec
     try:
-        deadline = time.monotonic() + 10
-        while not Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
-            time.sleep(0.01)  # until its exec has finished: /proc shows "sleep 30", not an empty command line
         if case.sim:
             state, env = simulated(where, seed="verdict")
             case.sim(state, proc.pid)
@@ -439,7 +436,7 @@ def by_module(env: dict, case: Case, where: Path) -> dict:
         "interval": 0.05,
         "max_used_mib": case.max_used_mib,
     }
-    rc, out = run_module(env, args, where)
+    rc, out = run_gpu_state(env, args, where)
     wait = out.get("wait")
     if rc == 0:
         assert wait["clean"], out

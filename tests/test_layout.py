@@ -33,7 +33,55 @@ def test_outcome_names_are_spelled_once_in_the_modules_and_the_state_machine():
     """The modules and the state machine use outcomes.X, never the string: one source of truth."""
     words = sorted(outcomes.ALL, key=len, reverse=True)
     # A quoted outcome used as a value: not a dict key ("stopped": ...) nor a subscript (res["stopped"]).
-    quoted = re.compile(r"""(?<!\[)["'](%s)["'](?!\s*[\]:])""" % "|".join(map(re.escape, words)))
+    alternatives = "|".join(map(re.escape, words))
+    quoted = re.compile(rf"""(?<!\[)["']({alternatives})["'](?!\s*[\]:])""")
     for path in [*LIBRARY, *(p for p in LOGIC if p.name != "outcomes.py")]:
         hits = [m.group(0) for m in quoted.finditer(path.read_text())]
         assert not hits, f"{path.relative_to(REPO)} spells outcomes as strings: {hits}"
+
+
+# ---------------------------------------------------------------- the tests' own layout (#11)
+
+TEST_FILES = sorted([*(REPO / "tests").rglob("*.py"), *(REPO / "molecule").glob("*/tests/*.py")])
+# A call that changes the import path, or a generated script (a string) that makes one (spelled in
+# parts: grepping tests/ for the call finds nothing, this file included).
+PATH_CHANGERS = {f"sys.path.{verb}" for verb in ("insert", "append")}
+PATH_CALL = re.compile(r"\bsys\.path\.(?:insert|append)\(")
+
+
+def test_no_test_changes_sys_path_itself():
+    """The import path is pytest.ini's `pythonpath`; a subprocess gets PYTHONPATH in its environment."""
+    offences = []
+    for path in TEST_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in PATH_CHANGERS:
+                offences.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and PATH_CALL.search(node.value):
+                offences.append(f"{path.relative_to(REPO)}:{node.lineno}: a generated script changes sys.path")
+    assert offences == []
+
+
+def test_no_test_module_imports_another_test_module_or_a_conftest():
+    """Shared fixtures are in a conftest.py (pytest finds them), shared helpers in tests/support."""
+    offences = []
+    for path in TEST_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            tops = [n.split(".")[0] for n in names]
+            if any(t.startswith("test_") or t == "conftest" or t == "tests" for t in tops):
+                offences.append(f"{path.relative_to(REPO)}:{node.lineno}: imports {', '.join(names)}")
+    assert offences == []
+
+
+def test_the_support_package_holds_no_tests():
+    """tests/support is imported, never collected: no test_ file, no test_ function in it."""
+    support = REPO / "tests" / "support"
+    assert not list(support.glob("test_*.py"))
+    for path in support.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        assert not [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")], path

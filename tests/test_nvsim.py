@@ -11,59 +11,21 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "lab" / "gpu_sim"))
-import nvsim  # noqa: E402
+import nvsim
+from support import REPO
+from support.gpus import UUID_1GPU, UUIDS_2GPU, VEC, VECTORS, expected_text
 
-VECTORS = REPO / "tests" / "vectors" / "nvidia-smi-h200.md"
 SHARED = REPO.parent / "shared" / "reference" / "nvidia-smi-h200.md"
-
-UUID_1GPU = "GPU-b2819aac-de39-ce4f-64d5-7aafac82d681"
-UUIDS_2GPU = ["GPU-81d1a10d-2b95-d5f4-b2ab-083d424a2e21", "GPU-82ef1e35-d99e-a4c9-6554-afe7e2603d37"]
-
-
-def sections() -> dict[str, list[tuple[str, str]]]:
-    """{section title: [(command, expected output), ...]} from the vectors file."""
-    out: dict[str, list[tuple[str, str]]] = {}
-    title = None
-    in_block = False
-    cmd = None
-    buf: list[str] = []
-    for line in VECTORS.read_text(encoding="utf-8").splitlines():
-        if line.startswith("## "):
-            title = line[3:].strip()
-            out[title] = []
-        elif line.startswith("```"):
-            if in_block and cmd is not None:
-                out[title].append((cmd, "\n".join(buf)))
-            in_block, cmd, buf = not in_block, None, []
-        elif in_block and line.startswith("$ nvidia-smi"):
-            if cmd is not None:
-                out[title].append((cmd, "\n".join(buf)))
-            cmd, buf = line[2:], []
-        elif in_block:
-            if cmd is None and title and "plain nvidia-smi" in title:
-                cmd = "nvidia-smi"
-            buf.append(line)
-    return out
-
-
-VEC = sections()
-
-
-def expected_text(raw: str) -> str:
-    return "" if raw.strip() == "(no output, exit status 0)" else raw + "\n"
 
 
 def make_state(tmp_path: Path, uuids: list[str], apps: list[tuple[int, int, int]] = (), overhead: int = 15) -> str:
     state = nvsim.default_state(len(uuids), seed="test")
-    for gpu, uuid in zip(state["gpus"], uuids):
+    for gpu, uuid in zip(state["gpus"], uuids, strict=True):
         gpu["uuid"] = uuid
     state["context_overhead_mib"] = overhead
     for pid, gpu, mib in apps:
@@ -84,7 +46,7 @@ def run(path: str, cmd: str, now: float | None = None) -> tuple[int, str]:
 def assert_same(actual: str, expected: str) -> None:
     a_lines, e_lines = actual.splitlines(), expected.splitlines()
     assert len(a_lines) == len(e_lines), f"line count {len(a_lines)} != {len(e_lines)}:\n{actual}"
-    for n, (a, e) in enumerate(zip(a_lines, e_lines)):
+    for n, (a, e) in enumerate(zip(a_lines, e_lines, strict=True)):
         assert a.split(", ") == e.split(", "), f"line {n}: fields differ"
     assert actual == expected
 

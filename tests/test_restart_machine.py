@@ -38,7 +38,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from support import MODULE_UTILS, env_with_pythonpath
 
 from sglang_deploy import checks, gpu, http, known_good, lock, outcomes, restart, stage
 from sglang_deploy.checks import Thresholds, flag_value
@@ -46,6 +45,7 @@ from sglang_deploy.instance import Instance, masked, read_env_file
 from sglang_deploy.known_good import Store
 from sglang_deploy.lock import InstanceLock
 from sglang_deploy.restart import Machine, Ports, Settings
+from support import MODULE_UTILS, env_with_pythonpath
 
 UNIT = "sglang-m.service"
 KEY = "s3cret-key"

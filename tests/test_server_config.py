@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from filter_plugins.sglang_config import ConfigError, server_config
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "filter_plugins"))
-from sglang_config import ConfigError, server_config  # noqa: E402
 
 GROUP_VARS = yaml.safe_load((REPO / "group_vars" / "all.yml").read_text())
 PROFILES = {

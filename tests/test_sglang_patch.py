@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from sglang_deploy.patch import PatchError, patch_series
+
 REPO = Path(__file__).resolve().parents[1]
 MODULE = REPO / "library" / "sglang_patch.py"
-sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy.patch import PatchError, patch_series  # noqa: E402
 
 ORIGINAL = """class Worker:
     def __init__(self, cfg):

@@ -122,7 +122,9 @@ def test_no_command_line_carries_an_api_key_and_one_that_does_is_masked():
 
 
 def test_a_secret_flag_in_a_profile_is_refused():
-    with pytest.raises(sglang_config.ConfigError, match="sglang_profiles.a.flags.api_key: a secret on a command line"):
+    with pytest.raises(
+        sglang_config.ConfigError, match=r"sglang_profiles\.a\.flags\.api_key: a secret on a command line"
+    ):
         sglang_config.server_config(
             {"name": "m", "port": 1, "gpus": [0]}, {"a": {"flags": {"api_key": "k"}}}, "a", "/m"
         )

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from sglang_deploy import validate as v
+from sglang_deploy.outcomes import INVALID_CONFIG
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import validate as v  # noqa: E402
-from sglang_deploy.outcomes import INVALID_CONFIG  # noqa: E402
 
 ORIGINS = {
     "--speculative-algorithm": "sglang_profiles.p.flags.speculative_algorithm",
@@ -161,7 +161,7 @@ def test_paths_are_checked_as_the_service_user_sees_them():
 def test_environment(env, expected):
     got = messages(v.check_env(env, ["SGLANG_KNOWN"], {}))
     assert len(got) == len(expected)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert g.startswith(e)
 
 

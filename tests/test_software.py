@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sglang_deploy import software
+from sglang_deploy.software import generation_id, lock_sha256, patch_series_sha256, plan, prune
+from support import MODULE_UTILS, env_with_pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import software  # noqa: E402
-from sglang_deploy.software import generation_id, lock_sha256, patch_series_sha256, plan, prune  # noqa: E402
 
 MODULE = REPO / "library" / "sglang_generations.py"
 
@@ -358,7 +359,6 @@ def test_migration_refuses_a_file_and_ignores_nothing_there(tmp_path, gens):
 
 DRIVER = """
 import runpy, sys
-sys.path.insert(0, {utils!r})
 import sglang_deploy, sglang_deploy.software
 sys.modules["ansible.module_utils.sglang_deploy"] = sglang_deploy
 sys.modules["ansible.module_utils.sglang_deploy.software"] = sglang_deploy.software
@@ -371,8 +371,11 @@ def run_module(tmp_path: Path, check_mode: bool = False, **args) -> dict:
         args["_ansible_check_mode"] = True
     path = tmp_path / f"args-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    driver = DRIVER.format(utils=str(REPO / "module_utils"), module=str(MODULE))
-    proc = subprocess.run([sys.executable, "-c", driver, str(path)], capture_output=True, text=True, check=False)
+    driver = DRIVER.format(module=str(MODULE))
+    env = env_with_pythonpath(dict(os.environ), MODULE_UTILS)  # sglang_deploy for the driver script
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, str(path)], env=env, capture_output=True, text=True, check=False
+    )
     return json.loads(proc.stdout)
 
 

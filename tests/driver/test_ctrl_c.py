@@ -13,10 +13,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support import wait_for
 
 from driver import cli, exitcodes, interrupts, runner
 from driver.events import NOT_BEGUN, Tracker
+from support import wait_for
 
 
 @pytest.fixture

@@ -1,106 +1,20 @@
-"""Shared lab for the end-to-end tests: its own nodes (never the user's lab), torn down at the end."""
+"""Shared lab for the end-to-end tests: its own nodes (never the user's lab), torn down at the end.
+
+Each test module sets up the lab state it reads (its fixtures) and leaves the nodes deployed,
+never verified, as it found them, so that modules run in any order (pytest-randomly shuffles
+them). The helpers are in tests/support/e2e.py.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "lab"))
-import lab as labmod  # noqa: E402
-
-VENV_BIN = Path(sys.executable).parent
-
-
-def ansible(
-    *args: str, inventory: Path, check: bool = True, env: dict | None = None
-) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0", **(env or {})}
-    cmd = [str(VENV_BIN / args[0]), "-i", str(inventory), *args[1:]]
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, text=True, capture_output=True, check=False)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-        )
-    return proc
-
-
-def refused(the_lab, playbook: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    """Run a playbook that must fail; .flat is its output with the YAML callback's folding undone."""
-    proc = ansible("ansible-playbook", playbook, *extra, inventory=the_lab.inventory, check=False)
-    assert proc.returncode != 0, f"{playbook} {' '.join(extra)} did not fail:\n{proc.stdout[-3000:]}"
-    proc.flat = " ".join(proc.stdout.split())
-    return proc
-
-
-def changed_tasks(output: str) -> list[str]:
-    """Names of the tasks and handlers that reported a change, in order."""
-    names = []
-    for block in re.split(r"^(?=TASK \[|RUNNING HANDLER \[)", output, flags=re.M):
-        m = re.match(r"(?:TASK|RUNNING HANDLER) \[([^\]]+)\]", block)
-        if m and re.search(r"^changed: ", block, re.M):
-            names.append(m.group(1))
-    return names
-
-
-def recap(output: str) -> dict[str, dict[str, int]]:
-    hosts = {}
-    for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", output, re.M):
-        hosts[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
-    return hosts
-
-
-def podman_exec(container: str, *cmd: str) -> str:
-    return subprocess.run(["podman", "exec", container, *cmd], check=True, capture_output=True, text=True).stdout
-
-
-@contextlib.contextmanager
-def lab_gpu_state(container: str, change: list[str], restore: list[str]):
-    """Change a node's simulated GPUs (`lab-gpu ...`) for the block, then put them back."""
-    podman_exec(container, "lab-gpu", *change)
-    try:
-        yield
-    finally:
-        podman_exec(container, "lab-gpu", *restore)
-
-
-ALL_GPUS = [0, 1, 2, 3, 4, 5, 6, 7]
-
-
-def main_with(**kw) -> str:
-    """-e for lab-node1's one instance `main` on all 8 GPUs, with kw (env, profile, ...)."""
-    return json.dumps({"sglang_instances": [{"name": "main", "port": 30000, "gpus": ALL_GPUS, **kw}]})
-
-
-def driver_runner(the_lab, ledger: Path, default_limit: str | None):
-    """run(*args) -> (exit code, the --json document, the process): python -m driver against the lab."""
-
-    def run(*args: str, limit: str | None = default_limit, inventory=None, json_out: bool = True, popen: bool = False):
-        cmd = [sys.executable, "-m", "driver", *args, "-i", str(inventory or the_lab.inventory)]
-        if limit:
-            cmd += ["--limit", limit]
-        if json_out:
-            cmd.append("--json")
-        env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger), "COLUMNS": "200"}
-        if popen:
-            return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
-        doc = json.loads(proc.stdout) if json_out and proc.stdout.strip().startswith("{") else None
-        return proc.returncode, doc, proc
-
-    return run
+from support.e2e import LAB_NAME, ansible, labmod
 
 
 @pytest.fixture(scope="session")
 def lab():
-    the_lab = labmod.Lab(name=os.environ.get("SGD_E2E_LAB", "sgd-e2e"))  # another name: a second run beside
+    the_lab = labmod.Lab(name=LAB_NAME)
     labmod.down(the_lab)
     hosts = labmod.up(the_lab, nodes=2, gpus=8, timeout=120)
     yield the_lab, hosts
@@ -110,7 +24,7 @@ def lab():
 
 @pytest.fixture(scope="session")
 def deployed(lab):
-    """The lab with deploy.yml applied once (units written, enabled, not started)."""
+    """The lab with deploy.yml applied once (units written, not enabled, not started: never verified)."""
     the_lab, hosts = lab
     ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
     return the_lab, hosts

@@ -12,6 +12,7 @@ import signal
 import sqlite3
 
 import pytest
+
 from support import wait_for
 from support.e2e import driver_runner, podman_exec
 

@@ -17,6 +17,7 @@ import sqlite3
 import tarfile
 
 import pytest
+
 from support.e2e import driver_runner
 
 pytestmark = pytest.mark.lab

@@ -1,5 +1,8 @@
 """End to end on the lab: nodes boot systemd, Ansible reaches them over SSH,
-deploy.yml converges and is idempotent, and `lab down` leaves nothing behind."""
+deploy.yml converges and is idempotent, and `lab down` leaves nothing behind.
+
+Check mode on fresh nodes runs on a lab of its own (one node, never deployed), so that this
+module does not depend on running before the others, nor its tests on their order."""
 
 from __future__ import annotations
 
@@ -9,9 +12,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ansible, lab_gpu_state, labmod, recap, refused
+
+from support.e2e import LAB_NAME, ansible, lab_gpu_state, labmod, recap, refused
 
 pytestmark = pytest.mark.lab
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """A lab of one node that nothing has deployed to: (the lab, its hosts)."""
+    the_lab = labmod.Lab(name=f"{LAB_NAME}-fresh")
+    labmod.down(the_lab)
+    hosts = labmod.up(the_lab, nodes=1, gpus=8, timeout=120)
+    yield the_lab, hosts
+    labmod.down(the_lab)
 
 
 def test_nodes_boot_systemd_and_answer_over_ssh(lab):
@@ -56,10 +70,11 @@ def test_each_node_has_8_simulated_gpus_with_distinct_uuids(lab):
     assert len(set(uuids)) == 16
 
 
-def test_check_mode_on_fresh_nodes_succeeds_and_changes_nothing(lab):
-    the_lab, hosts = lab
+def test_check_mode_on_fresh_nodes_succeeds_and_changes_nothing(fresh):
+    the_lab, hosts = fresh
     proc = ansible("ansible-playbook", "playbooks/deploy.yml", "--check", "--diff", inventory=the_lab.inventory)
-    assert all(r["failed"] == 0 for r in recap(proc.stdout).values())
+    out = recap(proc.stdout)
+    assert set(out) == {h["name"] for h in hosts} and all(r["failed"] == 0 for r in out.values()), out
     for h in hosts:
         absent = subprocess.run(["podman", "exec", h["container"], "test", "-e", "/opt/ml-env"], check=False)
         assert absent.returncode == 1, "check mode must not create the virtualenv"
@@ -80,8 +95,8 @@ def test_deploy_converges_then_changes_nothing(lab):
     assert {h: r["changed"] for h, r in second.items()} == {"lab-node1": 0, "lab-node2": 0}
 
 
-def test_deploy_in_check_mode_changes_nothing(lab):
-    the_lab, _ = lab
+def test_deploy_in_check_mode_changes_nothing(deployed):
+    the_lab, _ = deployed
     out = recap(
         ansible("ansible-playbook", "playbooks/deploy.yml", "--check", "--diff", inventory=the_lab.inventory).stdout
     )
@@ -111,7 +126,7 @@ def test_a_wrong_variable_type_is_refused_by_the_argument_spec(lab):
 
 
 def test_lab_down_leaves_no_container_network_or_inventory():
-    the_lab = labmod.Lab(name="sgd-e2e-down")
+    the_lab = labmod.Lab(name=f"{LAB_NAME}-down")
     labmod.up(the_lab, nodes=1, gpus=2, timeout=120)
     assert the_lab.inventory.exists()
     labmod.down(the_lab)

@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import ansible, lab_gpu_state, podman_exec, recap, refused
+
+from support.e2e import ansible, lab_gpu_state, podman_exec, recap, refused
 
 pytestmark = pytest.mark.lab
 

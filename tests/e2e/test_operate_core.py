@@ -10,7 +10,9 @@ import subprocess
 import time
 
 import pytest
-from conftest import REPO, ansible, driver_runner, main_with, podman_exec
+
+from support import wait_for
+from support.e2e import REPO, ansible, driver_runner, main_with, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -25,7 +27,7 @@ def core(deployed, tmp_path_factory):
     ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
     run = driver_runner(the_lab, ledger, NODE)
     run.ledger = ledger
-    code, doc, proc = run("restart")
+    code, _, proc = run("restart")
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     yield run, node
     podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")
@@ -59,21 +61,11 @@ def http_status(node: str, path: str) -> int | None:
     """The status of GET http://127.0.0.1:30000{path} on the node (no curl in the lab image); None if refused."""
     code = (
         "import sys, urllib.request as u, urllib.error as e\n"
-        "try:\n    print(u.urlopen('http://127.0.0.1:30000%s', timeout=5).status)\n"
+        f"try:\n    print(u.urlopen('http://127.0.0.1:30000{path}', timeout=5).status)\n"
         "except e.HTTPError as x:\n    print(x.code)\nexcept Exception:\n    print(0)\n"
-    ) % path
+    )
     out = subprocess.run(["podman", "exec", node, "python3", "-c", code], capture_output=True, text=True).stdout.strip()
     return int(out) if out.isdigit() and out != "0" else None
-
-
-def poll(what: str, fn, timeout: float = 60.0, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
 def test_two_drivers_at_once_one_restarts_the_other_is_refused_naming_the_holder(core):
@@ -85,7 +77,7 @@ def test_two_drivers_at_once_one_restarts_the_other_is_refused_naming_the_holder
         return text if text and json.loads(text)["operation"].startswith("restart") else ""
 
     try:
-        holder = poll("the first driver's restart to hold the lock", restart_holds_the_lock, timeout=120)
+        holder = wait_for("the first driver's restart to hold the lock", restart_holds_the_lock, 120, interval=0.2)
         t0 = time.monotonic()
         code, doc, proc = run("restart")
         refused_in = time.monotonic() - t0
@@ -106,23 +98,23 @@ def test_two_drivers_at_once_one_restarts_the_other_is_refused_naming_the_holder
 
 def test_a_server_killed_between_deploy_and_restart_comes_back_on_its_known_good_profile(core):
     run, node = core
-    code, doc, proc = run("restart")
+    code, _, proc = run("restart")
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "--speculative-num-steps 2 " in running_argv(node)
-    code, doc, proc = run("deploy", "-e", "sglang_profile=eagle3_5tok_cuda_graph")
+    code, _, proc = run("deploy", "-e", "sglang_profile=eagle3_5tok_cuda_graph")
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "--speculative-num-steps 3 " in podman_exec(node, "cat", "/etc/sglang/pending/sglang-main.service")
     assert "--speculative-num-steps 2 " in podman_exec(node, "cat", "/etc/systemd/system/sglang-main.service")
     before = main_pid(node)
     podman_exec(node, "kill", "-9", str(before))  # a crash: Restart=on-failure starts the unit's files again
-    poll("systemd to start the server again", lambda: main_pid(node) not in (0, before), timeout=60)
-    poll("the restarted server to answer", lambda: http_status(node, "/health") == 200, timeout=90)
+    wait_for("systemd to start the server again", lambda: main_pid(node) not in (0, before), 60, interval=0.2)
+    wait_for("the restarted server to answer", lambda: http_status(node, "/health") == 200, 90, interval=0.2)
     assert "--speculative-num-steps 2 " in running_argv(node), "a crash must start the verified configuration"
-    code, doc, proc = run("restart", "-e", "sglang_profile=eagle3_5tok_cuda_graph")
+    code, _, proc = run("restart", "-e", "sglang_profile=eagle3_5tok_cuda_graph")
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "--speculative-num-steps 3 " in running_argv(node), "the safe restart promotes the pending one"
     assert podman_exec(node, "sh", "-c", "ls /etc/sglang/pending | wc -l").strip() == "0"
-    code, doc, proc = run("restart")  # back to the group_vars profile
+    code, _, proc = run("restart")  # back to the group_vars profile
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
 
 

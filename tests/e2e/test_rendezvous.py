@@ -10,6 +10,7 @@ import json
 import subprocess
 
 import pytest
+
 from support.e2e import ansible, podman_exec
 
 pytestmark = pytest.mark.lab

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ansible, podman_exec
+
+from support.e2e import ansible, podman_exec
 
 pytestmark = pytest.mark.lab
 

@@ -7,7 +7,8 @@ import re
 import subprocess
 
 import pytest
-from conftest import ansible, changed_tasks, podman_exec, recap
+
+from support.e2e import ansible, changed_tasks, podman_exec, recap
 
 pytestmark = pytest.mark.lab
 

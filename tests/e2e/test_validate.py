@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ansible, podman_exec, recap, refused
+
+from support.e2e import ansible, podman_exec, recap, refused
 
 pytestmark = pytest.mark.lab
 ALL_GPUS = [0, 1, 2, 3, 4, 5, 6, 7]

@@ -4,12 +4,11 @@ in software generations (one virtualenv each, /opt/ml-env the link to the curren
 import hashlib
 import json
 import re
-import sys
 from pathlib import Path
 
+from sglang_deploy import software  # module_utils/ is on the path: pytest.ini's pythonpath (the rootdir's)
+
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import software  # noqa: E402
 
 SERIES = sorted((REPO / "roles" / "sglang" / "files" / "patches" / "0.5.23").glob("*.patch"))
 FIRST_ONLY = sorted((REPO / "molecule" / "stack" / "fixtures" / "first-only").glob("*.patch"))
@@ -110,7 +109,7 @@ def test_ml_env_is_root_owned_and_not_writable_by_the_service_user(host):
     assert venv.user == "root"
     assert host.run("sudo -u sglang test -w /opt/ml-env/lib").rc != 0
     assert host.run(f"sudo -u sglang test -w {GENS}").rc != 0
-    assert host.run("sudo -u sglang test -r %s/sglang/__init__.py" % SITE).rc == 0
+    assert host.run(f"sudo -u sglang test -r {SITE}/sglang/__init__.py").rc == 0
 
 
 def test_real_sglang_parser_runs_on_the_node(host):

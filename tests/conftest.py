@@ -1,0 +1,40 @@
+"""Fixtures shared by the unit test modules (helpers that are not fixtures: tests/support)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from support.gpus import install_gate, simulated
+
+
+@pytest.fixture(scope="session")
+def installed_gate(tmp_path_factory) -> Path:
+    """The GPU gate installed as on a host (beside its sglang_deploy package), in a temporary directory."""
+    return install_gate(tmp_path_factory.mktemp("libexec") / "sglang-deploy")
+
+
+@pytest.fixture
+def gpus(tmp_path) -> tuple[str, dict]:
+    """4 simulated GPUs, and an nvidia-smi on PATH that reads them: (state file, environment)."""
+    return simulated(tmp_path)
+
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions_restored():
+    """Each test leaves the signal dispositions as it found them.
+
+    sglang_deploy.restart ignores SIGTERM and SIGINT once its last phase has ended (the module
+    process exits after); run in the test process, that would leak into every later test: their
+    children inherit an ignored SIGTERM (`sleep` no longer stops on it), and Ctrl-C stops working.
+    """
+    saved = {s: signal.getsignal(s) for s in SIGNALS}
+    yield
+    for s, handler in saved.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)

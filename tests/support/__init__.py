@@ -1,0 +1,44 @@
+"""Helpers shared by the test modules (not tests themselves): `from support import ...`.
+
+Importable because pytest.ini puts tests/ on the path (`pythonpath`), as it puts module_utils/
+(sglang_deploy), lab/ (lab.py) and lab/gpu_sim/ (nvsim). Fixtures live in tests/conftest.py
+and tests/e2e/conftest.py; no test module imports from another test module.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+REPO = Path(__file__).resolve().parents[2]
+MODULE_UTILS = REPO / "module_utils"
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, fn: Callable[[], T], timeout: float = 10.0, interval: float = 0.01) -> T:
+    """Poll fn until it returns something true, and return that; AssertionError naming `what` at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def started(argv: list[str]) -> subprocess.Popen:
+    """A process whose exec has finished: /proc shows its own command line, not an empty one mid-exec."""
+    proc = subprocess.Popen(argv)
+    wait_for(f"{argv[0]} to exec", lambda: Path(f"/proc/{proc.pid}/cmdline").read_bytes())
+    return proc
+
+
+def env_with_pythonpath(env: dict[str, str], *paths: Path | str) -> dict[str, str]:
+    """env with paths put first on PYTHONPATH: a subprocess's import path (tests never change their own sys.path)."""
+    old = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+    return {**env, "PYTHONPATH": ":".join([*map(str, paths), *old])}

@@ -1,0 +1,112 @@
+"""Helpers of the end-to-end tests (tests/e2e): Ansible against the lab, its output read back,
+podman on its nodes. The fixtures (the lab, deployed once) are in tests/e2e/conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lab as labmod
+from support import REPO
+
+VENV_BIN = Path(sys.executable).parent
+# The e2e lab's name: another name runs a second e2e suite beside this one (its own nodes and network).
+LAB_NAME = os.environ.get("SGD_E2E_LAB", "sgd-e2e")
+ALL_GPUS = [0, 1, 2, 3, 4, 5, 6, 7]
+
+__all__ = [
+    "ALL_GPUS",
+    "LAB_NAME",
+    "REPO",
+    "VENV_BIN",
+    "ansible",
+    "changed_tasks",
+    "driver_runner",
+    "lab_gpu_state",
+    "labmod",
+    "main_with",
+    "podman_exec",
+    "recap",
+    "refused",
+]
+
+
+def ansible(
+    *args: str, inventory: Path, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0", **(env or {})}
+    cmd = [str(VENV_BIN / args[0]), "-i", str(inventory), *args[1:]]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, text=True, capture_output=True, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def refused(the_lab, playbook: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """Run a playbook that must fail; .flat is its output with the YAML callback's folding undone."""
+    proc = ansible("ansible-playbook", playbook, *extra, inventory=the_lab.inventory, check=False)
+    assert proc.returncode != 0, f"{playbook} {' '.join(extra)} did not fail:\n{proc.stdout[-3000:]}"
+    proc.flat = " ".join(proc.stdout.split())
+    return proc
+
+
+def changed_tasks(output: str) -> list[str]:
+    """Names of the tasks and handlers that reported a change, in order."""
+    names = []
+    for block in re.split(r"^(?=TASK \[|RUNNING HANDLER \[)", output, flags=re.M):
+        m = re.match(r"(?:TASK|RUNNING HANDLER) \[([^\]]+)\]", block)
+        if m and re.search(r"^changed: ", block, re.M):
+            names.append(m.group(1))
+    return names
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    hosts = {}
+    for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", output, re.M):
+        hosts[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return hosts
+
+
+def podman_exec(container: str, *cmd: str) -> str:
+    return subprocess.run(["podman", "exec", container, *cmd], check=True, capture_output=True, text=True).stdout
+
+
+@contextlib.contextmanager
+def lab_gpu_state(container: str, change: list[str], restore: list[str]):
+    """Change a node's simulated GPUs (`lab-gpu ...`) for the block, then put them back."""
+    podman_exec(container, "lab-gpu", *change)
+    try:
+        yield
+    finally:
+        podman_exec(container, "lab-gpu", *restore)
+
+
+def main_with(**kw) -> str:
+    """-e for lab-node1's one instance `main` on all 8 GPUs, with kw (env, profile, ...)."""
+    return json.dumps({"sglang_instances": [{"name": "main", "port": 30000, "gpus": ALL_GPUS, **kw}]})
+
+
+def driver_runner(the_lab, ledger: Path, default_limit: str | None):
+    """run(*args) -> (exit code, the --json document, the process): python -m driver against the lab."""
+
+    def run(*args: str, limit: str | None = default_limit, inventory=None, json_out: bool = True, popen: bool = False):
+        cmd = [sys.executable, "-m", "driver", *args, "-i", str(inventory or the_lab.inventory)]
+        if limit:
+            cmd += ["--limit", limit]
+        if json_out:
+            cmd.append("--json")
+        env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger), "COLUMNS": "200"}
+        if popen:
+            return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
+        doc = json.loads(proc.stdout) if json_out and proc.stdout.strip().startswith("{") else None
+        return proc.returncode, doc, proc
+
+    return run
