@@ -5,8 +5,8 @@ one tar.gz for the run on the controller, named in the --json result and the led
 bundle the host took before the rollback. The hang's holds a py-spy dump of every rank showing where
 it hangs; the crash's holds the traceback. No secret (the instance's API key) in either.
 
-lab-node2's `main` (8 GPUs) is verified first, then restarted with the faults; the node is left
-serving `main` (rolled back), verified.
+lab-node2's `main` (8 GPUs) is verified first, then restarted with the faults; at the end `main` is
+stopped and disabled and its known-good records removed: the node as deployed, never verified.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tarfile
 
 import pytest
 
-from support.e2e import driver_runner
+from support.e2e import driver_runner, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -52,13 +52,16 @@ def members(path: str) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def verified(deployed, tmp_path_factory):
-    the_lab, _ = deployed
+    the_lab, hosts = deployed
+    node = next(h["container"] for h in hosts if h["name"] == NODE)
     ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
     run = driver_runner(the_lab, ledger, NODE)
     code, doc, proc = run("restart", "-e", instance())
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     assert doc["evidence"] is None  # nothing failed: no bundle
-    return run, ledger
+    yield run, ledger
+    podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")
+    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good/main", "/var/lib/sglang/evidence/main")
 
 
 def failed_restart(verified, **env: str) -> tuple[dict, dict[str, bytes]]:
