@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from support.e2e import REPO, ansible, driver_runner, lab_gpu_state, main_with, podman_exec
 
 pytestmark = pytest.mark.lab

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from support.e2e import ansible, lab_gpu_state, podman_exec
 
 pytestmark = pytest.mark.lab
