@@ -18,6 +18,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
 PROFILES = sorted(yaml.safe_load((REPO / "group_vars" / "all.yml").read_text())["sglang_profiles"])
+# Each case's directory and instance: every profile as instance main, and one model over two nodes (instance mn,
+# rank 0 of 2, profile eagle3_topk1) with the RDMA devices allowed by default and turned off (tests/golden/render.yml).
+CASES = {**{p: "main" for p in PROFILES}, "multinode": "mn", "multinode_no_rdma": "mn"}
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +44,21 @@ def rendered(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
     if os.environ.get("UPDATE_GOLDEN") == "1":
-        for profile in PROFILES:
-            shutil.copytree(out / profile, GOLDEN / profile, dirs_exist_ok=True)
+        for case in CASES:
+            shutil.copytree(out / case, GOLDEN / case, dirs_exist_ok=True)
     return out
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-@pytest.mark.parametrize("name", ["sglang-main.service", "main.env"])
-def test_rendered_matches_golden(rendered, profile, name):
-    got = (rendered / profile / name).read_text()
-    want = (GOLDEN / profile / name).read_text()
+def unit(case: str) -> str:
+    return (GOLDEN / case / f"sglang-{CASES[case]}.service").read_text()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind", ["unit", "env"])
+def test_rendered_matches_golden(rendered, case, kind):
+    name = f"sglang-{CASES[case]}.service" if kind == "unit" else f"{CASES[case]}.env"
+    got = (rendered / case / name).read_text()
+    want = (GOLDEN / case / name).read_text()
     assert got == want, "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), "golden", "rendered"))
 
 
@@ -60,3 +68,72 @@ def test_the_golden_units_differ_where_the_profiles_do():
     assert "--speculative-num-steps 2 " in units["eagle3_topk1"]
     assert "--speculative" not in units["baseline_no_spec"]
     assert 'NCCL_PROTO="LL"' in (GOLDEN / "eagle3_5tok_cuda_graph" / "main.env").read_text()
+
+
+RDMA = ["DeviceAllow=char-infiniband_verbs rw", "DeviceAllow=/dev/infiniband/rdma_cm rw"]
+
+
+def test_a_multi_node_unit_reaches_its_fabric_unless_turned_off():
+    for line in RDMA:
+        assert line in unit("multinode").splitlines()
+        assert line not in unit("multinode_no_rdma")
+        for profile in PROFILES:
+            assert line not in unit(profile), "auto: a single-node instance gets no RDMA device"
+    assert "--nnodes 2 " in unit("multinode") and "--node-rank 0 " in unit("multinode")
+    # The modules first: DeviceAllow= resolves groups and paths when the unit starts (systemd.resource-control(5)).
+    modules = "modprobe@ib_uverbs.service modprobe@rdma_ucm.service"
+    assert f"Wants={modules}" in unit("multinode") and f"After={modules}" in unit("multinode")
+    assert "modprobe@" not in unit("multinode_no_rdma")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_denied_system_call_fails_with_eperm_and_pidfd_getfd_is_allowed(case):
+    lines = unit(case).splitlines()
+    filters = [line for line in lines if line.startswith("SystemCallFilter=")]
+    # The first assignment is an allow-list; later ones remove (~) or add back, in order (systemd.exec(5)).
+    assert filters[0] == "SystemCallFilter=@system-service"
+    assert "@debug" in filters[1] and filters[1].startswith("SystemCallFilter=~")
+    assert filters[2:] == ["SystemCallFilter=pidfd_getfd"], "after the deny line, or ~@debug would take it away"
+    assert "SystemCallErrorNumber=EPERM" in lines
+
+
+def verifiable(text: str) -> str:
+    """The unit with its commands pointed at a file that exists here (systemd-analyze verify checks that they do)."""
+    true = shutil.which("true") or "/bin/true"
+    out = []
+    for line in text.splitlines():
+        key, sep, _ = line.partition("=")
+        out.append(f"{key}={true}" if sep and key in ("ExecStart", "ExecStartPre") else line)
+    return "\n".join(out) + "\n"
+
+
+def verify_complaints(text: str, name: str, tmp_path: Path) -> list[str]:
+    """systemd-analyze verify, as staging runs it (module_utils/sglang_deploy/stage.py), on a copy whose commands
+    exist here. It exits 0 on a line it ignores ("Invalid device rights 'verbs rw', ignoring."): its stderr counts."""
+    path = tmp_path / name
+    path.write_text(verifiable(text))
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", f"{path}:{name}"], capture_output=True, text=True, check=False
+    )
+    return [line for line in proc.stderr.splitlines() if name in line or "Unknown" in line] + (
+        [f"exit {proc.returncode}"] if proc.returncode else []
+    )
+
+
+NO_SYSTEMD_ANALYZE = pytest.mark.skipif(
+    not shutil.which("systemd-analyze"), reason="no systemd-analyze here (staging runs it on the lab nodes)"
+)
+
+
+@NO_SYSTEMD_ANALYZE
+@pytest.mark.parametrize("case", CASES)
+def test_systemd_analyze_verify_accepts_the_unit(case, tmp_path):
+    assert verify_complaints(unit(case), f"sglang-{CASES[case]}.service", tmp_path) == []
+
+
+@NO_SYSTEMD_ANALYZE
+def test_systemd_analyze_verify_would_name_a_device_or_errno_it_ignores(tmp_path):
+    text = unit("multinode").replace("char-infiniband_verbs rw", "/dev/infiniband/* rw x")
+    text = text.replace("SystemCallErrorNumber=EPERM", "SystemCallErrorNumber=EBOGUS")
+    complaints = verify_complaints(text, "sglang-mn.service", tmp_path)
+    assert len(complaints) == 2 and "EBOGUS" in complaints[1], complaints
