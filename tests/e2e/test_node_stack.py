@@ -74,7 +74,11 @@ def test_cuda_skips_only_the_driver_check_on_a_host_without_gpus(lab):
     "extra,message",
     [
         (["-e", "sglang_version=0.5.99"], "No complete lock for sglang 0.5.99 (profile parser)"),
-        (["-e", "sglang_install_profile=full"], "No complete lock for sglang 0.5.23 (profile full)"),
+        # 0.5.23's full lock ships (roles/sglang/files/locks); 0.5.22's full set does not resolve (docs/locks.md)
+        (
+            ["-e", "sglang_install_profile=full", "-e", "sglang_version=0.5.22"],
+            "No complete lock for sglang 0.5.22 (profile full)",
+        ),
         (["-e", "sglang_install_profile=gpu"], "sglang_install_profile"),
         (["-e", "sglang_patch_series_version=0.4.0", "-e", "sglang_patches_enabled=true"], "holds no *.patch"),
     ],
