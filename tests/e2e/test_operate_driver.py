@@ -40,6 +40,9 @@ def drive(deployed, tmp_path_factory):
 
     run.history = history
     run.the_lab = the_lab
+    # Each test may run first (random order): main verified once, so a known-good generation exists.
+    code, _, proc = run("restart")
+    assert code == 0, proc.stdout[-3000:]
     yield run, node
     podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")  # back to deployed, never verified
     podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/etc/sglang/pending")
@@ -87,7 +90,8 @@ def test_restart_status_verify(drive):
     code, doc, _ = run("verify")
     assert code == 0 and row(doc)["result"] == "verified"
     code, doc, _ = run("verify", "-e", "sglang_service_verify_accept_length_min=5")
-    assert code == 7 and row(doc)["detail"].startswith("accept_length:")
+    # the failed check, after the phase it failed in (the running server's evidence bundle is taken too)
+    assert code == 7 and row(doc)["detail"].startswith("verify: accept_length: average accept length")
 
 
 def test_restart_failure_paths(drive):
@@ -123,6 +127,9 @@ def test_unreachable_host(drive, tmp_path):
 
 def test_history_and_compare(drive):
     run, _ = drive
+    for args in (("validate",), ("deploy", "--check"), ("restart",), ("status",), ("verify",), ("rollback",)):
+        code, _, proc = run(*args)
+        assert code == 0, (args, proc.stdout[-2000:])
     runs = run.history("-n", "50")
     commands = [r["command"] for r in runs]
     assert {"validate", "deploy", "restart", "status", "verify", "rollback"} <= set(commands)
