@@ -182,7 +182,7 @@ def sglang_instance(
 
 
 # Directories under the state dir that are sglang-deploy's: StateDirectory=sglang/<name> must not be one.
-RESERVED_NAMES = ("known-good", "validated", "locks", "pending", "secrets", "instances")
+RESERVED_NAMES = ("known-good", "validated", "locks", "pending", "secrets", "instances", "evidence")
 
 
 def instance_record(

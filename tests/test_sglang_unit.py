@@ -130,7 +130,7 @@ def test_a_secret_flag_in_a_profile_is_refused():
         )
 
 
-@pytest.mark.parametrize("name", ["../etc", "a/b", "Main", "known-good", "validated", "", "-x"])
+@pytest.mark.parametrize("name", ["../etc", "a/b", "Main", "known-good", "validated", "evidence", "", "-x"])
 def test_an_instance_name_that_would_be_a_path_or_a_reserved_directory_is_refused(name):
     """The name names the unit, its files, its lock and StateDirectory=sglang/<name>: never a path, never one of ours."""
     with pytest.raises(sglang_config.ConfigError, match=r"sglang_instances\[0\]\.name"):
