@@ -42,6 +42,11 @@ PLAYBOOKS = {
         "the crash evidence bundle of each instance, now: journal, py-spy of every rank, nvidia-smi -q, Xid lines, "
         "pip freeze, the configuration with secrets removed; changes nothing on the servers",
     ),
+    "rollout": (
+        "playbooks/rollout.yml",
+        "rolling restart of the replicas behind sglang-router: out of the router, drained, safe restart, back in and "
+        "healthy; the first batch is a canary measured against the fleet; stops at the failure budget",
+    ),
 }
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(exitcodes.MEANING.items()))
@@ -72,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one machine-readable result, no progress")
     common.add_argument("-v", "--verbose", action="count", default=0, help="Ansible verbosity (-v, -vv, ...)")
     common.add_argument("--svg", metavar="FILE", help="also save the summary as an SVG picture")
+
+    def count_or_percent(value: str) -> str:
+        value = value.strip()
+        if not value.rstrip("%").isdigit() or value.count("%") > 1:
+            raise argparse.ArgumentTypeError(f"{value!r} is neither a count (2) nor a percentage (25%)")
+        return value
+
     for name, (_, text) in PLAYBOOKS.items():
         sp = sub.add_parser(
             name,
@@ -89,6 +101,19 @@ def parser() -> argparse.ArgumentParser:
                 "--force-stop",
                 action="store_true",
                 help="also kill other users' processes holding the instance's GPUs (never done otherwise)",
+            )
+        if name == "rollout":
+            sp.add_argument(
+                "--max-unavailable",
+                type=count_or_percent,
+                default="1",
+                help="replica hosts out of the router at once, a count or a percentage (default 1)",
+            )
+            sp.add_argument(
+                "--max-fail",
+                type=count_or_percent,
+                default="0",
+                help="failed replica hosts the rollout goes on after, a count or a percentage (default 0)",
             )
     h = sub.add_parser(
         "history", help="the run ledger; --compare puts profiles side by side", description="The run ledger."
@@ -111,6 +136,10 @@ def extravars(args: argparse.Namespace) -> list[str]:
         out.append(json.dumps({"sglang_service_rollback": False}))
     if getattr(args, "force_stop", False):
         out.append(json.dumps({"sglang_service_stop_policy": "force"}))
+    if getattr(args, "max_unavailable", None) is not None:
+        out.append(json.dumps({"sglang_rollout_max_unavailable": args.max_unavailable}))
+    if getattr(args, "max_fail", None) is not None:
+        out.append(json.dumps({"sglang_rollout_max_fail": args.max_fail}))
     return out
 
 

@@ -1,0 +1,210 @@
+"""python -m driver rollout on the lab, under load through the real sglang-router (docs/rollout.md).
+
+The lab's two nodes are the replicas, each serving one instance `ro` (the stand-in, 4 simulated GPUs, port 30010);
+sglang-router 0.3.2 runs on lab-node1 (roles/sglang_router through playbooks/router.yml, port 30100, an API key)
+in front of both. bench/loadgen.py runs on lab-node1 (the router's port is not published), sending a steady mixed
+load through the router during each rollout and counting every failed or truncated response.
+
+The inventory is the lab's own plus the groups sglang_replicas and sglang_routers and the instance as host variables
+(an inventory file next to the lab's: lab/lab.py is untouched). At the end the instance and the router are stopped
+and removed: the nodes are left deployed, never verified, as found.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from support.e2e import REPO, ansible, driver_runner, podman_exec
+
+pytestmark = pytest.mark.lab
+
+NODES = ("lab-node1", "lab-node2")
+ROUTER = "lab-node1"
+ROUTER_PORT = 30100
+KEY = "lab-router-key"
+RO = {"name": "ro", "port": 30010, "gpus": [0, 1, 2, 3]}
+# The canary gate, loose: tok/s measured on a loaded 2-core machine jitters; a slow canary is not tested here.
+GATE = json.dumps({"sglang_rollout_canary_threshold": 0.5})
+ROUTER_VARS = {
+    "sglang_router_port": ROUTER_PORT,
+    "sglang_router_prometheus_port": 29100,
+    "sglang_router_api_key": KEY,
+    "sglang_router_limit_nofile": 16384,  # below the lab container's hard limit
+}
+
+
+def write_inventory(the_lab, name: str, instances: dict[str, list[dict]]) -> str:
+    """The lab's inventory, with the rollout's groups and each node's instances (host variables, which rank above
+    the project's group_vars); written next to it."""
+    doc = yaml.safe_load(the_lab.inventory.read_text(encoding="utf-8"))
+    hosts = doc["all"]["children"]["sglang_nodes"]["hosts"]
+    for host, inst in instances.items():
+        hosts[host]["sglang_instances"] = inst
+    hosts[ROUTER].update(ROUTER_VARS)
+    doc["all"]["children"]["sglang_replicas"] = {"hosts": {h: None for h in NODES}}
+    doc["all"]["children"]["sglang_routers"] = {"hosts": {ROUTER: None}}
+    path = the_lab.inventory.parent / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return str(path)
+
+
+def in_node(container: str, code: str) -> str:
+    return podman_exec(container, "python3", "-c", code)
+
+
+def router_workers(container: str) -> dict[str, bool]:
+    """What the router lists, asked on its node: {url: healthy}."""
+    code = (
+        "import json, urllib.request as u; r = u.urlopen(u.Request("
+        f"'http://127.0.0.1:{ROUTER_PORT}/workers', headers={{'Authorization': 'Bearer {KEY}'}}), timeout=10); "
+        "print(json.dumps({w['url']: w['is_healthy'] for w in json.load(r)['workers']}))"
+    )
+    return json.loads(in_node(container, code))
+
+
+def main_pid(container: str) -> int:
+    return int(podman_exec(container, "systemctl", "show", "-p", "MainPID", "--value", "sglang-ro.service"))
+
+
+class Load:
+    """bench/loadgen.py on the router's node, through the router, until stopped."""
+
+    def __init__(self, container: str):
+        self.container = container
+        podman_exec(container, "rm", "-f", "/tmp/loadgen.stop", "/tmp/loadgen.ready")
+        self.proc = subprocess.Popen(
+            [
+                *("podman", "exec", container, "python3", "/tmp/loadgen.py"),
+                *("--url", f"http://127.0.0.1:{ROUTER_PORT}", "--api-key", KEY, "--concurrency", "3"),
+                *("--stop-file", "/tmp/loadgen.stop", "--ready-file", "/tmp/loadgen.ready", "--duration", "900"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 30
+        while podman_exec(container, "sh", "-c", "test -f /tmp/loadgen.ready && echo y || true").strip() != "y":
+            assert time.monotonic() < deadline and self.proc.poll() is None, "the load generator did not start"
+            time.sleep(0.2)
+
+    def stop(self) -> dict:
+        podman_exec(self.container, "touch", "/tmp/loadgen.stop")
+        out, err = self.proc.communicate(timeout=120)
+        assert self.proc.returncode == 0, err
+        return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def fleet(deployed, tmp_path_factory):
+    """ro serving on both nodes (started through the safe restart: a known-good generation each), the router in
+    front of them listing both healthy, the load generator copied to the router's node."""
+    the_lab, hosts = deployed
+    containers = {h["name"]: h["container"] for h in hosts}
+    inventory = write_inventory(the_lab, "rollout-hosts.yml", {h: [RO] for h in NODES})
+    ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
+    run = driver_runner(the_lab, ledger, None)
+    try:
+        code, _, proc = run("restart", inventory=inventory)
+        assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        ansible("ansible-playbook", "playbooks/router.yml", inventory=inventory)
+        subprocess.run(
+            ["podman", "cp", str(REPO / "bench" / "loadgen.py"), f"{containers[ROUTER]}:/tmp/loadgen.py"], check=True
+        )
+        yield the_lab, containers, inventory, run
+    finally:
+        router = containers[ROUTER]
+        podman_exec(router, "sh", "-c", "systemctl disable --now sglang-router.service || true")
+        podman_exec(router, "rm", "-rf", "/etc/systemd/system/sglang-router.service", "/tmp/loadgen.py")
+        for node in NODES:
+            c = containers[node]
+            podman_exec(c, "sh", "-c", "systemctl disable --now sglang-ro.service || true")
+            podman_exec(
+                c,
+                "rm",
+                "-rf",
+                "/etc/systemd/system/sglang-ro.service",
+                "/etc/sglang/ro.env",
+                "/etc/sglang/pending/sglang-ro.service",
+                "/etc/sglang/pending/ro.env",
+                "/etc/sglang/secrets/ro.env",
+                "/var/lib/sglang/known-good/ro",
+            )
+            podman_exec(c, "systemctl", "daemon-reload")
+
+
+def rows_by_host(doc: dict) -> dict[str, dict]:
+    return {r["host"]: r for r in doc["rows"] if r["instance"] == "ro"}
+
+
+def test_a_clean_rollout_under_load_loses_no_request(fleet):
+    _, containers, inventory, run = fleet
+    router = containers[ROUTER]
+    pids = {n: main_pid(containers[n]) for n in NODES}
+    new = json.dumps({"sglang_instances": [{**RO, "env": {"LAB_ROLLOUT": str(time.time_ns())}}]})
+    load = Load(router)
+    t0 = time.monotonic()
+    try:
+        code, doc, proc = run("rollout", "-e", new, "-e", GATE, inventory=inventory)
+    finally:
+        stats = load.stop()
+    took = time.monotonic() - t0
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert code == 0, out
+    rows = rows_by_host(doc)
+    assert {n: rows[n]["result"] for n in NODES} == {n: "restarted" for n in NODES}, out
+    assert all(main_pid(containers[n]) != pids[n] for n in NODES)  # every replica restarted
+    assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}
+    assert stats["lost"] == 0, stats["failures"]
+    assert stats["sent"] >= 20, stats
+    print(f"clean rollout of {len(NODES)} replicas in {took:.0f} s under load: {json.dumps(stats)}")
+
+
+def test_a_canary_that_crashes_on_first_decode_stops_the_rollout_rolled_back_and_back_in(fleet):
+    the_lab, containers, _, run = fleet
+    router = containers[ROUTER]
+    faulty = write_inventory(
+        the_lab,
+        "rollout-crash-hosts.yml",
+        {"lab-node1": [{**RO, "env": {"LAB_STANDIN_FAULT": "crash-first-decode"}}], "lab-node2": [RO]},
+    )
+    untouched = main_pid(containers["lab-node2"])
+    load = Load(router)
+    try:
+        code, doc, proc = run("rollout", "-e", GATE, inventory=faulty)
+    finally:
+        stats = load.stop()
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert code == 5, out  # rolled back: the known-good configuration serves
+    rows = rows_by_host(doc)
+    assert rows["lab-node1"]["result"] == "rolled_back", out
+    assert "rollback" in rows["lab-node1"]["detail"], rows
+    assert main_pid(containers["lab-node2"]) == untouched  # the rollout stopped before it
+    assert rows.get("lab-node2", {}).get("result") != "restarted"
+    assert "LAB_STANDIN_FAULT" not in podman_exec(containers["lab-node1"], "cat", "/etc/sglang/ro.env")
+    assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}  # rejoined
+    assert stats["lost"] == 0, stats["failures"]
+    print(f"crashing canary under load: {json.dumps(stats)}")
+
+
+def test_a_canary_slower_than_the_fleet_is_rolled_back_and_stops_the_rollout(fleet):
+    the_lab, containers, _, run = fleet
+    router = containers[ROUTER]
+    slow = write_inventory(
+        the_lab,
+        "rollout-slow-hosts.yml",
+        {"lab-node1": [{**RO, "env": {"LAB_STANDIN_TOKENS_PER_S": "150"}}], "lab-node2": [RO]},
+    )
+    untouched = main_pid(containers["lab-node2"])
+    code, doc, proc = run("rollout", inventory=slow)  # the default gate: more than 20 % slower than the fleet
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert code == 5, out
+    row = rows_by_host(doc)["lab-node1"]
+    assert row["result"] == "rolled_back" and "throughput_vs_profile_baseline" in row["detail"], row
+    assert main_pid(containers["lab-node2"]) == untouched
+    assert "LAB_STANDIN_TOKENS_PER_S" not in podman_exec(containers["lab-node1"], "cat", "/etc/sglang/ro.env")
+    assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}
