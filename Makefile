@@ -14,9 +14,11 @@ export PY_COLORS ?= 0
 LAB_NODES ?= 2
 LAB_GPUS  ?= 8
 PYTEST_ARGS ?=
-# Line coverage of the host-side and controller-side Python, printed by `make test`;
-# the restart state machine must stay at 90 % or more (issue #10).
-COV := --cov=module_utils/sglang_deploy --cov=driver --cov=filter_plugins --cov-report=term
+# Line coverage of module_utils/, library/, driver/ and filter_plugins/ (.coveragerc: subprocess runs included),
+# printed by `make test`; each of those files must stay at 80 % or more (issue #17, tools/coverage_floor.py),
+# the restart state machine at 90 % or more (issue #10).
+COV := --cov --cov-report=term
+COV_FLOOR := 80
 
 .PHONY: help setup doctor image lab-up lab-down lab-status demo test lint pytest unit e2e molecule upgrade-check lock lock-sglang clean
 
@@ -59,9 +61,10 @@ unit: setup ## pytest without the lab
 e2e: image ## pytest end-to-end tests on their own lab nodes
 	@$(BIN)/python -m pytest -m lab $(PYTEST_ARGS)
 
-pytest: image ## every pytest test, with line coverage (the state machine at least 90 %)
+pytest: image ## every pytest test, with line coverage (each production file at least 80 %, the state machine 90 %)
 	@$(BIN)/python -m pytest $(COV) $(PYTEST_ARGS)
 	@$(BIN)/python -m coverage report --include='module_utils/sglang_deploy/restart.py' --fail-under=90
+	@$(BIN)/python -m coverage json -q -o - | $(BIN)/python tools/coverage_floor.py --floor $(COV_FLOOR) -
 
 molecule: image ## every molecule scenario (create, converge, idempotence, check, verify, destroy)
 	@molecule test --all

@@ -74,6 +74,7 @@ def body_of(kind: str, stream: bool, tokens: int, n: int) -> tuple[str, dict]:
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
     }
 
 

@@ -4,6 +4,7 @@ each flag and variable with the name of the setting that produced it."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -244,16 +245,23 @@ def instance_record(
     }
 
 
+# Characters a unit file cannot hold raw inside a quoted word: a newline or carriage return ends the line (the
+# word's quote then never closes), other control characters are written as C escapes too (systemd.syntax(7)).
+CONTROL = re.compile(r"[\x01-\x08\x0a-\x1f\x7f]")
+
+
 def systemd_quote(args: list[str]) -> str:
-    """An argv as one systemd command line: each word double-quoted when it needs it,
-    with backslash, quote, % (specifier) and $ (variable) escaped."""
+    """An argv as one systemd command line (systemd.service(5), "Command lines"): each word double-quoted when
+    it needs it, with backslash and quote escaped, % (specifier) and $ (variable) doubled, and control characters
+    (a newline) as C escapes, which systemd resolves in a quoted word."""
     out = []
     for arg in args:
         word = str(arg).replace("%", "%%").replace("$", "$$")
         if word and all(c.isalnum() or c in "-_./:=,+@" for c in word):
             out.append(word)
         else:
-            out.append('"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"')
+            word = word.replace("\\", "\\\\").replace('"', '\\"')
+            out.append('"' + CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", word) + '"')
     return " ".join(out)
 
 

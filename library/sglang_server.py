@@ -50,9 +50,16 @@ options:
     description: The hash of the configuration this run staged; a restart refuses to start another (another controller's).
   phase:
     type: str
-    choices: [all, stop, start, confirm]
+    choices: [all, stop, start, confirm, record, rollback_stop, rollback_start, rollback_confirm]
     default: all
-    description: C(all) for one node; an instance spanning nodes restarts in three tasks (stop, start, confirm).
+    description:
+      - C(all) for one node; an instance spanning nodes restarts in four tasks over every node (stop, start,
+        confirm, record) and, when a rank failed, is rolled back on every node in three (rollback_*).
+  group_ok:
+    type: bool
+    default: true
+    description: The other ranks of a multi-node instance are in step; false, the stop refuses and the last rollback phase contains.
+  group_why: {type: str, default: "", description: Why the group is out of step (a rank failed, a node left the run).}
   evidence:
     type: bool
     default: true
@@ -87,6 +94,7 @@ from ansible.module_utils.sglang_deploy import outcomes
 from ansible.module_utils.sglang_deploy.checks import Thresholds
 from ansible.module_utils.sglang_deploy.instance import Instance
 from ansible.module_utils.sglang_deploy.restart import (
+    MULTINODE_PHASES,
     Machine,
     Settings,
     install_signal_handlers,
@@ -120,6 +128,8 @@ SETTINGS = (
     "command",
     "expected_config_hash",
     "phase",
+    "group_ok",
+    "group_why",
     "evidence",
     "evidence_budget_s",
 )
@@ -153,7 +163,9 @@ def main() -> None:
             controller=dict(type="str", default=""),
             command=dict(type="str", default=""),
             expected_config_hash=dict(type="str"),
-            phase=dict(type="str", choices=["all", "stop", "start", "confirm"], default="all"),
+            phase=dict(type="str", choices=["all", *MULTINODE_PHASES], default="all"),
+            group_ok=dict(type="bool", default=True),
+            group_why=dict(type="str", default=""),
             evidence=dict(type="bool", default=True),
             evidence_budget_s=dict(type="float", default=10.0),
             unit_content=dict(type="str"),

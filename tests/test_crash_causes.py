@@ -4,7 +4,6 @@ traceback printed after it by another rank or the launcher, not the second excep
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import traceback
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sglang_deploy import unit
+from support import lab_standin
 
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "tests" / "vectors" / "sglang-crashes"
@@ -93,12 +93,7 @@ def test_a_port_in_use():
 
 
 def standin():
-    spec = importlib.util.spec_from_file_location(
-        "lab_sglang_standin", ROOT / "lab" / "standin" / "lab_sglang_standin.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return lab_standin()
 
 
 def test_the_lab_standins_faults_keep_their_causes(monkeypatch, capsys):

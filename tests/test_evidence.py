@@ -561,7 +561,7 @@ import ansible.module_utils, sglang_deploy, sglang_deploy.evidence, sglang_deplo
 for name in ('', '.evidence', '.instance'):
     sys.modules['ansible.module_utils.sglang_deploy' + name] = sys.modules['sglang_deploy' + name]
 sys.argv = ['sglang_collect', {argfile!r}]
-exec(compile(open({module!r}).read(), 'sglang_collect', 'exec'), {{'__name__': '__main__'}})
+exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
 
 

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from sglang_deploy import launch
 from sglang_deploy.launch import server_argv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,11 +40,11 @@ def installed(tmp_path: Path) -> Path:
     return lib
 
 
-def test_the_installed_launcher_runs_the_module_with_the_key_that_its_command_line_never_shows(tmp_path):
-    lib = installed(tmp_path)
+def fake_server(tmp_path: Path) -> Path:
+    """A directory holding a stand-in server module: it prints what it was given, and what the kernel shows as
+    its command line."""
     mods = tmp_path / "mods"
     mods.mkdir()
-    # A stand-in server module: what it was given, and what the kernel shows as its command line.
     (mods / "fake_server.py").write_text(
         "import json, os, sys\n"
         "if __name__ == '__main__':\n"
@@ -49,6 +52,12 @@ def test_the_installed_launcher_runs_the_module_with_the_key_that_its_command_li
         "    print(json.dumps({'argv': sys.argv[1:], 'cmdline': cmdline, 'env': 'SGLANG_API_KEY' in os.environ,\n"
         "                      'path_clean': not any(p.endswith('libexec') for p in sys.path)}))\n"
     )
+    return mods
+
+
+def test_the_installed_launcher_runs_the_module_with_the_key_that_its_command_line_never_shows(tmp_path):
+    lib = installed(tmp_path)
+    mods = fake_server(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(mods), "SGLANG_API_KEY": KEY}
     out = subprocess.run(
         [sys.executable, str(lib / "sglang-launch"), "fake_server", "--port", "30000"],
@@ -68,3 +77,27 @@ def test_the_launcher_without_a_module_says_how_to_call_it(tmp_path):
     lib = installed(tmp_path)
     proc = subprocess.run([sys.executable, str(lib / "sglang-launch")], capture_output=True, text=True)
     assert proc.returncode != 0 and "usage: sglang-launch MODULE" in proc.stderr
+
+
+def test_main_runs_the_module_as_python_m_does_with_the_key_appended(tmp_path):
+    """launch.main from this repository's package (the installed copy above is the same file)."""
+    mods = fake_server(tmp_path)
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'module_utils'}:{mods}", "SGLANG_API_KEY": KEY}
+    code = "from sglang_deploy.launch import main; main()"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "fake_server", "--port", "30000"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    seen = json.loads(out)
+    assert seen["argv"] == ["--port", "30000", "--api-key", KEY] and seen["env"] is False
+    assert KEY not in seen["cmdline"]
+
+
+def test_main_without_a_module_says_how_to_call_it_before_touching_anything(monkeypatch):
+    monkeypatch.setenv("SGLANG_API_KEY", KEY)
+    with pytest.raises(SystemExit, match="usage: sglang-launch MODULE"):
+        launch.main([])
+    assert os.environ["SGLANG_API_KEY"] == KEY

@@ -439,6 +439,81 @@ def test_worker_report_names_a_rank_that_died_without_a_word():
     assert got["error"] == "rank 0 exited -9: no output" and got["env"] == {"NCCL_ALGO": "Ring"}
 
 
+# A torch the ranks import instead of the real one (PYTHONPATH): each rank named in HANG sleeps as a rank stuck in
+# rendezvous or NCCL init would; the others fail at once, as a rank without CUDA does.
+FAKE_TORCH = """\
+import os, sys, time
+rank = sys.argv[sys.argv.index("--rank") + 1]
+if rank in os.environ["HANG"].split(","):
+    time.sleep(120)
+raise ImportError("fake torch: no CUDA on this host")
+"""
+
+
+@pytest.fixture
+def fake_torch(tmp_path, monkeypatch):
+    """fake_torch(hang="1"): the ranks the parent starts import FAKE_TORCH; the ranks in `hang` hang."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    def hang(ranks: str) -> None:
+        monkeypatch.setenv("HANG", ranks)
+
+    return hang
+
+
+def test_worker_kills_the_ranks_still_running_a_grace_after_a_peer_failed(fake_torch):
+    """The worker's parent, in this process: rank 0 fails, rank 1 would wait for it forever; it is killed
+    --grace-s after the failure, not at the budget, and the report names both."""
+    fake_torch("1")
+    args = nccl_worker.parse_args(["--backend", "gloo", "--nprocs", "2", "--budget-s", "60", "--grace-s", "0.5"])
+    args.keep_log = 300
+    got = nccl_worker.launch(args)
+    assert not got["ok"] and got["error"] == "ImportError: fake torch: no CUDA on this host"
+    assert got["timed_out"] is True and got["elapsed_s"] < 30, "killed after the grace, long before the budget"
+    by_rank = {r["rank"]: r for r in got["ranks"]}
+    assert by_rank[0]["rc"] == 1 and "error_text" in by_rank[0]
+    assert by_rank[1]["rc"] == -9 and by_rank[1]["killed"] == "after a peer failed"
+    assert got["world_size"] == 2 and got["sizes"] == [] and got["truncated"] is True
+    assert isinstance(got["log"], str) and len(got["log"]) <= 300
+
+
+def test_worker_main_reports_ranks_killed_at_the_budget(fake_torch, capsys):
+    fake_torch("0,1")
+    rc = nccl_worker.main(["--backend", "gloo", "--nprocs", "2", "--budget-s", "1", "--max-bytes", str(4 * MIB)])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and not report["ok"] and report["timed_out"] is True
+    assert report["error"] == "no size measured within the budget of 1s (a rank hung: rendezvous or NCCL init?)"
+    assert [(r["rank"], r["rc"], r["killed"]) for r in report["ranks"]] == [
+        (0, -9, "at the budget"),
+        (1, -9, "at the budget"),
+    ]
+    assert report["budget_s"] == 1 and report["backend"] == "gloo"
+
+
+def test_worker_counts_the_visible_gpus_or_asks_nvidia_smi(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,,3")
+    assert nccl_worker._gpu_count() == 3
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert nccl_worker._gpu_count() == 0, "no nvidia-smi: no GPU"
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n")
+    smi.chmod(0o755)
+    assert nccl_worker._gpu_count() == 2
+
+
+def test_worker_reads_a_ranks_result_or_nothing(tmp_path):
+    (tmp_path / "ok.json").write_text('{"rank": 0, "results": []}')
+    (tmp_path / "cut.json").write_text('{"rank": 0, "resu')  # killed while writing it
+    assert nccl_worker._read_json(str(tmp_path / "ok.json")) == {"rank": 0, "results": []}
+    assert nccl_worker._read_json(str(tmp_path / "cut.json")) is None
+    assert nccl_worker._read_json(str(tmp_path / "none.json")) is None
+
+
 @pytest.mark.skipif(not os.environ.get("SGD_TORCH_PYTHON"), reason="SGD_TORCH_PYTHON (a python with torch) not set")
 def test_gloo_on_cpu_for_real():
     got = nccl.preflight(
@@ -460,7 +535,7 @@ import ansible.module_utils, sglang_deploy, sglang_deploy.nccl
 sys.modules['ansible.module_utils.sglang_deploy'] = sglang_deploy
 sys.modules['ansible.module_utils.sglang_deploy.nccl'] = sglang_deploy.nccl
 sys.argv = ['nccl_preflight', {argfile!r}]
-exec(compile(open({module!r}).read(), 'nccl_preflight', 'exec'), {{'__name__': '__main__'}})
+exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
 
 
@@ -503,4 +578,5 @@ def test_module_one_gpu_is_skipped_and_bad_sizes_fail(tmp_path):
     rc, out = run_module(tmp_path, {"gpus": [0]}, None)
     assert rc == 0 and out["status"] == "skipped" and out["result"] is None
     rc, out = run_module(tmp_path, {"min_bytes": 0}, None)
-    assert rc == 1 and "min_bytes" in out["msg"]
+    assert rc == 1 and out["outcome"] == "invalid_config"
+    assert out["msg"] == "need 0 < min_bytes <= max_bytes, got 0, 1073741824"

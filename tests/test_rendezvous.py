@@ -608,7 +608,7 @@ import ansible.module_utils, sglang_deploy, sglang_deploy.rendezvous
 sys.modules['ansible.module_utils.sglang_deploy'] = sglang_deploy
 sys.modules['ansible.module_utils.sglang_deploy.rendezvous'] = sglang_deploy.rendezvous
 sys.argv = ['sglang_rendezvous', {argfile!r}]
-exec(compile(open({module!r}).read(), 'sglang_rendezvous', 'exec'), {{'__name__': '__main__'}})
+exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
 
 

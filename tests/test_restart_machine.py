@@ -1700,11 +1700,12 @@ def test_check_mode_takes_the_lock_and_touches_nothing(world, handlers):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_multinode_phases_stop_start_confirm(tmp_path, rank, handlers):
+def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
     w = build(tmp_path, nnodes=2, node_rank=rank)
     w.inst.dist_init_addr = "127.0.0.2:5000"  # rank 0's host, whose server the confirm phase of rank 1 asks
     if rank == 1:
         rank0 = rank0_serving(w.inst.port)
+    before = len(w.generations())
     stop = restart.restart(w.machine(phase="stop"))
     assert stop["outcome"] == outcomes.STOPPED and [p["phase"] for p in stop["phases"]] == [
         "lock",
@@ -1719,21 +1720,83 @@ def test_multinode_phases_stop_start_confirm(tmp_path, rank, handlers):
     serving(w, "new")
     assert w.pending() == []
     confirm = restart.restart(w.machine(phase="confirm"))
-    if rank == 0:  # rank 0 serves: it generated, verified and recorded in its start phase
-        assert start["outcome"] == REST and start["phases"][-1]["phase"] == "record"
-        assert confirm["outcome"] == REST and confirm["changed"] is False
+    assert start["outcome"] == outcomes.STARTED and confirm["outcome"] == outcomes.VERIFIED
+    # Nothing is recorded before every rank is confirmed (the record phase, the next task over every node).
+    assert len(w.generations()) == before
+    if rank == 0:  # rank 0 serves: it generated and verified in its start phase
+        assert [p["phase"] for p in start["phases"]][-4:] == ["promote", "start", "generate", "verify"]
         assert [p["phase"] for p in confirm["phases"]] == ["lock", "stage", "preflight"]
-    else:  # a rank above 0: running (2 s on), verified and recorded once rank 0 serves
-        assert start["outcome"] == outcomes.STARTED and start["msg"] == "m: started", start["msg"]
+    else:  # a rank above 0: running (2 s on), verified once rank 0 serves
+        assert start["msg"] == "m: started", start["msg"]
         assert [p["phase"] for p in start["phases"]][-2:] == ["promote", "start"]
         assert start["phases"][-1]["detail"]["running_after_s"] >= 2.0
-        assert confirm["outcome"] == REST and [p["phase"] for p in confirm["phases"]][-2:] == ["verify", "record"]
+        assert [p["phase"] for p in confirm["phases"]][-1] == "verify"
         assert confirm["verify"]["node_rank"] == 1
+    record = restart.restart(w.machine(phase="record"))
+    assert record["outcome"] == REST and [p["phase"] for p in record["phases"]][-2:] == ["record", "record"]
+    assert len(w.generations()) == before + 1
     rec = json.loads(Path(w.generations()[-1]).read_text())
     assert rec["profile"] == "new" and rec["argv"] == w.running["new"]
     serving(w, "new")
     if rank == 1:
         rank0.shutdown()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_multinode_group_is_rolled_back_in_step_to_its_known_good_generation(tmp_path, rank, handlers):
+    """A rank failed (here or elsewhere): every node, in step, stops, starts its known-good generation, and rank 0
+    verifies it; each node's result of the last phase is rolled_back, serving the known-good profile."""
+    w = build(tmp_path, nnodes=2, node_rank=rank)
+    w.inst.dist_init_addr = "127.0.0.2:5000"
+    if rank == 1:
+        rank0 = rank0_serving(w.inst.port)
+    before = len(w.generations())
+    restart.restart(w.machine(phase="stop"))
+    assert restart.restart(w.machine(phase="start"))["outcome"] == outcomes.STARTED  # the new one runs here
+    serving(w, "new")
+    down = restart.restart(w.machine(phase="rollback_stop"))
+    assert down["outcome"] == outcomes.STOPPED and down["rollback"]["to_profile"] == "good"
+    assert [p["phase"] for p in down["phases"]] == ["lock", "rollback-stop", "rollback-gpus"]
+    stopped(w)
+    up = restart.restart(w.machine(phase="rollback_start"))
+    assert up["outcome"] == outcomes.STARTED, up.get("failure")
+    serving(w, "good")
+    assert w.live() == w.files["good"]
+    done = restart.restart(w.machine(phase="rollback_confirm"))
+    assert done["outcome"] == outcomes.ROLLED_BACK and done["rollback"]["outcome"] == "serving"
+    assert done["verify"]["ok"] and done["profile"] == "good"
+    serving(w, "good")
+    assert len(w.generations()) == before  # the known-good generation was not recorded again
+    if rank == 1:
+        rank0.shutdown()
+
+
+def test_the_last_rollback_phase_contains_a_rank_whose_group_failed_elsewhere(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    restart.restart(w.machine(phase="stop"))
+    restart.restart(w.machine(phase="start"))
+    restart.restart(w.machine(phase="rollback_stop"))
+    restart.restart(w.machine(phase="rollback_start"))
+    serving(w, "good")
+    res = restart.restart(w.machine(phase="rollback_confirm", group_ok=False, group_why="rank 1 on b failed"))
+    assert res["outcome"] == N and res["failure"]["cause"] == "the group's rollback failed: rank 1 on b failed"
+    stopped(w)
+    assert w.live() == w.files["good"]  # what may start at boot is the known-good configuration
+
+
+def test_a_multinode_group_without_a_known_good_generation_is_contained(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0, known_good=False)
+    res = restart.restart(w.machine(phase="rollback_stop"))
+    assert res["outcome"] == N and "no known-good generation of m is recorded" in res["failure"]["cause"]
+    stopped(w)
+
+
+def test_a_multinode_stop_is_refused_when_a_rank_is_not_in_the_run(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    res = restart.restart(w.machine(phase="stop", group_ok=False, group_why="1 of its 2 nodes not in this run"))
+    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
+    assert res["failure"]["cause"] == "1 of its 2 nodes not in this run. Nothing was stopped on any node."
+    assert w.host.calls == []  # not even the lock
 
 
 def rank0_serving(port: int) -> ThreadingHTTPServer:
@@ -1766,13 +1829,16 @@ def test_a_rank_above_0_is_not_confirmed_while_rank_0_does_not_serve(tmp_path, h
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_multinode_start_failure_is_contained_on_the_node_without_rollback(tmp_path, rank, handlers):
+def test_a_multinode_start_failure_is_contained_on_the_node_for_the_group_rollback(tmp_path, rank, handlers):
     w = build(tmp_path, nnodes=2, node_rank=rank)
     restart.restart(w.machine(phase="stop"))
     w.host.behave("new", crash_at_start=True)
     res = restart.restart(w.machine(phase="start"))
     assert res["outcome"] == N and res["failure"]["phase"] == "start"
-    assert res["rollback"] == {"attempted": False, "why": "m spans 2 nodes: no automatic rollback across nodes"}
+    assert res["rollback"] == {
+        "attempted": False,
+        "why": "m spans 2 nodes: restart.yml rolls every node of it back in step",
+    }
     stopped(w)
     assert w.live() == w.files["good"]  # the known-good files back, not started
 

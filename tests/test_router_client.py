@@ -25,7 +25,7 @@ import pytest
 
 from sglang_deploy import http
 from sglang_deploy import router as rt
-from support import REPO
+from support import REPO, lab_standin
 
 
 class FakeClock:
@@ -277,34 +277,17 @@ ROUTER_VERSION = "0.3.2"
 WHEELHOUSE = Path.home() / ".cache" / "sglang-deploy" / "wheelhouse"
 
 # The lab stand-in's HTTP server (lab/standin/lab_sglang_standin.py: State, Handler) on a loopback port, stdlib
-# only (no SGLang parser, no simulated GPUs). It counts its running requests into sglang:num_running_reqs here,
-# which the stand-in itself reports as a constant 0 (docs/rollout.md).
+# only (no SGLang parser, no simulated GPUs): it counts its running requests into sglang:num_running_reqs and
+# streams as SGLang does.
 STANDIN = r"""
-import argparse, re, sys, threading
+import argparse, sys
 from http.server import ThreadingHTTPServer
 import lab_sglang_standin as s
 
 port, key, tps = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 args = argparse.Namespace(model_path="/srv/models/lab-target", served_model_name=None, api_key=key,
                           speculative_algorithm=None)
-
-class Counting(s.State):
-    running = 0
-
-    def decode(self, prompt, max_new_tokens):
-        with self.lock:
-            self.running += 1
-        try:
-            return super().decode(prompt, max_new_tokens)
-        finally:
-            with self.lock:
-                self.running -= 1
-
-    def metrics(self):
-        line = f"sglang:num_running_reqs{{model_name=\"lab\"}} {float(self.running)}"
-        return re.sub(r"^sglang:num_running_reqs\{.*$", line, super().metrics(), flags=re.M)
-
-state = Counting(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": tps}, args))
+state = s.State(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": tps}, args))
 state.ready = True
 srv = ThreadingHTTPServer(("127.0.0.1", port), type("H", (s.Handler,), {"state": state}))
 srv.daemon_threads = True
@@ -450,3 +433,63 @@ def test_measure_is_the_verify_load_against_one_worker(real_router):
     assert out["requests"] == 2 and 10 <= out["tokens_per_s"] <= 20.5, out
     with pytest.raises(http.HttpError, match="HTTP 401"):
         rt.measure(w1, "x", 1, 1)  # the worker's key is needed
+
+
+def test_streams_pass_whole_through_the_real_router_and_loadgen_judges_them(real_router):
+    """The stand-in streams as SGLang does (SSE, [DONE]); the router passes it on; loadgen counts it whole."""
+    from bench import loadgen
+
+    r, _, key = real_router
+    for kind in loadgen.KINDS:
+        assert loadgen.one(r.url, key, kind, True, 12, 1, 30) == ("ok", ""), kind
+        assert loadgen.one(r.url, key, kind, False, 12, 1, 30) == ("ok", ""), kind
+    assert loadgen.one(r.url, None, "generate", True, 4, 1, 30)[0] == "failed"  # the router's key is needed
+
+
+def test_loadgen_counts_a_stream_cut_short_as_truncated():
+    from bench import loadgen
+
+    class Cut(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"text": "lab", "meta_info": {"completion_tokens": 1}}\n\n')
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Cut)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        verdict, why = loadgen.one(f"http://127.0.0.1:{srv.server_port}", None, "generate", True, 8, 1, 10)
+    finally:
+        srv.shutdown()
+    assert verdict == "truncated" and "without [DONE] after 1 chunks" in why
+
+
+def test_the_standin_drains_on_sigterm_and_refuses_new_requests(tmp_path):
+    """SGLang's SIGTERM handler (what the stand-in does): no new requests (503), the running ones finish."""
+    s = lab_standin()
+    args = type("A", (), {"model_path": "m", "served_model_name": None, "api_key": None})()
+    args.speculative_algorithm = None
+    state = s.State(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": "20"}, args))
+    state.ready = True
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (s.Handler,), {"state": state}))
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}"
+    try:
+        results = []
+        t = threading.Thread(target=lambda: results.append(http.generate(url, "long", 20)))  # 1 s
+        t.start()
+        wait_until(lambda: rt.running_requests(url) == 1, 10, "one running request in the metrics")
+        state.draining = True
+        with pytest.raises(http.HttpError, match="503"):
+            http.generate(url, "new", 1)
+        t.join(10)
+        assert results and results[0]["completion_tokens"] == 20
+        assert rt.running_requests(url) == 0
+    finally:
+        srv.shutdown()

@@ -15,13 +15,19 @@ What it does like SGLang 0.5.23:
   deprecated /get_* names), and /metrics with sglang:spec_accept_length,
   sglang:gen_throughput and the token counters;
 - reports per-request speculative stats in meta_info (spec_verify_ct,
-  spec_accept_length) as SGLang's tokenizer manager does.
+  spec_accept_length) as SGLang's tokenizer manager does;
+- streams (SSE, `"stream": true`) on /generate, /v1/completions and
+  /v1/chat/completions: one event per few tokens, then `data: [DONE]`;
+- counts its running requests (sglang:num_running_reqs) and, on SIGTERM,
+  drains like SGLang's tokenizer manager: new requests get 503, the running
+  ones finish (up to LAB_STANDIN_DRAIN_S), then it exits.
 
 Knobs (environment, set through the instance's env):
   LAB_STANDIN_READY_S        seconds from process start to ready (default 2)
   LAB_STANDIN_TOKENS_PER_S   decode speed of one request (default 400)
   LAB_STANDIN_ACCEPT_LENGTH  speculative accept length (default 2.6 with a spec algorithm)
   LAB_STANDIN_RELEASE_S      seconds GPU memory takes to free after exit (default 0)
+  LAB_STANDIN_DRAIN_S        at most this many seconds of waiting for running requests on SIGTERM (default 60)
   LAB_STANDIN_FAULT          comma-separated faults:
      crash-startup        exit with a traceback while loading
      crash-first-decode   load, then die on the first decode (the seed's AttributeError)
@@ -74,6 +80,7 @@ class Knobs:
         if "wrong-accept" in self.faults:
             self.accept_length = 1.0
         self.release_s = float(env.get("LAB_STANDIN_RELEASE_S", "4" if "slow-release" in self.faults else "0"))
+        self.drain_s = float(env.get("LAB_STANDIN_DRAIN_S", "60"))
 
 
 def gpus() -> list[int]:
@@ -157,6 +164,8 @@ class State:
         self.argv = argv
         self.knobs = knobs
         self.ready = False
+        self.draining = False
+        self.running = 0  # requests being decoded now (sglang:num_running_reqs)
         self.decodes = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -165,30 +174,47 @@ class State:
         self.last_throughput = 0.0
 
     def decode(self, prompt: str, max_new_tokens: int) -> dict:
+        """A whole answer: the last of decode_stream's pieces."""
+        return list(self.decode_stream(prompt, max_new_tokens, every=0))[-1]
+
+    def decode_stream(self, prompt: str, max_new_tokens: int, every: int = 4):
+        """Yield the answer so far every `every` tokens (0: only once, whole), as SGLang's /generate stream does."""
         if "crash-first-decode" in self.knobs.faults:
             crash_on_decode()
         n = max(1, int(max_new_tokens))
+        step = n if every <= 0 else every
         started = time.monotonic()
-        time.sleep(n / self.knobs.tokens_per_s)
-        elapsed = time.monotonic() - started
         words = ["lab", "stand-in", "tokens"]
-        text = " ".join(words[i % len(words)] for i in range(n))
-        verify_ct = max(1, round(n / self.knobs.accept_length))
         with self.lock:
-            self.decodes += 1
-            self.prompt_tokens += len(prompt.split())
-            self.generation_tokens += n
-            self.verify_ct += verify_ct
-            self.last_throughput = n / elapsed if elapsed > 0 else 0.0
-        meta = {
-            "prompt_tokens": len(prompt.split()),
-            "completion_tokens": n,
-            "e2e_latency": elapsed,
-            "finish_reason": {"type": "length", "length": n},
-        }
-        if self.knobs.spec:
-            meta.update({"spec_verify_ct": verify_ct, "spec_accept_length": n / verify_ct})
-        return {"text": text, "meta_info": meta}
+            self.running += 1
+        try:
+            done = 0
+            while done < n:
+                k = min(step, n - done)
+                time.sleep(k / self.knobs.tokens_per_s)
+                done += k
+                elapsed = time.monotonic() - started
+                text = " ".join(words[i % len(words)] for i in range(done))
+                verify_ct = max(1, round(done / self.knobs.accept_length))
+                meta = {
+                    "prompt_tokens": len(prompt.split()),
+                    "completion_tokens": done,
+                    "e2e_latency": elapsed,
+                    "finish_reason": {"type": "length", "length": n} if done == n else None,
+                }
+                if self.knobs.spec:
+                    meta.update({"spec_verify_ct": verify_ct, "spec_accept_length": done / verify_ct})
+                if done == n:
+                    with self.lock:
+                        self.decodes += 1
+                        self.prompt_tokens += len(prompt.split())
+                        self.generation_tokens += n
+                        self.verify_ct += verify_ct
+                        self.last_throughput = n / elapsed if elapsed > 0 else 0.0
+                yield {"text": text, "meta_info": meta}
+        finally:
+            with self.lock:
+                self.running -= 1
 
     def server_info(self) -> dict:
         info = dict(vars(self.args))
@@ -208,7 +234,7 @@ class State:
             f"sglang:gen_throughput{{{labels}}} {self.last_throughput}",
             "# HELP sglang:num_running_reqs The number of running requests.",
             "# TYPE sglang:num_running_reqs gauge",
-            f"sglang:num_running_reqs{{{labels}}} 0.0",
+            f"sglang:num_running_reqs{{{labels}}} {float(self.running)}",
             "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
             "# TYPE sglang:prompt_tokens_total counter",
             f"sglang:prompt_tokens_total{{{labels}}} {float(self.prompt_tokens)}",
@@ -280,6 +306,18 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def stream(self, events) -> None:
+        """Server-sent events, as SGLang streams: `data: {json}` per piece, then `data: [DONE]`."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()  # no Content-Length: the end of the stream is the connection's close (HTTP/1.0)
+        for event in events:
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
     def body(self) -> dict:
         length = int(self.headers.get("Content-Length") or 0)
         return json.loads(self.rfile.read(length) or b"{}")
@@ -320,40 +358,75 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         st = self.state
-        if not st.ready:
+        if not st.ready or st.draining:
             return self.reply(503)
         path = self.path.split("?", 1)[0]
         if not self.authorized(path):
             return None
         req = self.body()
+        stream = bool(req.get("stream"))
         if path == "/generate":
             params = req.get("sampling_params") or {}
-            return self.reply(200, st.decode(str(req.get("text", "")), params.get("max_new_tokens", 16)))
+            prompt, tokens = str(req.get("text", "")), params.get("max_new_tokens", 16)
+            if stream:
+                return self.stream(st.decode_stream(prompt, tokens))
+            return self.reply(200, st.decode(prompt, tokens))
         if path in ("/v1/completions", "/v1/chat/completions"):
             chat = path.endswith("chat/completions")
             prompt = (
                 " ".join(m.get("content", "") for m in req.get("messages", [])) if chat else str(req.get("prompt", ""))
             )
-            out = st.decode(prompt, req.get("max_tokens", 16))
+            tokens = req.get("max_tokens", 16)
+            head = {
+                "id": f"lab-{st.decodes}",
+                "created": int(time.time()),
+                "model": req.get("model", st.args.model_path),
+            }
+            if stream:
+                usage = bool((req.get("stream_options") or {}).get("include_usage"))
+                return self.stream(openai_chunks(st.decode_stream(prompt, tokens), head, chat, usage))
+            out = st.decode(prompt, tokens)
             meta = out["meta_info"]
             choice = {"index": 0, "finish_reason": "length"}
             choice.update({"message": {"role": "assistant", "content": out["text"]}} if chat else {"text": out["text"]})
             return self.reply(
                 200,
                 {
-                    "id": f"lab-{st.decodes}",
+                    **head,
                     "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()),
-                    "model": req.get("model", st.args.model_path),
                     "choices": [choice],
-                    "usage": {
-                        "prompt_tokens": meta["prompt_tokens"],
-                        "completion_tokens": meta["completion_tokens"],
-                        "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
-                    },
+                    "usage": usage_of(meta),
                 },
             )
         return self.reply(404, {"detail": "Not Found"})
+
+
+def usage_of(meta: dict) -> dict:
+    return {
+        "prompt_tokens": meta["prompt_tokens"],
+        "completion_tokens": meta["completion_tokens"],
+        "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
+    }
+
+
+def openai_chunks(pieces, head: dict, chat: bool, usage: bool):
+    """OpenAI-style stream chunks (the text added since the last piece); usage in a last chunk when asked."""
+    sent = ""
+    meta: dict = {}
+    for piece in pieces:
+        meta = piece["meta_info"]
+        delta, sent = piece["text"][len(sent) :], piece["text"]
+        finish = "length" if meta["finish_reason"] else None
+        choice = {"index": 0, "finish_reason": finish}
+        choice.update({"delta": {"content": delta}} if chat else {"text": delta})
+        yield {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [choice]}
+    if usage and meta:
+        yield {
+            **head,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "choices": [],
+            "usage": usage_of(meta),
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,6 +450,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def stop(signum, frame):
         log(f"Received signal {signum}; shutting down")
+        state = Handler.__dict__.get("state")
+        if signum == signal.SIGTERM and state is not None and state.ready:
+            # As SGLang's tokenizer manager does on SIGTERM: no new requests, the running ones finish.
+            state.draining = True
+            deadline = time.monotonic() + knobs.drain_s
+            if state.running:
+                log(f"Gracefully exiting... remaining number of requests {state.running}")
+            while state.running and time.monotonic() < deadline:
+                time.sleep(0.05)
         left = kill_children(signal.SIGTERM, wait=2.0)
         if left:
             log(f"children {sorted(left)} still running after SIGTERM; exiting without them")

@@ -95,26 +95,39 @@ class Instance:
 
 
 def read_env_file(path: str) -> dict[str, str]:
-    """NAME="value" lines as the role writes them (env_file_line): quotes, \\\\, \\" and \\$ undone."""
+    """NAME="value" assignments as the role writes them (env_file_line) and systemd reads them: a quoted value
+    may span lines (a multi-line secret), its quotes and backslash escapes undone; # and ; lines are comments."""
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError:
         return {}
-    out = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
+    out: dict[str, str] = {}
+    i, n = 0, len(text)
+    while i < n:
+        eol = text.find("\n", i)
+        line_end = n if eol < 0 else eol
+        line = text[i:line_end].strip()
+        if not line or line[0] in "#;" or "=" not in line:
+            i = line_end + 1
             continue
-        name, value = line.split("=", 1)
-        if len(value) >= 2 and value[0] == value[-1] == '"':
-            value = value[1:-1]
-            chars, i = [], 0
-            while i < len(value):
-                if value[i] == "\\" and i + 1 < len(value):
-                    i += 1
-                chars.append(value[i])
-                i += 1
+        eq = text.index("=", i)
+        name = text[i:eq].strip()
+        j = eq + 1
+        while j < n and text[j] in " \t":
+            j += 1
+        if j < n and text[j] in "\"'":
+            quote, chars, j = text[j], [], j + 1
+            while j < n and text[j] != quote:
+                if quote == '"' and text[j] == "\\" and j + 1 < n:
+                    j += 1
+                chars.append(text[j])
+                j += 1
             value = "".join(chars)
-        out[name.strip()] = value
+            eol = text.find("\n", j)
+            i = n if eol < 0 else eol + 1
+        else:
+            value = text[j:line_end].strip()
+            i = line_end + 1
+        out[name] = value
     return out

@@ -10,7 +10,9 @@ module, a bug) becomes a failure of that phase. What a failure leads to is the s
     RESTART   put the last known-good generation back, start and verify it (ROLLBACK); when
               that is impossible or fails too, contain: the unit stopped, never crash-looping,
               and the files on disk the known-good ones (or, with none, the unit disabled)
-    MULTINODE contain on the failing node (no rollback across nodes)
+    MULTINODE contain on the failing node; restart.yml, which sees every node, then rolls the whole
+              group back in step (MULTINODE_ROLLBACK: every rank stopped, then every rank started on
+              its known-good generation, rank 0 verified, the others confirmed)
     RECORD    the server runs and verified: report what could not be done
 
 So a restart ends in exactly one of: restarted (and verified), rolled back (and serving),
@@ -72,6 +74,11 @@ class Settings:
     controller: str = ""
     command: str = ""
     phase: str = "all"
+    # A multi-node instance's other ranks, as restart.yml saw them across nodes after the last phase: in step, or
+    # not (a rank failed, or its node left the run), and why. Out of step, the stop refuses (nothing stopped) and
+    # the group rollback's last phase contains this rank.
+    group_ok: bool = True
+    group_why: str = ""
     expected_config_hash: str | None = None
     # This run's rendered configuration ({live path: content} of the unit and environment file) and the
     # secrets file's content: staged by the restart itself, under the lock it holds to the end.
@@ -251,11 +258,13 @@ class Machine:
                 running_since = running_since or p.clock()  # a rank above 0: running, and still running 2 s on
                 if p.clock() - running_since >= 2.0:
                     self.argv = p.cmdline(props["MainPID"])
-                    if self.s.phase == "start":
-                        self.save_started()  # the confirm phase (this node's next call) records it
+                    if self.s.phase in SAVES_STARTED:
+                        self.save_started()  # this node's next call confirms and records it
                     return {"main_pid": props["MainPID"], "running_after_s": round(p.clock() - t0, 3)}
             elif props["ActiveState"] == "active" and healthy(i.base, api_key=i.api_key()):
                 self.argv = p.cmdline(props["MainPID"])
+                if self.s.phase in SAVES_STARTED:
+                    self.save_started()  # rank 0 records in the record phase, once every rank is confirmed
                 return {"main_pid": props["MainPID"], "ready_after_s": round(p.clock() - t0, 3)}
             if p.clock() - t0 >= self.s.ready_timeout:
                 lines = p.journal(i.unit, props.get("InvocationID") or None)
@@ -519,17 +528,27 @@ GENERATE = Step(outcomes.GENERATE, Machine.generation)
 VERIFY = Step(outcomes.VERIFY, Machine.verify)
 RECORD = Step(outcomes.RECORD, Machine.record)
 CONFIRM = Step(outcomes.VERIFY, Machine.confirm)
+LOAD_STARTED = Step(outcomes.RECORD, Machine.load_started)
 
 REFUSALS = (LOCK, STAGE, PREFLIGHT)
 RESTART = (STOP, GPUS, PROMOTE, START, GENERATE, VERIFY)
 ROLLBACK = (RESTORE, STOP, GPUS, START, GENERATE, VERIFY)
-# One model over several nodes: one task per phase, each over every node (all ranks down before any starts).
-# No automatic rollback across nodes: a failure contains the instance on the failing node.
+# One model over several nodes: one task per phase, each over every node (all ranks down before any starts;
+# nothing recorded before every rank is confirmed). A failure contains the instance on the failing node; restart.yml
+# then runs MULTINODE_ROLLBACK on every node of the group. Rank 0 serves; the ranks above it have no HTTP server.
 MULTINODE = {
     "stop": (STOP, GPUS),
-    "start": (PROMOTE, START, GENERATE, VERIFY),
-    "confirm": (CONFIRM,),
+    "start": (PROMOTE, START, GENERATE, VERIFY),  # ranks above 0: PROMOTE, START
+    "confirm": (CONFIRM,),  # ranks above 0 (rank 0 serves, then their own checks); rank 0 verified at its start
+    "record": (LOAD_STARTED, RECORD),  # every rank, once every rank is confirmed
 }
+MULTINODE_ROLLBACK = {
+    "rollback_stop": (STOP, GPUS),
+    "rollback_start": (RESTORE, START, GENERATE, VERIFY),  # ranks above 0: RESTORE, START
+    "rollback_confirm": (CONFIRM,),  # ranks above 0; rank 0: VERIFY (again, now that every rank runs)
+}
+MULTINODE_PHASES = (*MULTINODE, *MULTINODE_ROLLBACK)
+SAVES_STARTED = ("start", "rollback_start")
 assert tuple(s.phase for s in (*REFUSALS, *RESTART, RECORD)) == outcomes.RESTART_PHASES
 assert tuple(s.phase for s in ROLLBACK) == outcomes.ROLLBACK_PHASES
 
@@ -546,7 +565,14 @@ def restart(m: Machine) -> dict:
     res = result(m)
     t0 = m.ports.clock()
     try:
-        if refused(m, res, REFUSALS):
+        if m.s.phase == "stop" and not m.s.group_ok:
+            res.update(
+                outcome=outcomes.REFUSED,
+                failure={"phase": outcomes.PREFLIGHT, "cause": f"{m.s.group_why}. Nothing was stopped on any node."},
+            )
+            return res
+        # The group rollback's phases put the known-good generation back: this run's configuration is not staged.
+        if refused(m, res, (LOCK,) if m.s.phase in MULTINODE_ROLLBACK else REFUSALS):
             return res
         if m.s.check_mode:
             res.update(outcome=outcomes.WOULD_RESTART, pending=m.pending)
@@ -691,28 +717,70 @@ def recover(m: Machine, res: dict) -> None:
 
 def multinode(m: Machine, res: dict) -> dict:
     phase, i = m.s.phase, m.inst
+    if phase in MULTINODE_ROLLBACK:
+        return multinode_rollback(m, res)
     steps = MULTINODE[phase]
     if phase == "start" and not i.serves_http:
         steps = (PROMOTE, START)  # verified in the confirm phase, once rank 0 serves
     if phase == "confirm" and i.serves_http:
-        res.update(outcome=outcomes.RESTARTED, changed=False)  # rank 0 verified and recorded in its start phase
-        return res
-    failed = m.run_steps(steps, res["phases"])
+        steps = ()  # rank 0 generated and verified in its start phase
+    failed = m.run_steps(steps[:-1] if phase == "record" else steps, res["phases"])
     if failed is not None:
         res["failure"] = failed[1].as_dict()
         take_evidence(m, res, failed[0].phase)
         res["rollback"] = {
             "attempted": False,
-            "why": f"{i.name} spans {i.nnodes} nodes: no automatic rollback across nodes",
+            "why": f"{i.name} spans {i.nnodes} nodes: restart.yml rolls every node of it back in step",
         }
         m.contain(res)
         return res
-    if phase == "stop":
-        res["outcome"] = outcomes.STOPPED
-    elif phase == "start" and not i.serves_http:
-        res["outcome"] = outcomes.STARTED
-    else:
+    if phase == "record":
         finish_restarted(m, res)
+    else:
+        res["outcome"] = {"stop": outcomes.STOPPED, "start": outcomes.STARTED, "confirm": outcomes.VERIFIED}[phase]
+        if m.verified is not None:
+            res["verify"] = m.verified
+    return res
+
+
+def multinode_rollback(m: Machine, res: dict) -> dict:
+    """One phase of a multi-node group's rollback, every node in step: each rank's newest known-good generation."""
+    phase, i = m.s.phase, m.inst
+    record = Machine.quietly_value(m.store.latest)
+    if record is None or (phase == "rollback_confirm" and not m.s.group_ok):
+        res["failure"] = {
+            "phase": outcomes.ROLLBACK_PREFIX + outcomes.RESTORE,
+            "cause": f"no known-good generation of {i.name} is recorded on this node"
+            if record is None
+            else f"the group's rollback failed: {m.s.group_why}",
+        }
+        res["rollback"] = {"attempted": record is not None, "outcome": "failed", "why": res["failure"]["cause"]}
+        m.contain(res)
+        return res
+    m.target = record
+    i.argv, i.profile = record["argv"], record["profile"]
+    res["rollback"] = {
+        "attempted": True,
+        "to_generation": record.get("generation"),
+        "to_profile": record.get("profile"),
+        "config_hash": record.get("config_hash"),
+    }
+    steps = MULTINODE_ROLLBACK[phase]
+    if phase == "rollback_start" and not i.serves_http:
+        steps = (RESTORE, START)
+    if phase == "rollback_confirm" and i.serves_http:
+        steps = (VERIFY,)
+    failed = m.run_steps(steps, res["phases"], outcomes.ROLLBACK_PREFIX)
+    if failed is not None:
+        res["failure"] = failed[1].as_dict()
+        res["rollback"].update(outcome="failed", failure=res["failure"])
+        m.contain(res)
+        return res
+    if phase == "rollback_confirm":
+        res.update(outcome=outcomes.ROLLED_BACK, profile=record["profile"], verify=m.verified)
+        res["rollback"]["outcome"] = "serving"
+    else:
+        res["outcome"] = outcomes.STOPPED if phase == "rollback_stop" else outcomes.STARTED
     return res
 
 

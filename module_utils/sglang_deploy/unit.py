@@ -63,8 +63,10 @@ def has_failed(props: dict) -> bool:
 
 
 def journal(unit: str, invocation: str | None = None, lines: int = 80) -> list[str]:
+    """The unit's journal, of one invocation: the server's own lines (_SYSTEMD_INVOCATION_ID=) and systemd's about
+    it (INVOCATION_ID=: "Main process exited, code=killed, status=31/SYS"), as journalctl --invocation matches."""
     args = ["journalctl", "--no-pager", "-o", "cat", "-n", str(lines)]
-    args += [f"_SYSTEMD_INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
+    args += [f"_SYSTEMD_INVOCATION_ID={invocation}", "+", f"INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
     try:
         out = subprocess.run(args, capture_output=True, text=True, check=False, timeout=30)
     except (OSError, subprocess.TimeoutExpired):

@@ -121,8 +121,20 @@ def test_deploy_fails_clearly_when_nvidia_smi_fails(lab):
 
 def test_a_wrong_variable_type_is_refused_by_the_argument_spec(lab):
     proc = refused(lab[0], "playbooks/deploy.yml", "-e", "gpu_node_expected_gpus=eight")
-    assert "gpu_node_expected_gpus" in proc.flat
-    assert recap(proc.stdout)["lab-node1"]["changed"] == 0
+    # The role's argument spec (roles/gpu_node/meta/argument_specs.yml) refuses it before any task of the role runs,
+    # naming the variable, what it holds and the type it must be (ansible-core 2.19's words).
+    assert (
+        "TASK [gpu_node : Validating arguments against arg spec 'main' - Base of a GPU node for SGLang servers]"
+        in proc.flat
+    )
+    assert (
+        "Validation of arguments failed: argument 'gpu_node_expected_gpus' is of type str and we were unable to "
+        "convert to int: \"'eight'\" cannot be converted to an int" in proc.flat
+    )
+    assert {h: (r["failed"], r["changed"]) for h, r in recap(proc.stdout).items()} == {
+        "lab-node1": (1, 0),
+        "lab-node2": (1, 0),
+    }
 
 
 def test_lab_down_leaves_no_container_network_or_inventory():

@@ -6,13 +6,12 @@ needs fresh nodes)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from support.e2e import REPO, ansible, driver_runner, lab_gpu_state, main_with, podman_exec
+from support.e2e import REPO, ansible, controller_env, driver_runner, lab_gpu_state, main_with, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -27,7 +26,7 @@ def drive(deployed, tmp_path_factory):
     run = driver_runner(the_lab, ledger, NODE)
 
     def history(*args: str):
-        env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger)}
+        env = {**controller_env(), "SGLANG_DEPLOY_LEDGER": str(ledger)}
         out = subprocess.run(
             [sys.executable, "-m", "driver", "history", "--json", *args],
             cwd=REPO,

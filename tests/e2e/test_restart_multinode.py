@@ -1,6 +1,6 @@
 """One model over two lab nodes (nnodes 2): restart.yml stops every rank before any starts,
-rank 0 waits until ready, generates and verifies, rank 1 is confirmed and recorded; a
-failing rank stops the instance there and says there is no rollback across nodes."""
+rank 0 waits until ready, generates and verifies, rank 1 is confirmed, then both record; a
+rank failing its start rolls the group back on both nodes, in step, to its known-good generation."""
 
 from __future__ import annotations
 
@@ -73,19 +73,30 @@ def restart(the_lab, inv):
     )
 
 
+def phase_times(items: list[dict], name: str) -> list[tuple[float, float]]:
+    """(began, ended) of each run of the phase `name` in these results (wall-clock epoch seconds, as the host saw)."""
+    return [(p["at"], p["at"] + p["seconds"]) for r in items for p in r["phases"] if p["phase"] == name]
+
+
 def test_every_rank_stops_before_any_starts_and_both_are_recorded(nodes, tmp_path):
     the_lab, containers = nodes
     proc = restart(the_lab, inventory_with_multinode(the_lab, tmp_path))
     res = results(proc.stdout)
     assert proc.returncode == 0, {h: [(r["outcome"], r.get("msg")) for r in rs] for h, rs in res.items()}
-    assert [r["outcome"] for r in res["lab-node1"]] == ["stopped", "restarted", "restarted"]
-    assert [r["outcome"] for r in res["lab-node2"]] == ["stopped", "started", "restarted"]
+    for host in ("lab-node1", "lab-node2"):
+        assert [r["outcome"] for r in res[host]] == ["stopped", "started", "verified", "restarted"], host
     rank0 = res["lab-node1"][1]
     assert rank0["verify"]["ok"] and rank0["verify"]["accept_length"] > 1.5
     assert rank0["verify"]["running_profile"] == "eagle3_topk1"
     rank1 = res["lab-node2"][2]
     assert {c["name"] for c in rank1["verify"]["checks"]} == {"unit", "drift", "gpu_processes", "patches"}
-    # Every rank's stop ended before any rank's start began: Ansible ran the phases as tasks over both hosts.
+    # From the times the hosts recorded: every rank's stop ended before any rank's start began, and every rank was
+    # confirmed before any rank recorded (the lab's nodes share this machine's clock).
+    everything = res["lab-node1"] + res["lab-node2"]
+    assert max(end for _, end in phase_times(everything, "stop")) <= min(b for b, _ in phase_times(everything, "start"))
+    confirmed = max(end for _, end in phase_times(res["lab-node2"], "verify"))
+    recorded = [b for b, _ in phase_times(everything, "record")]
+    assert len(recorded) == 4 and confirmed <= min(recorded)  # each rank: load what started, then record it
     for host, container in containers.items():
         argv = podman_exec(
             container, "sh", "-c", "tr '\\0' ' ' < /proc/$(systemctl show -p MainPID --value sglang-mn.service)/cmdline"
@@ -95,16 +106,37 @@ def test_every_rank_stops_before_any_starts_and_both_are_recorded(nodes, tmp_pat
         assert json.loads(podman_exec(container, "sh", "-c", newest))["profile"] == "eagle3_topk1"
 
 
-def test_a_failing_rank_is_reported_and_not_rolled_back_across_nodes(nodes, tmp_path):
+def unit_state(container: str) -> tuple[str, str]:
+    out = podman_exec(container, "systemctl", "show", "-p", "ActiveState,MainPID", "sglang-mn.service")
+    props = dict(line.split("=", 1) for line in out.split())
+    return props["ActiveState"], props["MainPID"]
+
+
+def test_a_rank_failing_its_start_rolls_the_group_back_on_both_nodes_in_step(nodes, tmp_path):
+    """The new configuration dies at start on rank 1: rank 1 is contained, rank 0 (which started it) is stopped too,
+    then both start their known-good generation, rank 0 verifies, rank 1 is confirmed: rolled back, serving."""
     the_lab, containers = nodes
+    good = restart(the_lab, inventory_with_multinode(the_lab, tmp_path))  # a known-good generation on both nodes
+    assert good.returncode == 0, good.stdout[-3000:]
     proc = restart(the_lab, inventory_with_multinode(the_lab, tmp_path, {"LAB_STANDIN_FAULT": "crash-startup"}))
     assert proc.returncode != 0
     res = results(proc.stdout)
-    failed = res["lab-node2"][-1]
-    # Rank 1 dies about 3 s after its start: within its start phase, or found by the confirm phase.
-    assert failed["outcome"] == "not_recovered" and failed["failure"]["phase"] in ("start", "verify"), failed["failure"]
-    assert "no automatic rollback across nodes" in failed["rollback"]["why"]
-    state = podman_exec(
-        containers["lab-node2"], "systemctl", "show", "-p", "ActiveState", "--value", "sglang-mn.service"
-    ).strip()
-    assert state != "active"
+    said = {h: [(r["outcome"], (r.get("failure") or {}).get("phase")) for r in rs] for h, rs in res.items()}
+    # Rank 1 dies half a second after its start: its start phase sees it, or (when systemd had already
+    # restarted it, Restart=on-failure) its confirmation does (the unit restarted behind our back).
+    failed = next((r for r in res["lab-node2"] if r.get("failure")), None)
+    assert failed and failed["outcome"] == "not_recovered", said
+    assert failed["failure"]["phase"] in ("start", "verify"), said
+    assert "rolls every node of it back in step" in failed["rollback"]["why"]
+    for host in ("lab-node1", "lab-node2"):
+        last = res[host][-1]
+        assert last["outcome"] == "rolled_back" and last["rollback"]["outcome"] == "serving", said
+        assert [r["outcome"] for r in res[host]][-3:] == ["stopped", "started", "rolled_back"], said
+    assert res["lab-node1"][-1]["verify"]["ok"]
+    # In step: every rank's rollback stop ended before any rank's rollback start began.
+    everything = res["lab-node1"] + res["lab-node2"]
+    stops, starts = phase_times(everything, "rollback-stop"), phase_times(everything, "rollback-start")
+    assert len(stops) == 2 and len(starts) == 2 and max(e for _, e in stops) <= min(b for b, _ in starts)
+    for container in containers.values():
+        assert unit_state(container)[0] == "active"
+        assert "LAB_STANDIN_FAULT" not in podman_exec(container, "cat", "/etc/sglang/mn.env")

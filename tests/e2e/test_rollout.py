@@ -19,7 +19,7 @@ import time
 import pytest
 import yaml
 
-from support.e2e import REPO, ansible, driver_runner, podman_exec
+from support.e2e import REPO, ansible, driver_runner, labmod, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -161,6 +161,9 @@ def test_a_clean_rollout_under_load_loses_no_request(fleet):
     assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}
     assert stats["lost"] == 0, stats["failures"]
     assert stats["sent"] >= 20, stats
+    # Streamed answers were streamed, through the router, whole ([DONE]); not a whole JSON passed off as one.
+    assert stats["not_streamed"] == 0, stats
+    assert stats["by_kind"]["generate-stream"]["ok"] and stats["by_kind"]["completions-stream"]["ok"], stats
     print(f"clean rollout of {len(NODES)} replicas in {took:.0f} s under load: {json.dumps(stats)}")
 
 
@@ -208,3 +211,58 @@ def test_a_canary_slower_than_the_fleet_is_rolled_back_and_stops_the_rollout(fle
     assert main_pid(containers["lab-node2"]) == untouched
     assert "LAB_STANDIN_TOKENS_PER_S" not in podman_exec(containers["lab-node1"], "cat", "/etc/sglang/ro.env")
     assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}
+
+
+def router_add(container: str, worker: str) -> None:
+    code = (
+        "import json, urllib.request as u; u.urlopen(u.Request("
+        f"'http://127.0.0.1:{ROUTER_PORT}/workers', data=json.dumps({{'url': '{worker}'}}).encode(), "
+        f"headers={{'Authorization': 'Bearer {KEY}', 'Content-Type': 'application/json'}}), timeout=10)"
+    )
+    in_node(container, code)
+
+
+def test_a_replica_node_down_is_reported_unreachable_taken_out_of_the_router_and_stops_the_rollout(fleet):
+    """lab-node2's container killed under load: the canary (lab-node1) rolls, then lab-node2 is reported
+    unreachable, out of the router (before the router's own health check would drop it), the rollout stops. Then
+    the node comes back and the safe restart and the router take it back."""
+    the_lab, containers, inventory, run = fleet
+    router, down = containers[ROUTER], containers["lab-node2"]
+    worker2 = f"http://lab-node2:{RO['port']}"
+    new = json.dumps({"sglang_instances": [{**RO, "env": {"LAB_ROLLOUT": str(time.time_ns())}}]})
+    load = Load(router)
+    t_load = time.monotonic()
+    try:
+        subprocess.run(["podman", "kill", down], check=True, capture_output=True)
+        t_kill = time.monotonic() - t_load
+        code, doc, proc = run("rollout", "-e", new, "-e", GATE, inventory=inventory)
+        t_end = time.monotonic() - t_load
+        listed = router_workers(router)
+    finally:
+        stats = load.stop()
+        subprocess.run(["podman", "start", down], check=True, capture_output=True)
+        labmod.up(the_lab, nodes=len(NODES), gpus=8, timeout=120)  # the node's SSH port is published anew
+        write_inventory(the_lab, "rollout-hosts.yml", {h: [RO] for h in NODES})
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert code == 8, out  # exitcodes.UNREACHABLE
+    rows = rows_by_host(doc)
+    assert rows["lab-node1"]["result"] == "restarted", out
+    assert doc["hosts"]["lab-node2"]["status"] == "unreachable", doc["hosts"]["lab-node2"]
+    assert listed == {f"http://lab-node1:{RO['port']}": True}  # the router routes to the canary only
+    # Lost requests: only those in flight to lab-node2 or sent to it before the rollout took it out, when the
+    # router's retry could not save them (the count, reported); none after the rollout ended.
+    late = [f for f in stats["failures"] if f["at_s"] > t_end + 2]  # loadgen's clock starts a little earlier
+    assert not late, late
+    print(
+        f"node down at {t_kill:.1f} s, rollout ended at {t_end:.1f} s; lost {stats['lost']} of {stats['sent']}: "
+        f"{json.dumps(stats['failures'][:10])}"
+    )
+
+    # Back: the safe restart on the returned node, then into the router, healthy.
+    code, _, proc = run("restart", limit="lab-node2", inventory=inventory)
+    assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    router_add(router, worker2)
+    deadline = time.monotonic() + 60
+    while router_workers(router) != {f"http://{n}:{RO['port']}": True for n in NODES}:
+        assert time.monotonic() < deadline, router_workers(router)
+        time.sleep(0.5)

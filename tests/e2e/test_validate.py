@@ -163,15 +163,21 @@ def test_two_tp4_instances_on_one_host_pass(with_fleet_model_dirs):
             ]
         }
     )
-    ansible(
+    proc = ansible(
         "ansible-playbook",
         "playbooks/validate.yml",
+        "-v",  # the module's result shown: its message says how many instances it found valid
         "--limit",
         "lab-node1",
         "-e",
         two,
         inventory=with_fleet_model_dirs.inventory,
     )
+    flat = " ".join(proc.stdout.split())
+    assert "2 instance(s) valid (" in flat, proc.stdout[-3000:]  # sglang_validate's verdict on both, in one call
+    assert "problems: []" in flat
+    out = recap(proc.stdout)
+    assert set(out) == {"lab-node1"} and (out["lab-node1"]["failed"], out["lab-node1"]["changed"]) == (0, 0)
 
 
 def test_a_port_held_by_another_process_is_refused_and_its_holder_named(with_fleet_model_dirs, lab):

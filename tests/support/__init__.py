@@ -7,6 +7,7 @@ and tests/e2e/conftest.py; no test module imports from another test module.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import time
 from collections.abc import Callable
@@ -17,6 +18,16 @@ REPO = Path(__file__).resolve().parents[2]
 MODULE_UTILS = REPO / "module_utils"
 
 T = TypeVar("T")
+
+
+def lab_standin():
+    """The lab's SGLang stand-in (lab/standin/lab_sglang_standin.py) as a module, imported from its path."""
+    spec = importlib.util.spec_from_file_location(
+        "lab_sglang_standin", REPO / "lab" / "standin" / "lab_sglang_standin.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_for(what: str, fn: Callable[[], T], timeout: float = 10.0, interval: float = 0.01) -> T:

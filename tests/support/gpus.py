@@ -129,7 +129,7 @@ import ansible.module_utils, sglang_deploy, sglang_deploy.gpu
 sys.modules['ansible.module_utils.sglang_deploy'] = sglang_deploy
 sys.modules['ansible.module_utils.sglang_deploy.gpu'] = sglang_deploy.gpu
 sys.argv = ['gpu_state', {argfile!r}]
-exec(compile(open({module!r}).read(), 'gpu_state', 'exec'), {{'__name__': '__main__'}})
+exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
 
 

@@ -1,0 +1,207 @@
+"""Benchmark the rollout behind sglang-router on the local lab: medians of several runs (docs/rollout.md).
+
+    make lab-up LAB_NODES=3 && ansible-playbook playbooks/deploy.yml   # deployed; GPUs 4-7 free on every node
+    .venv/bin/python bench/rollout_lab.py [--runs 3] [--out docs/bench/rollout-lab.json]
+
+Every lab node is a replica serving one instance `bench` (the stand-in, 4 simulated GPUs, port 30020); the real
+sglang-router (roles/sglang_router, playbooks/router.yml) runs on the first node in front of all of them, and
+bench/loadgen.py runs there too (the router's port is not published), a steady mixed load (streamed and not)
+through the router. Measured:
+
+- steady: the load alone for --steady seconds: its p99 latency;
+- one restart: `python -m driver restart` of one replica, no load (wall seconds);
+- each run: `python -m driver rollout` of every replica with a new configuration under the load: failed or
+  truncated requests (goal 0), p99 latency during the rollout / p99 steady (goal at most 1.5), and the
+  rollout's wall time / (replicas x one restart) (goal at most 1.2).
+
+The bench's own inventory is written next to the lab's (inventory/lab/bench-rollout.yml); at the end the instance
+and the router are stopped and removed from every node (the nodes stay deployed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+LAB_INVENTORY = REPO / "inventory" / "lab" / "hosts.yml"
+ROUTER_PORT = 30110
+KEY = "lab-bench-router-key"
+INSTANCE = {"name": "bench", "port": 30020, "gpus": [4, 5, 6, 7]}
+
+
+def podman_exec(container: str, *cmd: str, check: bool = True) -> str:
+    return subprocess.run(["podman", "exec", container, *cmd], check=check, capture_output=True, text=True).stdout
+
+
+def write_inventory(env: dict | None = None) -> tuple[Path, list[str], dict[str, str]]:
+    doc = yaml.safe_load(LAB_INVENTORY.read_text(encoding="utf-8"))
+    hosts = doc["all"]["children"]["sglang_nodes"]["hosts"]
+    names = sorted(hosts)
+    for h in names:
+        hosts[h]["sglang_instances"] = [{**INSTANCE, "env": env or {}}]
+    hosts[names[0]].update(
+        {
+            "sglang_router_port": ROUTER_PORT,
+            "sglang_router_prometheus_port": 29110,
+            "sglang_router_api_key": KEY,
+            "sglang_router_limit_nofile": 16384,  # below the lab container's hard limit
+        }
+    )
+    doc["all"]["children"]["sglang_replicas"] = {"hosts": {h: None for h in names}}
+    doc["all"]["children"]["sglang_routers"] = {"hosts": {names[0]: None}}
+    path = LAB_INVENTORY.parent / "bench-rollout.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    containers = {h: hosts[h]["lab_container"] for h in names}
+    return path, names, containers
+
+
+def driver(ledger: Path, *args: str) -> tuple[int, float, str]:
+    env = {**os.environ, "SGLANG_DEPLOY_LEDGER": str(ledger), "COLUMNS": "200"}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "driver", *args], cwd=REPO, env=env, capture_output=True, text=True, check=False
+    )
+    return proc.returncode, time.monotonic() - t0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+class Load:
+    """bench/loadgen.py on the router's node, through the router, until stopped."""
+
+    def __init__(self, container: str, seconds: float = 900):
+        self.container = container
+        podman_exec(container, "rm", "-f", "/tmp/bench-load.stop", "/tmp/bench-load.ready")
+        self.proc = subprocess.Popen(
+            [
+                *("podman", "exec", container, "python3", "/tmp/loadgen.py"),
+                *("--url", f"http://127.0.0.1:{ROUTER_PORT}", "--api-key", KEY, "--concurrency", "3"),
+                *("--stop-file", "/tmp/bench-load.stop", "--ready-file", "/tmp/bench-load.ready"),
+                *("--duration", str(seconds)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 30
+        while podman_exec(container, "sh", "-c", "test -f /tmp/bench-load.ready && echo y || true").strip() != "y":
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit("the load generator did not start")
+            time.sleep(0.2)
+
+    def stop(self) -> dict:
+        podman_exec(self.container, "touch", "/tmp/bench-load.stop")
+        out, err = self.proc.communicate(timeout=120)
+        if self.proc.returncode != 0:
+            raise SystemExit(f"loadgen failed: {err[-2000:]}")
+        return json.loads(out)
+
+
+def med(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
+def cleanup(containers: dict[str, str], router: str) -> None:
+    podman_exec(containers[router], "sh", "-c", "systemctl disable --now sglang-router.service || true", check=False)
+    podman_exec(containers[router], "rm", "-f", "/etc/systemd/system/sglang-router.service", check=False)
+    for c in containers.values():
+        podman_exec(c, "sh", "-c", "systemctl disable --now sglang-bench.service || true", check=False)
+        podman_exec(
+            c,
+            *("rm", "-rf", "/etc/systemd/system/sglang-bench.service", "/etc/sglang/bench.env"),
+            *("/etc/sglang/pending/sglang-bench.service", "/etc/sglang/pending/bench.env"),
+            *("/etc/sglang/secrets/bench.env", "/var/lib/sglang/known-good/bench"),
+            check=False,
+        )
+        podman_exec(c, "systemctl", "daemon-reload", check=False)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steady", type=float, default=30.0, help="seconds of load alone, for its p99")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "rollout-lab.json")
+    a = ap.parse_args()
+    if not LAB_INVENTORY.exists():
+        print("no lab: run `make demo` (or make lab-up and deploy.yml) first", file=sys.stderr)
+        return 2
+    inventory, names, containers = write_inventory()
+    router = names[0]
+    ledger = REPO / ".bench-ledger.sqlite3"
+    try:
+        code, _, out = driver(ledger, "restart", "-i", str(inventory))  # every replica serving, known-good
+        if code:
+            raise SystemExit(f"the replicas did not start (exit {code}):\n{out}")
+        subprocess.run(
+            [REPO / ".venv" / "bin" / "ansible-playbook", "-i", inventory, "playbooks/router.yml"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            ["podman", "cp", str(REPO / "bench" / "loadgen.py"), f"{containers[router]}:/tmp/loadgen.py"], check=True
+        )
+        load = Load(containers[router], a.steady)
+        load.proc.wait(timeout=a.steady + 60)
+        steady = load.stop()
+        one = []
+        for _ in range(a.runs):
+            code, seconds, out = driver(ledger, "restart", "-i", str(inventory), "--limit", names[-1])
+            if code:
+                raise SystemExit(f"one restart failed (exit {code}):\n{out}")
+            one.append(round(seconds, 2))
+        runs = []
+        for _ in range(a.runs):
+            inventory, _, _ = write_inventory({"LAB_BENCH": str(time.time_ns())})
+            load = Load(containers[router])
+            try:
+                code, seconds, out = driver(ledger, "rollout", "-i", str(inventory))
+            finally:
+                stats = load.stop()
+            if code:
+                raise SystemExit(f"the rollout failed (exit {code}):\n{out}")
+            runs.append(
+                {
+                    "rollout_s": round(seconds, 2),
+                    "sent": stats["sent"],
+                    "lost": stats["lost"],
+                    "not_streamed": stats["not_streamed"],
+                    "p99_s": stats["p99_s"],
+                    "failures": stats["failures"][:5],
+                }
+            )
+    finally:
+        cleanup(containers, router)
+        ledger.unlink(missing_ok=True)
+    n = len(names)
+    results = {
+        "replicas": n,
+        "runs": runs,
+        "steady": {k: steady[k] for k in ("sent", "lost", "p50_s", "p99_s", "requests_per_s")},
+        "one_restart_s": one,
+        "median_lost": med([r["lost"] for r in runs]),
+        "median_p99_ratio": med([r["p99_s"] / steady["p99_s"] for r in runs]),
+        "median_time_ratio": med([r["rollout_s"] / (n * med(one)) for r in runs]),
+        "goals": {"lost": 0, "p99_ratio": 1.5, "time_ratio": 1.2},
+        "command": " ".join(["bench/rollout_lab.py", *sys.argv[1:]]),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    print(
+        f"| measure ({n} replicas, medians of {a.runs}) | median | goal |\n|---|---|---|\n"
+        f"| failed or truncated requests during the rollout | {results['median_lost']} | 0 |\n"
+        f"| p99 latency during the rollout / p99 steady ({steady['p99_s']} s) | {results['median_p99_ratio']} | 1.5 |\n"
+        f"| rollout time / ({n} x one restart, {med(one)} s) | {results['median_time_ratio']} | 1.2 |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

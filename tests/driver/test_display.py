@@ -1,0 +1,142 @@
+"""driver/display.py beyond the replayed streams (test_replay.py, test_output.py): the live progress on a terminal,
+the instance whose restart was never begun, the journal tail of a failure without a traceback, a failed host
+without instances, Ansible's own words when no task says why, and the summary as an SVG picture."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from driver import display, exitcodes
+from driver.events import NOT_BEGUN, WAITS, Tracker
+from module_utils.sglang_deploy import outcomes
+
+
+def event(kind: str, host: str | None = None, module: str = "", created: str = "2026-01-01T00:00:00", **data):
+    """An ansible-runner event as the driver receives it."""
+    event_data = {**({"host": host} if host else {}), "resolved_action": module, **data}
+    return {"event": kind, "event_data": event_data, "created": created}
+
+
+def fed(command: str, *events: dict) -> Tracker:
+    tracker = Tracker(command)
+    for e in events:
+        tracker.handle(e)
+    return tracker
+
+
+def text_of(renderable, width: int = 200) -> str:
+    from rich.console import Console
+
+    c = Console(file=io.StringIO(), width=width, color_system=None)
+    c.print(renderable)
+    return c.file.getvalue()
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "220")
+
+
+def test_on_a_terminal_progress_is_live_and_says_messages_above_it(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    tracker = fed(
+        "restart",
+        event("runner_on_start", "node-a", "sglang_deploy.sglang_server", task="Run the action on each instance"),
+        event("runner_on_start", "node-b", "ansible.builtin.template", role="sglang_service", task="Write the unit"),
+    )
+    progress = display.Progress(tracker)
+    assert progress.live is not None
+    with progress:
+        progress.update()
+        progress.say("Ctrl-C: finishing the restarts in progress")
+        rows = text_of(progress.render())
+    assert "Ctrl-C: finishing the restarts in progress" in capsys.readouterr().err
+    assert f"Run the action on each instance: {WAITS['restart']}" in rows
+    assert "node-b" in rows and "configure" in rows and "Write the unit" in rows
+
+
+def test_elsewhere_progress_prints_one_line_per_phase_change_and_quiet_prints_none(capsys):
+    tracker = fed("verify", event("runner_on_start", "node-a", "sglang_server", task="Verify"))
+    progress = display.Progress(tracker)
+    assert progress.live is None
+    with progress:
+        progress.update()
+        progress.update()  # no change: no second line
+        progress.say("a message")
+    err = capsys.readouterr().err
+    assert err.count("node-a: verify running") == 1 and f"(waiting for: {WAITS['verify']})" in err
+    assert err.endswith("\na message\n")
+    quiet = display.Progress(tracker, quiet=True)
+    quiet.update()
+    assert capsys.readouterr().err == ""
+
+
+def test_status_shows_an_instance_never_begun(capsys, wide):
+    skipped = {"skip_reason": "Conditional result was False", "item": {"name": "main", "profile": "p"}}
+    tracker = fed(
+        "status",
+        event("runner_item_on_skipped", "node-a", "sglang_server", res=skipped),
+        event("playbook_on_stats"),
+    )
+    assert tracker.hosts["node-a"].instances["main"]["outcome"] == NOT_BEGUN
+    display.summary(tracker, exitcodes.INTERRUPTED, run_id=4)
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if "main" in line)
+    assert NOT_BEGUN in line and "active" not in line
+    assert "run 4 recorded in the ledger" in out
+
+
+def test_a_failure_without_a_traceback_shows_its_journal_tail(capsys, wide):
+    res = {
+        "instance": "main",
+        "outcome": outcomes.NOT_RECOVERED,
+        "failure": {"phase": "start", "cause": "exited", "journal_tail": [f"journal line {i}" for i in range(12)]},
+        "phases": [{"phase": "start", "ok": False}],
+    }
+    tracker = fed("restart", event("runner_item_on_failed", "node-a", "sglang_server", task="Run", res=res))
+    display.summary(tracker, tracker.exit_code(), run_id=None)
+    out = capsys.readouterr().out
+    assert "node-a/main: journal tail (start):" in out
+    assert "journal line 11" in out and "journal line 4" in out and "journal line 3" not in out  # the last 8
+
+
+def test_a_failed_host_without_instances_says_its_task_and_message(capsys, wide):
+    res = {"msg": "Timeout (12s) waiting for privilege escalation prompt"}
+    tracker = fed(
+        "deploy", event("runner_on_failed", "node-a", "ansible.builtin.setup", task="Gathering Facts", res=res)
+    )
+    assert tracker.exit_code() == exitcodes.FAILED
+    display.summary(tracker, exitcodes.FAILED, run_id=None)
+    out = capsys.readouterr().out
+    assert "node-a: Gathering Facts: Timeout (12s) waiting for privilege escalation prompt" in out
+    assert "Ansible said:" not in out
+
+
+def test_a_failed_run_no_task_explains_shows_what_ansible_said(capsys, wide):
+    tracker = fed(
+        "deploy",
+        {"event": "verbose", "stdout": "ERROR! the role 'sglang_servic' was not found"},
+        {"event": "verbose", "stdout": "Sunday 01 March 2026  10:00:00 +0000 (0:00:00.010)"},  # the task timer
+    )
+    code = tracker.exit_code(runner_status="failed", rc=1)
+    assert code == exitcodes.FAILED
+    display.summary(tracker, code, run_id=None)
+    out = capsys.readouterr().out
+    assert "Ansible said:\nERROR! the role 'sglang_servic' was not found" in out and "Sunday" not in out
+    display.summary(tracker, exitcodes.OK, run_id=None)
+    assert "Ansible said:" not in capsys.readouterr().out
+
+
+def test_the_summary_is_saved_as_an_svg_picture(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    res = {"instance": "main", "outcome": outcomes.RESTARTED, "downtime_s": 3.5, "verify": {"tokens_per_s": 91.5}}
+    tracker = fed("restart", event("runner_on_ok", "node-a", "sglang_server", res=res), event("playbook_on_stats"))
+    svg = tmp_path / "summary.svg"
+    display.summary(tracker, exitcodes.OK, run_id=2, svg=str(svg))
+    picture = svg.read_text().replace("&#160;", " ")  # rich writes each space as a non-breaking one
+    assert picture.startswith("<svg") and "python -m driver restart" in picture
+    assert "node-a" in picture and "restarted" in picture and "91.5" in picture
+    assert "restarted" in capsys.readouterr().out

@@ -1,0 +1,182 @@
+"""library/sglang_server.py as Ansible runs it: its arguments, each action's result, and which outcomes fail the task.
+
+The state machine itself (module_utils/sglang_deploy/restart.py) is tested in test_restart_machine.py against
+in-process fakes; here the module runs in its own process against stand-ins on this machine: systemctl on
+PATH (its `show` naming a real process whose command line is the instance's argv), the lab's simulated
+nvidia-smi (nvsim), and SGLang's HTTP API served on the instance's loopback port. The instance lock lies under
+tmp_path (the runner's prelude moves it there).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_deploy import outcomes
+from sglang_deploy.lock import InstanceLock
+from support import started
+from support.gpus import simulated
+from support.modules import http_server, instance_record, run_module, systemctl_shim
+
+KEY = "server-key-never-shown"
+
+
+def sglang_api(method, path, body, headers):
+    """SGLang's HTTP API, as far as status and verify read it (no speculative decoding)."""
+    if headers.get("Authorization") != f"Bearer {KEY}":
+        return 401, {"error": "Unauthorized"}
+    if path in ("/health", "/health_generate"):
+        return 200, ""
+    if path == "/server_info":
+        return 200, {"speculative_algorithm": None}
+    if path == "/generate":
+        n = body["sampling_params"]["max_new_tokens"]
+        return 200, {"text": " Paris, the capital of France.", "meta_info": {"completion_tokens": n}}
+    return 404, {}
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A host with the instance `m` running: (record, environment, lock dir, systemctl log, SGLang's requests)."""
+    _, env = simulated(tmp_path)  # tmp_path/bin/nvidia-smi over 4 simulated GPUs
+    with http_server(sglang_api) as (base, seen):
+        port = int(base.rsplit(":", 1)[1])
+        argv = [sys.executable, "-c", "import time; time.sleep(120)", "--port", str(port)]
+        proc = started(argv)  # the unit's main process: its /proc cmdline is the instance's argv
+        try:
+            record = instance_record(tmp_path, port=port, argv=argv)
+            secrets = Path(record["secrets_path"])
+            secrets.parent.mkdir(parents=True)
+            secrets.write_text(f'SGLANG_API_KEY="{KEY}"\n')
+            log = tmp_path / "systemctl.log"
+            props = {"ActiveState": "active", "SubState": "running", "MainPID": proc.pid, "NRestarts": 0}
+            systemctl_shim(tmp_path / "bin", {**props, "UnitFileState": "enabled"}, log)
+            yield record, env, tmp_path / "locks", log, seen
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def prelude(lock_dir: Path) -> str:
+    """The state machine's ports as on a host, but for the lock directory."""
+    return (
+        "import ansible.module_utils.sglang_deploy.restart as r; _ports = r.Ports; "
+        f"r.Ports = lambda: _ports(lock_dir={str(lock_dir)!r})"
+    )
+
+
+def server_module(tmp_path, node, check_mode=False, **args) -> tuple[int, dict]:
+    record, env, locks, _, _ = node
+    args = {"instance": record, "state_dir": str(tmp_path / "state"), "evidence": False, **args}
+    return run_module("sglang_server", args, tmp_path, env=env, check_mode=check_mode, prelude=prelude(locks))
+
+
+def test_status_reports_the_running_instance_and_never_its_key(tmp_path, node):
+    rc, out = server_module(tmp_path, node, action="status")
+    assert rc == 0 and out["outcome"] == outcomes.STATUS and out["changed"] is False, out
+    assert out["errors"] == [] and out["msg"] == "m: active/running, profile default"
+    assert out["state"] == "active/running" and out["running_profile"] == "default" and out["drift"] is False
+    assert out["enabled"] == "enabled" and out["health"] is True and out["accept_length"] is None
+    assert set(out["gpu_memory_mib"]) == {"0", "1"}  # the instance's GPUs (JSON keys are strings)
+    assert out["known_good"] is None and out["pending"] is False and out["lock"] is None
+    assert KEY not in str(out)
+
+
+def test_verify_of_a_healthy_instance_succeeds(tmp_path, node):
+    *_, seen = node
+    rc, out = server_module(tmp_path, node, action="verify", load_requests=2, load_max_new_tokens=8)
+    assert rc == 0 and out["outcome"] == outcomes.VERIFIED and out["msg"] == "m: verified", out
+    v = out["verify"]
+    assert v["ok"] is True and v["failed_checks"] == [] and v["tokens_per_s"] > 0
+    assert [c["name"] for c in v["checks"]] == [
+        "unit",
+        "drift",
+        "gpu_processes",
+        "health_generate",
+        "generate",
+        "patches",
+    ]
+    assert seen.count(("POST", "/generate")) == 3  # the generation, then the load of 2
+
+
+def test_a_failed_verification_fails_the_task_with_the_failed_checks(tmp_path, node):
+    log = node[3]
+    systemctl_shim(log.parent / "bin", {"ActiveState": "active", "SubState": "running", "MainPID": 0}, log)
+    rc, out = server_module(tmp_path, node, action="verify", load_requests=0)
+    assert rc == 1 and out["failed"] is True and out["outcome"] == outcomes.VERIFY_FAILED
+    assert (
+        out["failure"]["phase"] == outcomes.VERIFY and "drift: running command line differs" in out["failure"]["cause"]
+    )
+    assert out["msg"].startswith("m: verification failed: drift:") and "evidence" not in out
+
+
+def test_restart_in_check_mode_runs_the_refusals_only(tmp_path, node):
+    record, _, locks, log, seen = node
+    for path, text in ((record["unit_path"], "[Service]\n"), (record["env_path"], "A=1\n")):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    rc, out = server_module(tmp_path, node, check_mode=True, action="restart")
+    assert rc == 0 and out["outcome"] == outcomes.WOULD_RESTART and out["changed"] is False, out
+    assert [p["phase"] for p in out["phases"]] == [outcomes.LOCK, outcomes.STAGE, outcomes.PREFLIGHT]
+    assert all(p["ok"] for p in out["phases"]) and out["msg"] == "m: would_restart (check mode)"
+    assert (locks / "m.lock").read_text() == "", "the lock was taken and released"
+    assert not log.exists() and seen == [], "no systemctl call, no request to the server"
+
+
+def test_restart_while_another_operation_holds_the_lock_is_refused(tmp_path, node):
+    locks = node[2]
+    with InstanceLock("m", "rollback m (profile default)", "other", "driver rollback", str(locks)):
+        rc, out = server_module(tmp_path, node, action="restart")
+    assert rc == 1 and out["outcome"] == outcomes.LOCKED and out["changed"] is False
+    assert out["lock"]["holder"]["operation"] == "rollback m (profile default)"
+    assert out["failure"]["phase"] == outcomes.LOCK
+
+
+def test_rollback_of_an_instance_spanning_nodes_is_refused(tmp_path, node):
+    record = node[0]
+    rc, out = server_module(tmp_path, node, action="rollback", instance={**record, "nnodes": 2})
+    assert rc == 1 and out["outcome"] == outcomes.REFUSED and out["failure"]["phase"] == outcomes.RESTORE
+    assert "m spans 2 nodes" in out["failure"]["cause"] and out["msg"].startswith("m: restore failed: m spans 2 nodes")
+
+
+def test_rollback_without_a_known_good_generation_is_refused_having_touched_nothing(tmp_path, node):
+    _, _, _, log, _ = node
+    rc, out = server_module(tmp_path, node, action="rollback")
+    assert rc == 1 and out["outcome"] == outcomes.REFUSED and out["changed"] is False
+    assert "no known-good generation of m is recorded" in out["failure"]["cause"]
+    assert not log.exists() or "stop" not in log.read_text()
+
+
+def test_arguments_refused_before_anything_runs(tmp_path, node):
+    record = node[0]
+    rc, out = server_module(tmp_path, node, action="status", gpu_interval=0.5)
+    assert rc == 1 and out["outcome"] == outcomes.INVALID_CONFIG
+    assert out["msg"] == "gpu_interval is 0.5: poll at least every 0.25 s"
+    rc, out = server_module(tmp_path, node, action="status", instance={**record, "name": "M/x"})
+    assert rc == 1 and out["outcome"] == outcomes.INVALID_CONFIG
+    assert out["msg"].startswith("instance: not a rendered instance record")
+    rc, out = server_module(tmp_path, node, action="reboot")
+    assert rc == 1 and "action" in out["msg"] and "outcome" not in out
+
+
+def test_a_restart_stages_the_rendered_configuration_given_to_it(tmp_path, node):
+    """unit_content and env_content: the restart stages them under its lock (here in check mode: nothing written)."""
+    record = node[0]
+    rc, out = server_module(
+        tmp_path,
+        node,
+        check_mode=True,
+        action="restart",
+        unit_content="[Service]\n",
+        env_content="A=1\n",
+        secrets_content=f'SGLANG_API_KEY="{KEY}"\n',
+    )
+    # Nothing is on disk yet and check mode writes nothing: the preflight cannot read the configuration to start.
+    assert rc == 1 and out["outcome"] == outcomes.REFUSED, out
+    stage = next(p for p in out["phases"] if p["phase"] == outcomes.STAGE)
+    assert stage["ok"] is True and stage["detail"]["outcome"] == outcomes.STAGED
+    assert stage["detail"]["wrote"] == sorted([record["unit_path"], record["env_path"]])
+    assert not os.path.exists(record["unit_path"]) and KEY not in str(out)
