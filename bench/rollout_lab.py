@@ -14,8 +14,9 @@ through the router. Measured:
   truncated requests (goal 0), p99 latency during the rollout / p99 steady (goal at most 1.5), and the
   rollout's wall time / (replicas x one restart) (goal at most 1.2).
 
-The bench's own inventory is written next to the lab's (inventory/lab/bench-rollout.yml); at the end the instance
-and the router are stopped and removed from every node (the nodes stay deployed).
+The bench's own inventory is written into the lab's state directory (.lab/bench-rollout.yml, ignored by git), its
+driver runs go to a ledger in a temporary directory; at the end the instance and the router are stopped and
+removed from every node (the nodes stay deployed).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +60,8 @@ def write_inventory(env: dict | None = None) -> tuple[Path, list[str], dict[str,
     )
     doc["all"]["children"]["sglang_replicas"] = {"hosts": {h: None for h in names}}
     doc["all"]["children"]["sglang_routers"] = {"hosts": {names[0]: None}}
-    path = LAB_INVENTORY.parent / "bench-rollout.yml"
+    path = REPO / ".lab" / "bench-rollout.yml"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     containers = {h: hosts[h]["lab_container"] for h in names}
     return path, names, containers
@@ -134,7 +137,8 @@ def main() -> int:
         return 2
     inventory, names, containers = write_inventory()
     router = names[0]
-    ledger = REPO / ".bench-ledger.sqlite3"
+    scratch = tempfile.TemporaryDirectory(prefix="sgd-bench-rollout-")
+    ledger = Path(scratch.name) / "ledger.sqlite3"
     try:
         code, _, out = driver(ledger, "restart", "-i", str(inventory))  # every replica serving, known-good
         if code:
@@ -179,7 +183,7 @@ def main() -> int:
             )
     finally:
         cleanup(containers, router)
-        ledger.unlink(missing_ok=True)
+        scratch.cleanup()
     n = len(names)
     results = {
         "replicas": n,
