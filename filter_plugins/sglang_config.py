@@ -13,6 +13,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "module_utils"))
 from sglang_deploy.instance import NAME
 from sglang_deploy.procinfo import SECRET_FLAGS
+from sglang_deploy.router import worker_url
 
 
 class ConfigError(ValueError):
@@ -278,4 +279,6 @@ class FilterModule:
             "sglang_instance": sglang_instance,
             "systemd_quote": systemd_quote,
             "env_file_line": lambda item: env_file_line(*item),
+            # host | sglang_worker_url(port, scheme): a router worker's URL (sglang_deploy.router.worker_url).
+            "sglang_worker_url": worker_url,
         }

@@ -493,3 +493,12 @@ def test_the_standin_drains_on_sigterm_and_refuses_new_requests(tmp_path):
         assert rt.running_requests(url) == 0
     finally:
         srv.shutdown()
+
+
+def test_worker_url_is_written_once_for_the_router_role_and_the_rollout():
+    from filter_plugins.sglang_config import FilterModule
+
+    assert rt.worker_url("gpu-node-01.example.internal", 30000) == "http://gpu-node-01.example.internal:30000"
+    assert rt.worker_url("fd00::12", "30001", "https") == "https://[fd00::12]:30001"
+    assert rt.worker_url("[fd00::12]", 30001) == "http://[fd00::12]:30001"  # already bracketed: not twice
+    assert FilterModule().filters()["sglang_worker_url"] is rt.worker_url

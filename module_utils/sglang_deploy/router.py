@@ -38,6 +38,13 @@ class RouterError(RuntimeError):
     pass
 
 
+def worker_url(host: str, port: int, scheme: str = "http") -> str:
+    """A worker's URL as the router role registers it and the rollout names it: scheme://host:port, an IPv6
+    address in brackets (the one place this is written; roles reach it through the sglang_worker_url filter)."""
+    host = str(host).strip().strip("[]")
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{int(port)}"
+
+
 def normalize(url: str) -> str:
     """A worker URL as the router lists it: no trailing slash."""
     return str(url).strip().rstrip("/")
