@@ -6,6 +6,7 @@ Only argparse is imported at start-up: `--help` answers at once (bench/driver_he
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from driver import exitcodes
@@ -212,6 +213,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
     )
     t0 = time.monotonic()
     code = exitcodes.FAILED  # what the row says if the driver itself fails below
+    outcome = None
     try:
         with display.Progress(tracker, quiet=args.json) as progress:
             interrupts.say = progress.say
@@ -231,6 +233,12 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
     finally:
         if interrupts.interrupted:
             code = exitcodes.INTERRUPTED
+        try:
+            with runner.open_private(record) as sink:
+                status, rc = (outcome.status, outcome.rc) if outcome else (None, None)
+                sink.write(json.dumps(events.result_event(status, rc, interrupts.interrupted, code)) + "\n")
+        except OSError as exc:
+            print(f"the run's stream {record} lacks its result: {exc}", file=sys.stderr)
         bundle = None
         try:
             bundle = evidence.package(run_dir, run_id)

@@ -22,6 +22,22 @@ from module_utils.sglang_deploy import outcomes
 PROFILE_LINE = re.compile(r"^\w+day \d+ \w+ \d{4} ")
 
 # A host's phases, as the progress display and the summary name them.
+# The driver's own last line in a run's recorded stream (events.jsonl): how the run ended, as ansible-runner said
+# (status, rc), whether it was interrupted, and the exit code the driver gave. A replayed stream carries the outcome it
+# must map to (tests/driver/test_replay.py). Not an Ansible event: handle() passes over it.
+RESULT = "sglang_deploy_result"
+
+
+def result_event(runner_status: str | None, rc: int | None, interrupted: bool, exit_code: int) -> dict:
+    return {
+        "event": RESULT,
+        "runner_status": runner_status,
+        "rc": rc,
+        "interrupted": interrupted,
+        "exit_code": exit_code,
+    }
+
+
 WAITING, PLAY, VALIDATE, CONFIGURE, PATCH = "waiting", "play", "validate", "configure", "patch"
 SERVER_MODULE = "sglang_server"  # its phase is the command's own (restart, rollback, verify, status)
 # The modules that say which phase a host is in wherever they run (short names: see module_of).

@@ -74,6 +74,13 @@ options:
       the lock it holds to its end, so no other operation can stage between the staging and the start.
   env_content: {type: str, description: See I(unit_content).}
   secrets_content: {type: str, no_log: true, description: The secrets file's content (restart; always the current values).}
+  validate_instances:
+    type: list
+    elements: dict
+    description: >-
+      restart: every rendered instance record of the host, checked first, in this call, as sglang_validate checks
+      them (its cached parser verdict; a refusal, outcome C(invalid_config), touches nothing). Unset: validated before.
+  min_shm_mib: {type: int, default: 0, description: With I(validate_instances), the least size of /dev/shm in MiB.}
 author: sglang-deploy
 """
 
@@ -132,6 +139,7 @@ SETTINGS = (
     "group_why",
     "evidence",
     "evidence_budget_s",
+    "min_shm_mib",
 )
 ACTIONS = {"restart": restart, "rollback": rollback, "verify": verify, "status": status}
 
@@ -171,6 +179,8 @@ def main() -> None:
             unit_content=dict(type="str"),
             env_content=dict(type="str"),
             secrets_content=dict(type="str", no_log=True),
+            validate_instances=dict(type="list", elements="dict"),
+            min_shm_mib=dict(type="int", default=0),
         ),
         supports_check_mode=True,
     )
@@ -193,6 +203,7 @@ def main() -> None:
         check_mode=module.check_mode,
         rendered=rendered if p["action"] == "restart" else None,
         secrets=p["secrets_content"] if rendered is not None else None,
+        validate_instances=p["validate_instances"] if p["action"] == "restart" else None,
         thresholds=Thresholds(**{k: p[k] for k in THRESHOLDS}),
         **{k: p[k] for k in SETTINGS},
     )

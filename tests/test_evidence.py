@@ -2,8 +2,8 @@
 
 With fakes behind evidence.EvidencePorts (commands, clock, /proc and the cgroup root, the GPU snapshot): every
 item in the tar, no secret anywhere in it, never the secrets file, the budget, missing tools, pruning, modes.
-With real processes: a parent and two children dumped by the real py-spy (skipped where none is installed:
-SGLANG_DEPLOY_PY_SPY names one, else .venv/bin/py-spy or PATH).
+With real processes: a parent and two children dumped by the real py-spy (requirements.lock pins it;
+SGLANG_DEPLOY_PY_SPY names another, else .venv/bin/py-spy or PATH).
 """
 
 from __future__ import annotations
@@ -630,7 +630,7 @@ def real_py_spy() -> str | None:
 def test_real_py_spy_dumps_every_rank(tmp_path):
     spy = real_py_spy()
     if spy is None:
-        pytest.skip("py-spy is not installed here (SGLANG_DEPLOY_PY_SPY, .venv/bin/py-spy, PATH)")
+        pytest.fail("py-spy is not installed (SGLANG_DEPLOY_PY_SPY, .venv/bin/py-spy, PATH): `make setup` installs it")
     inst = make_instance(tmp_path)
     (Path(inst.venv) / "bin" / "py-spy").symlink_to(spy)  # found as the unit's virtualenv's own
     tree = subprocess.Popen(

@@ -1428,7 +1428,7 @@ def test_a_sigterm_between_two_phases_still_ends_in_a_defined_outcome(world, han
     def ticking():
         if sys._getframe(1).f_code.co_name == "run_steps":
             n[0] += 1  # run_steps reads the clock twice a step: t0 (before its try), then for the log
-            if n[0] == 7:  # t0 of the stop, after the lock's, the stage's and the preflight's two reads each
+            if n[0] == 9:  # t0 of the stop: two reads each by the lock, validation, stage and preflight
                 world.host.sigterm()
         return clock()
 
@@ -1467,6 +1467,69 @@ def test_a_second_machine_on_the_instance_is_refused_naming_the_holder_and_touch
     assert f"pid {os.getpid()}" in other["msg"] and "from controller ctl-a since" in other["msg"]
     assert all(c[0] == "show" for c in second["calls"])  # nothing touched
     assert [p["phase"] for p in other["phases"]] == ["lock"]
+
+
+def validating(w: World, verdict):
+    """A machine whose restart validates the host's instances itself (restart.yml's replicas), with `verdict` as
+    sglang_deploy.validate.validate_host's: a result, or an exception; the calls it got are kept."""
+    calls = []
+
+    def fake(instances, service_user, **kw):
+        calls.append({"instances": instances, "service_user": service_user, **kw})
+        if isinstance(verdict, Exception):
+            raise verdict
+        return verdict
+
+    m = w.machine(validate_instances=[{"name": "m"}, {"name": "other"}], min_shm_mib=512)
+    m.ports = replace(m.ports, validate=fake)
+    return m, calls
+
+
+def test_a_restart_validating_in_its_own_call_refuses_a_bad_setting_naming_it_and_touches_nothing(world, handlers):
+    problem = {"check": "parser", "key": "sglang_instances[0].flags.speculative_algorithm", "instance": "m"}
+    msg = "m: --speculative-algorithm is EAGLE (set by sglang_instances[0].flags.speculative_algorithm): use EAGLE3"
+    m, calls = validating(
+        world, {"failed": True, "outcome": outcomes.INVALID_CONFIG, "msg": msg, "problems": [problem]}
+    )
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.INVALID_CONFIG and res["changed"] is False
+    assert res["failure"]["phase"] == outcomes.VALIDATE and res["failure"]["problems"] == [problem]
+    assert res["failure"]["cause"] == f"{msg}. Nothing was stopped."
+    assert [p["phase"] for p in res["phases"]] == [outcomes.LOCK, outcomes.VALIDATE]
+    assert res["downtime_s"] == 0.0, "nothing was stopped"
+    untouched(world)
+    (call,) = calls
+    assert call["instances"] == [{"name": "m"}, {"name": "other"}] and call["service_user"] == world.inst.service_user
+    assert (call["min_shm_mib"], call["state_dir"], call["check_mode"]) == (512, world.inst.state_dir, False)
+    assert world.lock_free()
+
+
+def test_a_validation_that_cannot_run_is_a_refusal_with_its_cause(world, handlers):
+    m, _ = validating(world, restart.ValidateError("SGLang's parser failed: exit 1"))
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
+    assert res["failure"] == {"phase": "validate", "cause": "SGLang's parser failed: exit 1. Nothing was stopped."}
+    untouched(world)
+
+
+def test_a_restart_validating_in_its_own_call_goes_on_when_valid(world, handlers):
+    m, calls = validating(world, {"msg": "2 instance(s) valid (2 parser verdict(s) from the cache)", "seconds": 0.04})
+    parser = m.ports.validate
+
+    def slow_parser(*a, **kw):  # SGLang's parser run afresh takes seconds, while the old server still serves
+        world.host.sleep(30.0)
+        return parser(*a, **kw)
+
+    m.ports = replace(m.ports, validate=slow_parser)
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.RESTARTED and len(calls) == 1
+    stop = next(p for p in res["phases"] if p["phase"] == outcomes.STOP)
+    assert res["downtime_s"] == pytest.approx(sum(p["seconds"] for p in res["phases"][res["phases"].index(stop) :]))
+    assert res["downtime_s"] < 30, "the downtime starts at the stop, not with the validation"
+    validate = next(p for p in res["phases"] if p["phase"] == outcomes.VALIDATE)
+    assert validate["ok"] and validate["detail"]["msg"].startswith("2 instance(s) valid")
+    assert [p["phase"] for p in res["phases"]][:3] == [outcomes.LOCK, outcomes.VALIDATE, outcomes.STAGE]
+    serving(world, "new")
 
 
 def test_a_lock_whose_holder_died_does_not_block(world, handlers):
@@ -1510,8 +1573,9 @@ def test_a_successful_restart_promotes_records_a_masked_generation_with_its_soft
     patches = next(c for c in res["verify"]["checks"] if c["name"] == "patches")
     assert patches["ok"] and patches["detail"] == "1 patched files match the manifest (0001-eagle-fix)"
     assert [p["phase"] for p in res["phases"]] == list(outcomes.RESTART_PHASES)
-    assert res["phases"][1]["detail"] == {"skipped": "staged by an earlier task"}
-    assert res["phases"][2]["detail"] == {"processes": 2, "pending": True}
+    assert res["phases"][1]["detail"] == {"skipped": "validated by an earlier task"}
+    assert res["phases"][2]["detail"] == {"skipped": "staged by an earlier task"}
+    assert res["phases"][3]["detail"] == {"processes": 2, "pending": True}
     serving(w, "new")
     assert w.live() == w.files["new"] and w.pending() == []
     assert ("systemctl", "enable", UNIT) in w.host.calls and w.host.unit.file_state == "enabled"
@@ -1709,6 +1773,7 @@ def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
     stop = restart.restart(w.machine(phase="stop"))
     assert stop["outcome"] == outcomes.STOPPED and [p["phase"] for p in stop["phases"]] == [
         "lock",
+        "validate",
         "stage",
         "preflight",
         "stop",
@@ -1725,7 +1790,7 @@ def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
     assert len(w.generations()) == before
     if rank == 0:  # rank 0 serves: it generated and verified in its start phase
         assert [p["phase"] for p in start["phases"]][-4:] == ["promote", "start", "generate", "verify"]
-        assert [p["phase"] for p in confirm["phases"]] == ["lock", "stage", "preflight"]
+        assert [p["phase"] for p in confirm["phases"]] == ["lock", "validate", "stage", "preflight"]
     else:  # a rank above 0: running (2 s on), verified once rank 0 serves
         assert start["msg"] == "m: started", start["msg"]
         assert [p["phase"] for p in start["phases"]][-2:] == ["promote", "start"]
@@ -2253,7 +2318,7 @@ def test_a_restart_given_its_configuration_stages_it_under_the_lock_it_holds_the
     res = restart.restart(m)
     assert res["outcome"] == REST, res.get("failure")
     assert lock_free == [False]  # no other operation could stage between this staging and the start
-    stage_phase = res["phases"][1]
+    stage_phase = res["phases"][2]
     assert stage_phase["phase"] == outcomes.STAGE and stage_phase["ok"]
     assert stage_phase["detail"]["outcome"] == outcomes.STAGED and stage_phase["detail"]["pending"] is True
     assert m.s.expected_config_hash == known_good.content_hash(w.files["new"]) == stage_phase["detail"]["config_hash"]
@@ -2297,7 +2362,7 @@ def test_check_mode_stages_nothing_and_says_it_would_restart(tmp_path, handlers,
     m, _ = staged_by_the_restart(w, monkeypatch, check_mode=True)
     res = restart.restart(m)
     assert res["outcome"] == outcomes.WOULD_RESTART
-    assert res["phases"][1]["detail"]["outcome"] == outcomes.STAGED and m.s.expected_config_hash is None
+    assert res["phases"][2]["detail"]["outcome"] == outcomes.STAGED and m.s.expected_config_hash is None
     assert w.pending() == [] and w.live() == w.files["good"] and w.host.systemctl_calls() == []
     assert Path(w.inst.secrets_path).read_text() == f'SGLANG_API_KEY="{KEY}"\n'
 

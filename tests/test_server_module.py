@@ -120,7 +120,7 @@ def test_restart_in_check_mode_runs_the_refusals_only(tmp_path, node):
         Path(path).write_text(text)
     rc, out = server_module(tmp_path, node, check_mode=True, action="restart")
     assert rc == 0 and out["outcome"] == outcomes.WOULD_RESTART and out["changed"] is False, out
-    assert [p["phase"] for p in out["phases"]] == [outcomes.LOCK, outcomes.STAGE, outcomes.PREFLIGHT]
+    assert [p["phase"] for p in out["phases"]] == [outcomes.LOCK, outcomes.VALIDATE, outcomes.STAGE, outcomes.PREFLIGHT]
     assert all(p["ok"] for p in out["phases"]) and out["msg"] == "m: would_restart (check mode)"
     assert (locks / "m.lock").read_text() == "", "the lock was taken and released"
     assert not log.exists() and seen == [], "no systemctl call, no request to the server"

@@ -7,10 +7,12 @@ the module run as Ansible runs it (an args file). molecule/stack checks the real
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -63,11 +65,23 @@ def trusted(x):
     return x
 
 
+@functools.cache
+def plugins() -> None:
+    """ansible.builtin's lookups (fileglob, file) loadable, as ansible-playbook loads them; once (and quietly where
+    another test already configured Ansible's collection finder in this process)."""
+    from ansible.plugins.loader import init_plugin_loader
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="AnsibleCollectionFinder has already been configured")
+        init_plugin_loader()
+
+
 def render(tasks_file: Path, task_name: str, variables: dict) -> dict:
     """Render one set_fact task of a role as Ansible does: its own templar and filters, the task's vars lazily."""
     from ansible.parsing.dataloader import DataLoader
     from ansible.template import Templar
 
+    plugins()
     task = next(t for t in yaml.safe_load(tasks_file.read_text()) if t["name"] == task_name)
     templar = Templar(loader=DataLoader(), variables={**variables, **trusted(task.get("vars", {}))})
     return templar.template(trusted(task["ansible.builtin.set_fact"]))
@@ -87,7 +101,9 @@ def test_the_role_names_the_generation_as_software_py_does():
     }
     defaults = yaml.safe_load((REPO / "roles" / "sglang" / "defaults" / "main.yml").read_text())
     preflight = REPO / "roles" / "sglang" / "tasks" / "preflight.yml"
-    facts = render(preflight, "Name the software generation", variables)
+    task = "Name the software generation (sglang_software, with its patch manifest)"
+    manifest = {"sglang_patch_manifest": trusted(defaults["sglang_patch_manifest"])}
+    facts = render(preflight, task, {**variables, **manifest})
     identity = facts["_sglang_identity"]
     assert identity == {
         "python_version": "3.11",
@@ -97,15 +113,8 @@ def test_the_role_names_the_generation_as_software_py_does():
         "patch_series_sha256": patch_series_sha256(patches),
     }
     assert facts["_sglang_generations_dir"] == "/opt/x.d"
-    facts.update(render(preflight, "Say which software this host runs (sglang_software)", {**variables, **facts}))
-    manifest = {"sglang_patch_manifest": trusted(defaults["sglang_patch_manifest"])}
-    sw = render(
-        preflight,
-        "Say where the generation's patch manifest is (sglang_software.manifest)",
-        {**variables, **facts, **manifest},
-    )["sglang_software"]
     gen = generation_id(identity)
-    assert sw == {
+    assert facts["sglang_software"] == {
         "generation": gen,
         "venv": f"/opt/x.d/{gen}",
         "python": f"/opt/x.d/{gen}/bin/python",
@@ -114,12 +123,34 @@ def test_the_role_names_the_generation_as_software_py_does():
         "patch_series_sha256": identity["patch_series_sha256"],
         "manifest": f"/opt/x.d/{gen}/sglang-deploy/patches.json",
     }
-    custom = render(
-        preflight,
-        "Say where the generation's patch manifest is (sglang_software.manifest)",
-        {**variables, **facts, "sglang_patch_manifest": "/srv/p.json"},
-    )["sglang_software"]
+    custom = render(preflight, task, {**variables, "sglang_patch_manifest": "/srv/p.json"})["sglang_software"]
     assert custom["manifest"] == "/srv/p.json"
+
+
+def test_the_role_reads_the_patch_series_in_order_as_software_py_hashes_it(tmp_path):
+    series_dir = tmp_path / "series"
+    series_dir.mkdir()
+    patches = [{"name": "0002-b.patch", "content": "é\n"}, {"name": "0001-a.patch", "content": "--- a/x\n+++ b/x\n\n"}]
+    for p in patches:
+        (series_dir / p["name"]).write_text(p["content"], encoding="utf-8")
+    (series_dir / "notes.txt").write_text("not a patch")
+    variables = {
+        "sglang_requirements": ["sglang==0.5.23"],
+        "sglang_patch_series_dir": str(series_dir),
+        "sglang_patches_enabled": True,
+    }
+    preflight = REPO / "roles" / "sglang" / "tasks" / "preflight.yml"
+    facts = render(preflight, "Choose the lock and read the patch series", variables)
+    ordered = sorted(patches, key=lambda p: p["name"])
+    assert facts["_sglang_lock"] == ["sglang==0.5.23"]
+    assert facts["_sglang_patch_files"] == [str(series_dir / p["name"]) for p in ordered]
+    assert facts["_sglang_patches"] == ordered, "whole contents, the trailing newlines kept"
+    assert patch_series_sha256(facts["_sglang_patches"]) == patch_series_sha256(ordered)
+    assert facts["_sglang_patch_series"] == [
+        {"name": p["name"], "sha256": software.sha256_text(p["content"])} for p in ordered
+    ]
+    off = render(preflight, "Choose the lock and read the patch series", {**variables, "sglang_patches_enabled": False})
+    assert (off["_sglang_patches"], off["_sglang_patch_series"]) == ([], [])
 
 
 def test_ml_env_alone_names_its_generation_as_software_py_does():

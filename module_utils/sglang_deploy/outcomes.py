@@ -38,6 +38,7 @@ ALL = SUCCESS | NOTHING_TOUCHED | {ROLLED_BACK, NOT_RECOVERED, VERIFY_FAILED}
 
 # ---------------------------------------------------------------- phases
 LOCK = "lock"
+VALIDATE = "validate"  # SGLang's parser and the host's checks, in the restart's own call (its verdict cached)
 STAGE = "stage"  # this run's rendered configuration written as pending, under the lock the restart holds
 PREFLIGHT = "preflight"
 STOP = "stop"
@@ -50,5 +51,5 @@ VERIFY = "verify"
 RECORD = "record"  # what started and verified becomes a known-good generation
 ROLLBACK_PREFIX = "rollback-"
 
-RESTART_PHASES = (LOCK, STAGE, PREFLIGHT, STOP, GPUS, PROMOTE, START, GENERATE, VERIFY, RECORD)
+RESTART_PHASES = (LOCK, VALIDATE, STAGE, PREFLIGHT, STOP, GPUS, PROMOTE, START, GENERATE, VERIFY, RECORD)
 ROLLBACK_PHASES = (RESTORE, STOP, GPUS, START, GENERATE, VERIFY)

@@ -39,6 +39,7 @@ from .instance import Instance, masked
 from .known_good import Store, content_hash, write_atomic
 from .lock import InstanceLock, Locked, peek
 from .stage import promote, read_text, stage_complete
+from .validate import ValidateError, validate_host
 
 
 class Failure(Exception):
@@ -84,6 +85,11 @@ class Settings:
     # secrets file's content: staged by the restart itself, under the lock it holds to the end.
     rendered: dict | None = None
     secrets: str | None = None
+    # The host's rendered instance records, checked in this call before anything is touched (SGLang's parser, its
+    # verdict cached while configuration and software stay the same; the host's checks): one module call less than
+    # a validation task of its own. None: an earlier task validated them.
+    validate_instances: list | None = None
+    min_shm_mib: int = 0
     # The crash evidence bundle (sglang_deploy.evidence), taken when a start, generation or verification fails,
     # before the rollback restarts the unit; at most evidence_budget_s.
     evidence: bool = True
@@ -107,6 +113,7 @@ class Ports:
     sleep: Callable = time.sleep
     lock_dir: str = "/run/sglang-deploy/locks"
     stage: Callable = staging.stage
+    validate: Callable = validate_host
     evidence: Callable = evidence.for_failure
 
 
@@ -129,6 +136,7 @@ class Machine:
         self.argv: list[str] = []  # the main process's argv once ready
         self.verified: dict | None = None
         self.target: dict | None = None  # the known-good generation a rollback puts back
+        self.touched_at: float | None = None  # when the first phase past the refusals began: the downtime's start
 
     # ------------------------------------------------------------------ the phases
 
@@ -140,6 +148,32 @@ class Machine:
             self.lock = None
             raise Failure(outcomes.LOCK, str(exc), lock={"holder": exc.holder}, checked=True) from None
         return {"holder": holder}
+
+    def validate(self) -> dict:
+        """Every instance of the host checked as `sglang_validate` checks them (sglang_deploy.validate), under the
+        lock: a refusal names the variable and touches nothing."""
+        if self.s.validate_instances is None:
+            return {"skipped": "validated by an earlier task"}
+        try:
+            out = self.ports.validate(
+                self.s.validate_instances,
+                self.inst.service_user,
+                min_shm_mib=self.s.min_shm_mib,
+                state_dir=self.inst.state_dir,
+                patch_manifest=self.s.patch_manifest,
+                check_mode=self.s.check_mode,
+            )
+        except ValidateError as exc:  # the checks could not run (nvidia-smi, SGLang's parser): no verdict
+            raise Failure(outcomes.VALIDATE, f"{exc}. Nothing was stopped.") from None
+        if out.get("failed"):
+            raise Failure(
+                outcomes.VALIDATE,
+                f"{out['msg']}. Nothing was stopped.",
+                kind=outcomes.INVALID_CONFIG,
+                checked=True,
+                problems=out["problems"],
+            )
+        return {"msg": out["msg"], "seconds": out["seconds"]}
 
     def stage(self) -> dict:
         """Write this run's configuration as pending (sglang_deploy.stage) under the lock this restart holds, so no
@@ -423,6 +457,8 @@ class Machine:
             try:
                 at = round(self.ports.wall(), 3)
                 t0 = self.ports.clock()
+                if self.touched_at is None and step not in REFUSALS:
+                    self.touched_at = t0
                 detail = step.run(self) or {}
                 log.append(
                     {
@@ -517,6 +553,7 @@ def as_failure(phase: str, exc: BaseException) -> Failure:
 # ---------------------------------------------------------------------- the machines as data
 
 LOCK = Step(outcomes.LOCK, Machine.take_lock, outcomes.LOCKED)
+VALIDATE = Step(outcomes.VALIDATE, Machine.validate, outcomes.INVALID_CONFIG)
 STAGE = Step(outcomes.STAGE, Machine.stage, outcomes.INVALID_CONFIG)
 PREFLIGHT = Step(outcomes.PREFLIGHT, Machine.preflight, outcomes.GPUS_NOT_CLEAN)
 STOP = Step(outcomes.STOP, Machine.stop)
@@ -530,7 +567,7 @@ RECORD = Step(outcomes.RECORD, Machine.record)
 CONFIRM = Step(outcomes.VERIFY, Machine.confirm)
 LOAD_STARTED = Step(outcomes.RECORD, Machine.load_started)
 
-REFUSALS = (LOCK, STAGE, PREFLIGHT)
+REFUSALS = (LOCK, VALIDATE, STAGE, PREFLIGHT)
 RESTART = (STOP, GPUS, PROMOTE, START, GENERATE, VERIFY)
 ROLLBACK = (RESTORE, STOP, GPUS, START, GENERATE, VERIFY)
 # One model over several nodes: one task per phase, each over every node (all ranks down before any starts;
@@ -563,7 +600,6 @@ def result(m: Machine) -> dict:
 
 def restart(m: Machine) -> dict:
     res = result(m)
-    t0 = m.ports.clock()
     try:
         if m.s.phase == "stop" and not m.s.group_ok:
             res.update(
@@ -593,13 +629,15 @@ def restart(m: Machine) -> dict:
         escaped(m, res, exc)
         return res
     finally:
-        end(m, res, t0)
+        end(m, res)
 
 
-def end(m: Machine, res: dict, t0: float) -> None:
+def end(m: Machine, res: dict) -> None:
     """Every restart and rollback ends here: SIGTERM ignored from now on, the lock released, one line said."""
     ignore_sigterm()
-    res["downtime_s"] = round(m.ports.clock() - t0, 3)
+    # The server's downtime: from the first phase that touches it (the stop; promote for a multi-node start) to
+    # the end. The lock, the validation, the staging and the preflight run while the old server still serves.
+    res["downtime_s"] = round(m.ports.clock() - m.touched_at, 3) if m.touched_at is not None else 0.0
     if m.lock:
         m.lock.release()
     res["msg"] = message(m, res)
@@ -788,7 +826,6 @@ def rollback(m: Machine) -> dict:
     """The operator's rollback: the newest known-good generation back, restarted and verified."""
     m.action = "rollback"
     res = result(m)
-    t0 = m.ports.clock()
     try:
         if m.inst.nnodes > 1:
             res.update(
@@ -846,7 +883,7 @@ def rollback(m: Machine) -> dict:
         escaped(m, res, exc)
         return res
     finally:
-        end(m, res, t0)
+        end(m, res)
 
 
 def verify(m: Machine) -> dict:

@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from driver import ledger, redact
+from driver import events, ledger, redact
 
 SECRETS = ("hf_SECRETVALUE1", "sk-SECRETVALUE2", "tok_SECRETVALUE3", "SECRETVALUE4")
 
@@ -55,6 +55,16 @@ def test_a_run_with_secrets_in_extra_vars_records_none_and_its_files_are_private
     assert '--extra-vars={"db_password": "<redacted>"}' in argv
     run_dir = ledger_path.parent / "runs" / "1"
     assert (run_dir / "events.jsonl").stat().st_size > 0, "the stream was recorded (scrubbed)"
+    # Its last line is the driver's own: how the run ended and the exit code given (a replay checks its mapping).
+    last = json.loads((run_dir / "events.jsonl").read_text().splitlines()[-1])
+    assert last == {
+        "event": events.RESULT,
+        "runner_status": "failed",
+        "rc": last["rc"],
+        "interrupted": False,
+        "exit_code": proc.returncode,
+    }
+    assert last["rc"] != 0 and proc.returncode == doc["exit_code"] != 0
     assert mode(ledger_path) == 0o600 and mode(ledger_path.parent) == 0o700
     assert mode(ledger_path.parent / "runs") == 0o700 and mode(run_dir) == 0o700
     assert mode(run_dir / "events.jsonl") == 0o600

@@ -3,25 +3,19 @@ into 80 columns ("lab-n…"); on a narrow terminal cells fold instead of being c
 
 from __future__ import annotations
 
-import gzip
 import json
-from pathlib import Path
 
 import pytest
 
 from driver import display, ledger
 from driver.events import Tracker
+from support.streams import replay
 
-STREAMS = Path(__file__).parent / "streams"
 LONG_HOSTS = [f"gpu-node-{i:02d}.rack-17.eu-west.example.internal" for i in range(1, 4)]
 
 
 def replayed(name: str, command: str) -> Tracker:
-    tracker = Tracker(command)
-    with gzip.open(STREAMS / f"{name}.jsonl.gz", "rt", encoding="utf-8") as fh:
-        for line in fh:
-            tracker.handle(json.loads(line))
-    return tracker
+    return replay(name, command)[0]
 
 
 @pytest.fixture

@@ -63,10 +63,11 @@ def nodes(deployed):
         )
 
 
-def restart(the_lab, inv):
+def restart(the_lab, inv, *extra: str):
     return ansible(
         "ansible-playbook",
         "playbooks/restart.yml",
+        *extra,
         inventory=inv,
         check=False,
         env={"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"},
@@ -140,3 +141,22 @@ def test_a_rank_failing_its_start_rolls_the_group_back_on_both_nodes_in_step(nod
     for container in containers.values():
         assert unit_state(container)[0] == "active"
         assert "LAB_STANDIN_FAULT" not in podman_exec(container, "cat", "/etc/sglang/mn.env")
+
+
+def test_a_limit_that_leaves_out_a_rank_is_refused_before_any_rank_stops(nodes, tmp_path):
+    """The one-batch rule: a model's ranks restart together or not at all. `--limit lab-node1` leaves rank 1 out:
+    rank 0 is refused before its stop, naming the node that is missing, and neither unit is touched."""
+    the_lab, containers = nodes
+    inv = inventory_with_multinode(the_lab, tmp_path)
+    before = {host: unit_state(c) for host, c in containers.items()}
+    proc = restart(the_lab, inv, "--limit", "lab-node1")
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    res = results(proc.stdout)
+    assert set(res) == {"lab-node1"}, res
+    said = [(r["outcome"], r.get("failure")) for r in res["lab-node1"]]
+    assert [o for o, _ in said] == ["refused"], said
+    cause = said[0][1]["cause"]
+    assert cause.startswith("mn spans 2 nodes, but only lab-node1 of them are in this run"), cause
+    assert cause.endswith("Nothing was stopped on any node."), cause
+    assert res["lab-node1"][0]["phases"] == [], "no phase ran: not even the lock"
+    assert {host: unit_state(c) for host, c in containers.items()} == before, "no unit stopped or restarted"
