@@ -6,7 +6,6 @@ Only argparse is imported at start-up: `--help` answers at once (bench/driver_he
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from driver import exitcodes
@@ -234,6 +233,8 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
         if interrupts.interrupted:
             code = exitcodes.INTERRUPTED
         try:
+            import json  # not at start-up: only argparse is (--help answers at once)
+
             with runner.open_private(record) as sink:
                 status, rc = (outcome.status, outcome.rc) if outcome else (None, None)
                 sink.write(json.dumps(events.result_event(status, rc, interrupts.interrupted, code)) + "\n")
