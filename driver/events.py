@@ -77,6 +77,7 @@ class Failure:
     code: int
     task: str
     message: str
+    task_uuid: str = ""  # the task whose item failed: forgiven when the task's own end says its errors are ignored
 
 
 @dataclass
@@ -199,6 +200,8 @@ class Tracker:
             record_instance(h, res)
             if not res.get("results") or not h.failures:  # a loop task's items said why, unless none did
                 self.fail(h, data, now)
+        elif kind == "runner_on_failed":
+            self.forgive(h, data.get("task_uuid") or "")
         elif kind == "runner_item_on_skipped" and module_of(data) == SERVER_MODULE:
             record_not_begun(h, res)
         elif kind == "runner_on_unreachable":
@@ -222,7 +225,20 @@ class Tracker:
         code = classify(data)
         h.status = "unreachable" if code == exitcodes.UNREACHABLE else "failed"
         h.finished = now
-        h.failures.append(Failure(code, data.get("task") or "", message_of(data.get("res") or {})))
+        h.failures.append(
+            Failure(code, data.get("task") or "", message_of(data.get("res") or {}), data.get("task_uuid") or "")
+        )
+
+    @staticmethod
+    def forgive(h: HostState, task_uuid: str) -> None:
+        """A loop task whose failures are ignored (ignore_errors: a multi-node phase before the last, whose failed
+        rank the group's later phases roll back): ansible-runner's item events do not say so, only the task's own
+        end does. Its items' failures are no failures of the host; its results stand."""
+        if not task_uuid:
+            return
+        h.failures = [f for f in h.failures if f.task_uuid != task_uuid]
+        if not h.failures and h.status == "failed":
+            h.status, h.finished = "running", 0.0
 
     # ------------------------------------------------------------------ results
 

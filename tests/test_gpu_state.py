@@ -358,3 +358,96 @@ def test_a_zombie_is_not_alive():
 def test_unit_of_reads_the_innermost_unit_from_the_cgroup(monkeypatch, cgroup, unit):
     monkeypatch.setattr(procinfo, "read_proc", lambda pid, name: cgroup if name == "cgroup" else "")
     assert procinfo.unit_of(1234) == unit
+
+
+# ---------------------------------------------------------------- detection latency: the snapshot, the wait, an exit
+
+
+def fake_nvidia_smi(tmp_path: Path, body: str) -> str:
+    """A PATH holding only an `nvidia-smi` shell script with `body`; returns the PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
+def test_a_snapshot_runs_its_two_queries_side_by_side(tmp_path, monkeypatch):
+    """Each fake nvidia-smi waits until both have started: run one after the other, the first would wait alone
+    until its 10 s are out and fail the snapshot."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    body = f"""q=$(echo "$1" | cut -d= -f1)
+touch {marks}/"$q"
+i=0
+while [ "$(ls {marks} | wc -l)" -lt 2 ]; do i=$((i+1)); [ $i -gt 1000 ] && {{ echo "alone: $q" >&2; exit 3; }}; sleep 0.01; done
+case "$q" in
+  --query-gpu) echo "0, GPU-a, NVIDIA H200, 3, 143771" ;;
+  *) echo "77, GPU-a, 5000, python3" ;;
+esac
+"""
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, body))
+    snap = gpu.snapshot(describe_processes=False)
+    assert [g["memory_used_mib"] for g in snap["gpus"]] == [3]
+    assert [(p["pid"], p["gpu"]) for p in snap["processes"]] == [(77, 0)]
+    assert sorted(os.listdir(marks)) == ["--query-compute-apps", "--query-gpu"]
+
+
+def test_one_failing_query_fails_the_snapshot_with_its_message_and_leaves_no_process(tmp_path, monkeypatch):
+    pids = tmp_path / "pids"
+    body = f"""echo $$ >>{pids}
+case "$1" in
+  --query-gpu*) echo "Failed to initialize NVML: Driver/library version mismatch"; exit 18 ;;
+  *) exec sleep 30 ;;
+esac
+"""
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, body))
+    # The failing query is reported at once, not the other's 30 s (nor the 30 s timeout), and the other is ended.
+    with pytest.raises(gpu.NvidiaSmiError, match=r"exit 18.*reload the nvidia modules"):
+        gpu.snapshot()
+    assert len(pids.read_text().split()) == 2
+    assert all(not procinfo.alive(int(p)) for p in pids.read_text().split())
+
+
+def test_a_query_that_hangs_is_ended_at_the_timeout_and_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, "exec sleep 30\n"))
+    with pytest.raises(gpu.NvidiaSmiError, match=r"did not answer within 0\.2s"):
+        gpu.snapshot(timeout=0.2)
+
+
+def test_the_wait_polls_every_interval_from_each_polls_start():
+    """The snapshot's own time is not added to the interval: a 60 ms snapshot leaves a 40 ms sleep."""
+    t = [0.0]
+    slept: list[float] = []
+
+    def snap() -> dict:
+        t[0] += 0.06
+        return snap_of([(0, 9000)])
+
+    def sleep(s: float) -> None:
+        slept.append(round(s, 6))
+        t[0] += s
+
+    res = gpu.wait_clean([0], timeout=0.5, interval=0.1, clock=lambda: t[0], sleep=sleep, take_snapshot=snap)
+    assert not res["clean"] and slept and set(slept) == {0.04}
+
+
+def test_wait_exit_wakes_when_the_process_exits_and_not_before(monkeypatch):
+    proc = started(["sleep", "30"])
+    try:
+        assert procinfo.wait_exit(proc.pid, 0.05) is False  # still running: the whole timeout
+        monkeypatch.setattr(procinfo.time, "sleep", lambda s: pytest.fail("a pidfd wait never sleeps"))
+        proc.kill()
+        assert procinfo.wait_exit(proc.pid, 30) is True  # woken by the exit (a zombie until reaped), not the 30 s
+    finally:
+        proc.kill()
+        proc.wait()
+    assert procinfo.wait_exit(proc.pid, 30) is True  # reaped: no such process
+
+
+def test_wait_exit_without_pidfds_sleeps_the_timeout_and_asks_proc(monkeypatch):
+    monkeypatch.delattr(procinfo.os, "pidfd_open")
+    slept: list[float] = []
+    monkeypatch.setattr(procinfo.time, "sleep", slept.append)
+    assert procinfo.wait_exit(os.getpid(), 0.1) is False and slept == [0.1]

@@ -248,6 +248,8 @@ class Host:
         self.starts: list[str] = []  # the profile of each start
         self.start_lag = 1
         self.sigterms = 0
+        self.waits: list[int] = []  # the pids the start phase waited on (procinfo.wait_exit)
+        self.dies_while_starting: list[str] = []  # journal lines of a main process that dies during such a wait
         self.bundles: list[dict] = []  # each evidence collection: what it was given, and the unit as it was then
 
     # ------------------------------------------------------------ the test's controls
@@ -311,6 +313,7 @@ class Host:
             snapshot=self.snapshot,
             wait_clean=self.wait_clean,
             cmdline=self.cmdline,
+            wait_exit=self.wait_exit,
             clock=self.clock,
             sleep=self.sleep,
             lock_dir=self.lock_dir,
@@ -332,6 +335,21 @@ class Host:
 
     def clock(self) -> float:
         return self.t
+
+    def wait_exit(self, pid: int, timeout: float) -> bool:
+        """The pidfd wait: the unit's running main process outlasts the timeout (or dies in it, with
+        `dies_while_starting`, waking the wait at once); any other pid has exited."""
+        self.waits.append(pid)
+        if pid and pid == self.unit.pid and self.dies_while_starting:
+            if self.unit.server:
+                self.unit.server.close()  # the process is gone, its port with it
+            self.crash(self.dies_while_starting)
+            self.dies_while_starting = []  # once: the rollback's start runs normally
+            return True
+        if pid and pid == self.unit.pid:
+            self.t += timeout
+            return False
+        return True
 
     def sleep(self, seconds: float) -> None:
         self.t += seconds
@@ -1296,6 +1314,19 @@ def test_a_crash_at_start_reports_the_traceback_and_the_exception_line(world, ha
     start = next(p for p in res["phases"] if p["phase"] == "start")
     assert start["seconds"] < 0.5
     assert res["outcome"] == R
+
+
+def test_a_server_dying_while_loading_wakes_the_start_phase_at_once_not_at_the_next_poll(world, handlers):
+    """The start phase waits on the main process itself (a pidfd): its exit is seen within 0.01 s of the fake
+    clock, where sleeping between polls would see it up to 0.1 s late."""
+    world.host.behave("new", health=503)  # running, still loading: never healthy by itself
+    world.host.dies_while_starting = CRASH_AT_START
+    res = restart.restart(world.machine())
+    f = res["failure"]
+    assert f["phase"] == "start" and f["cause"] == CRASH_AT_START[-1]
+    assert world.host.waits[0] >= 41000  # the new server's main pid (the fake's pids count from 41000)
+    assert f["exit_to_detect_s"] == 0.01
+    assert res["outcome"] == R, res["rollback"].get("failure")
 
 
 def test_a_crash_on_the_first_generation_waits_for_the_unit_to_fail_and_names_the_exception(world, handlers):

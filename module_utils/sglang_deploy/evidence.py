@@ -95,14 +95,8 @@ def run_command(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def bounded_snapshot(timeout: float) -> dict:
-    """gpu.snapshot with a timeout on each nvidia-smi (gpu.snapshot allows 30 s each)."""
-    fmt = "--format=csv,noheader,nounits"
-    gpus = gpu.parse_gpus(gpu.run_nvidia_smi(f"--query-gpu={gpu.GPU_QUERY}", fmt, timeout=timeout / 2))
-    apps = gpu.parse_apps(gpu.run_nvidia_smi(f"--query-compute-apps={gpu.APP_QUERY}", fmt, timeout=timeout / 2), gpus)
-    for app in apps:
-        if app["pid"] is not None:
-            app.update(procinfo.describe(app["pid"]))
-    return {"gpus": gpus, "processes": apps}
+    """gpu.snapshot within the evidence budget's share (gpu.snapshot allows 30 s)."""
+    return gpu.snapshot(timeout=timeout)
 
 
 @dataclass

@@ -112,29 +112,66 @@ def parse_apps(text: str, gpus: list[dict]) -> list[dict]:
 
 def run_nvidia_smi(*args: str, timeout: float = 30.0) -> str:
     """nvidia-smi's stdout; NvidiaSmiError with its own message and a hint at the cause when it fails."""
+    return run_nvidia_smi_together([list(args)], timeout)[0]
+
+
+def run_nvidia_smi_together(queries: list[list[str]], timeout: float = 30.0) -> list[str]:
+    """Each query's stdout, the queries run side by side: a snapshot costs one nvidia-smi's latency, not the sum
+    of two (the GPU wait and the gate poll a snapshot; its latency is their detection latency). The first failure
+    raises NvidiaSmiError, once every process has ended (none is left running)."""
+    procs: list[subprocess.Popen] = []
     try:
-        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=False, timeout=timeout)
+        for args in queries:
+            procs.append(
+                subprocess.Popen(["nvidia-smi", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
     except FileNotFoundError as exc:
+        _reap(procs)
         raise NvidiaSmiError("nvidia-smi is not installed (no NVIDIA driver on this host?)") from exc
+    except OSError as exc:
+        _reap(procs)
+        raise NvidiaSmiError(f"nvidia-smi could not be run: {exc}") from exc
+    deadline = time.monotonic() + timeout
+    outs: list[str] = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.returncode != 0:  # the others are ended in `finally`: nothing waits on them
+                raise NvidiaSmiError(_failed(proc.returncode, stdout + stderr))
+            outs.append(stdout)
     except subprocess.TimeoutExpired as exc:
         raise NvidiaSmiError(f"nvidia-smi did not answer within {timeout:g}s (a hung GPU or driver?)") from exc
-    except OSError as exc:
-        raise NvidiaSmiError(f"nvidia-smi could not be run: {exc}") from exc
-    if out.returncode != 0:
-        text = " ".join((out.stdout + out.stderr).split())
-        hint = ""
-        if "mismatch" in text:
-            hint = " The kernel driver and the NVML library differ: reboot, or reload the nvidia modules."
-        elif out.returncode == 9 or "couldn't communicate" in text:
-            hint = " The NVIDIA kernel driver is not loaded."
-        raise NvidiaSmiError(f"nvidia-smi failed (exit {out.returncode}): {text}{hint}")
-    return out.stdout
+    finally:
+        _reap(procs)
+    return outs
 
 
-def snapshot(describe_processes: bool = True) -> dict:
-    """{gpus, processes}: every GPU of the host and every compute process on them (with user, unit, cmdline)."""
-    gpus = parse_gpus(run_nvidia_smi(f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"))
-    apps = parse_apps(run_nvidia_smi(f"--query-compute-apps={APP_QUERY}", "--format=csv,noheader,nounits"), gpus)
+def _failed(returncode: int, output: str) -> str:
+    text = " ".join(output.split())
+    hint = ""
+    if "mismatch" in text:
+        hint = " The kernel driver and the NVML library differ: reboot, or reload the nvidia modules."
+    elif returncode == 9 or "couldn't communicate" in text:
+        hint = " The NVIDIA kernel driver is not loaded."
+    return f"nvidia-smi failed (exit {returncode}): {text}{hint}"
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def snapshot(describe_processes: bool = True, timeout: float = 30.0) -> dict:
+    """{gpus, processes}: every GPU of the host and every compute process on them (with user, unit, cmdline);
+    both queries within `timeout`."""
+    fmt = "--format=csv,noheader,nounits"
+    gpu_rows, app_rows = run_nvidia_smi_together(
+        [[f"--query-gpu={GPU_QUERY}", fmt], [f"--query-compute-apps={APP_QUERY}", fmt]], timeout
+    )
+    gpus = parse_gpus(gpu_rows)
+    apps = parse_apps(app_rows, gpus)
     if describe_processes:
         seen: dict[int, dict] = {}
         for app in apps:
@@ -298,6 +335,7 @@ def wait_clean(
     stopped: dict[int, str] = {}
     polls = 0
     while True:
+        began = clock()
         snap = take_snapshot()
         polls += 1
         judged = verdict(snap, gpus, max_used_mib)
@@ -311,4 +349,5 @@ def wait_clean(
             continue
         if clock() >= deadline:
             return _result(judged, snap, start, clock(), polls, stopped, _timeout_message(judged, gpus, timeout))
-        sleep(interval)
+        # One poll every `interval` from its start: the snapshot's own time is not added to the detection latency.
+        sleep(max(0.0, interval - (clock() - began)))

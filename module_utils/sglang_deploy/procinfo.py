@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import pwd
+import select
+import time
 
 CMDLINE_CHARS = 400  # enough to tell a server from a stray script, short enough for one journal line
 
@@ -101,6 +103,28 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def wait_exit(pid: int, timeout: float) -> bool:
+    """Wait up to `timeout` s for process `pid` to exit; True as soon as it has (or is not there).
+
+    A pidfd wakes the caller the moment the process exits, where a sleep would add up to its whole length to
+    the detection (the restart's start phase: a server dying at start is reported within milliseconds). Without
+    pidfds (kernel before 5.3, or not permitted) it sleeps the timeout out and answers from /proc.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (AttributeError, OSError):
+        time.sleep(timeout)
+        return not alive(pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
+    finally:
+        os.close(fd)
 
 
 def describe(pid: int) -> dict:

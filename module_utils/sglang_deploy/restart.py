@@ -108,6 +108,7 @@ class Ports:
     snapshot: Callable = gpu.snapshot
     wait_clean: Callable = gpu.wait_clean
     cmdline: Callable = procinfo.cmdline
+    wait_exit: Callable = procinfo.wait_exit
     clock: Callable = time.monotonic
     wall: Callable = time.time  # the epoch time each phase began: comparable across hosts and with the controller
     sleep: Callable = time.sleep
@@ -313,7 +314,12 @@ class Machine:
                     journal_tail=lines[-40:],
                     traceback=unit.traceback_of(lines),
                 )
-            p.sleep(0.1)
+            # Woken at once if the main process exits (systemd then says failed within milliseconds), else the
+            # next poll of the unit and /health in 0.1 s.
+            if props.get("MainPID") and p.wait_exit(props["MainPID"], 0.1):
+                p.sleep(0.01)
+            elif not props.get("MainPID"):
+                p.sleep(0.1)
 
     def generation(self) -> dict:
         i, t, p = self.inst, self.s.thresholds, self.ports

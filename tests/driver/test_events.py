@@ -236,6 +236,33 @@ def test_not_recovered_says_why_there_was_no_rollback():
     assert t.rows()[0]["detail"] == "start: OOM -> not rolled back: no known-good generation"
 
 
+def test_a_multinode_phase_whose_errors_are_ignored_is_no_failure_its_last_phase_decides():
+    """restart_multinode.yml: rank 1 fails its start (contained there: not_recovered), a soft phase
+    (ignore_errors, said only by the task's own end event); the group's rollback then ends rolled_back."""
+    contained = {"instance": "mn", "outcome": outcomes.NOT_RECOVERED, "failure": {"phase": "start", "cause": "x"}}
+    rolled = {"instance": "mn", "outcome": outcomes.ROLLED_BACK, "rollback": {"to_profile": "p"}}
+
+    def ev(kind: str, res: dict, uuid: str, ignore: bool | None) -> dict:
+        data = {"host": "n2", "task": "run", "task_action": "sglang_server", "res": res, "task_uuid": uuid}
+        if ignore is not None:
+            data["ignore_errors"] = ignore
+        return {"event": kind, "event_data": data}
+
+    t = feed(
+        "rollout",
+        ev("runner_item_on_failed", contained, "start-task", None),
+        ev("runner_on_failed", {"results": [contained]}, "start-task", True),
+    )
+    assert t.exit_code() == exitcodes.OK and t.hosts["n2"].status == "running"  # the soft phase alone: no verdict
+    t.handle(ev("runner_item_on_failed", rolled, "confirm-task", None))
+    t.handle(ev("runner_on_failed", {"results": [rolled]}, "confirm-task", False))
+    assert t.exit_code() == exitcodes.ROLLED_BACK
+    assert [r["result"] for r in t.rows()] == [outcomes.ROLLED_BACK]
+    # Without the task's end saying so, an item's failure stands (a replica's restart, not soft).
+    t2 = feed("restart", ev("runner_item_on_failed", contained, "t", None), ev("runner_on_failed", {}, "t", False))
+    assert t2.exit_code() == exitcodes.NOT_RECOVERED
+
+
 def test_a_result_without_a_loop_is_kept_too():
     res = {"instance": "main", "outcome": outcomes.STAGED}
     ok = {"event": "runner_on_ok", "event_data": {"host": "n1", "task_action": "sglang_stage", "res": res}}

@@ -143,6 +143,7 @@ def test_restart_phases_and_known_good_record(serving, bystander):
     a = res["a"]
     assert [p["phase"] for p in a["phases"]] == [
         "lock",
+        "validate",
         "stage",
         "preflight",
         "stop",
@@ -155,7 +156,8 @@ def test_restart_phases_and_known_good_record(serving, bystander):
     ]
     assert all(p["ok"] for p in a["phases"])
     # This run's configuration, staged by the restart's own call under its lock: what was started and recorded.
-    assert a["phases"][1]["detail"]["config_hash"] == a["known_good"]["config_hash"]
+    stage = next(p for p in a["phases"] if p["phase"] == "stage")
+    assert stage["detail"]["config_hash"] == a["known_good"]["config_hash"]
     assert a["verify"]["accept_length"] > 1.5 and a["verify"]["running_profile"] == "eagle3_topk1"
     path, record = latest_record(node, "a")
     assert record["profile"] == "eagle3_topk1" and record["config_hash"] == a["known_good"]["config_hash"]

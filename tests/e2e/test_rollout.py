@@ -17,86 +17,26 @@ import subprocess
 import time
 
 import pytest
-import yaml
 
-from support.e2e import REPO, ansible, driver_runner, labmod, podman_exec
+from support import rollout
+from support.e2e import driver_runner, labmod, podman_exec
+from support.rollout import KEY, ROUTER, ROUTER_PORT, Load, in_node, router_workers
 
 pytestmark = pytest.mark.lab
 
 NODES = ("lab-node1", "lab-node2")
-ROUTER = "lab-node1"
-ROUTER_PORT = 30100
-KEY = "lab-router-key"
 RO = {"name": "ro", "port": 30010, "gpus": [0, 1, 2, 3]}
 # The canary gate, loose: tok/s measured on a loaded 2-core machine jitters; a slow canary is not tested here.
 GATE = json.dumps({"sglang_rollout_canary_threshold": 0.5})
-ROUTER_VARS = {
-    "sglang_router_port": ROUTER_PORT,
-    "sglang_router_prometheus_port": 29100,
-    "sglang_router_api_key": KEY,
-    "sglang_router_limit_nofile": 16384,  # below the lab container's hard limit
-}
+REPLICAS = {"sglang_replicas": list(NODES)}
 
 
 def write_inventory(the_lab, name: str, instances: dict[str, list[dict]]) -> str:
-    """The lab's inventory, with the rollout's groups and each node's instances (host variables, which rank above
-    the project's group_vars); written next to it."""
-    doc = yaml.safe_load(the_lab.inventory.read_text(encoding="utf-8"))
-    hosts = doc["all"]["children"]["sglang_nodes"]["hosts"]
-    for host, inst in instances.items():
-        hosts[host]["sglang_instances"] = inst
-    hosts[ROUTER].update(ROUTER_VARS)
-    doc["all"]["children"]["sglang_replicas"] = {"hosts": {h: None for h in NODES}}
-    doc["all"]["children"]["sglang_routers"] = {"hosts": {ROUTER: None}}
-    path = the_lab.inventory.parent / name
-    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
-    return str(path)
-
-
-def in_node(container: str, code: str) -> str:
-    return podman_exec(container, "python3", "-c", code)
-
-
-def router_workers(container: str) -> dict[str, bool]:
-    """What the router lists, asked on its node: {url: healthy}."""
-    code = (
-        "import json, urllib.request as u; r = u.urlopen(u.Request("
-        f"'http://127.0.0.1:{ROUTER_PORT}/workers', headers={{'Authorization': 'Bearer {KEY}'}}), timeout=10); "
-        "print(json.dumps({w['url']: w['is_healthy'] for w in json.load(r)['workers']}))"
-    )
-    return json.loads(in_node(container, code))
+    return rollout.write_inventory(the_lab, name, instances, REPLICAS)
 
 
 def main_pid(container: str) -> int:
-    return int(podman_exec(container, "systemctl", "show", "-p", "MainPID", "--value", "sglang-ro.service"))
-
-
-class Load:
-    """bench/loadgen.py on the router's node, through the router, until stopped."""
-
-    def __init__(self, container: str):
-        self.container = container
-        podman_exec(container, "rm", "-f", "/tmp/loadgen.stop", "/tmp/loadgen.ready")
-        self.proc = subprocess.Popen(
-            [
-                *("podman", "exec", container, "python3", "/tmp/loadgen.py"),
-                *("--url", f"http://127.0.0.1:{ROUTER_PORT}", "--api-key", KEY, "--concurrency", "3"),
-                *("--stop-file", "/tmp/loadgen.stop", "--ready-file", "/tmp/loadgen.ready", "--duration", "900"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 30
-        while podman_exec(container, "sh", "-c", "test -f /tmp/loadgen.ready && echo y || true").strip() != "y":
-            assert time.monotonic() < deadline and self.proc.poll() is None, "the load generator did not start"
-            time.sleep(0.2)
-
-    def stop(self) -> dict:
-        podman_exec(self.container, "touch", "/tmp/loadgen.stop")
-        out, err = self.proc.communicate(timeout=120)
-        assert self.proc.returncode == 0, err
-        return json.loads(out)
+    return rollout.main_pid(container, "sglang-ro.service")
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +49,10 @@ def fleet(deployed, tmp_path_factory):
     ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
     run = driver_runner(the_lab, ledger, None)
     try:
-        code, _, proc = run("restart", inventory=inventory)
-        assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        ansible("ansible-playbook", "playbooks/router.yml", inventory=inventory)
-        subprocess.run(
-            ["podman", "cp", str(REPO / "bench" / "loadgen.py"), f"{containers[ROUTER]}:/tmp/loadgen.py"], check=True
-        )
+        rollout.serve_behind_router(run, inventory, containers[ROUTER])
         yield the_lab, containers, inventory, run
     finally:
-        router = containers[ROUTER]
-        podman_exec(router, "sh", "-c", "systemctl disable --now sglang-router.service || true")
-        podman_exec(router, "rm", "-rf", "/etc/systemd/system/sglang-router.service", "/tmp/loadgen.py")
+        rollout.remove_router(containers[ROUTER])
         for node in NODES:
             c = containers[node]
             podman_exec(c, "sh", "-c", "systemctl disable --now sglang-ro.service || true")
