@@ -7,12 +7,17 @@ a space, ", ', $, %, a backslash, a lone ";", ${VAR} and %h that systemd must no
 installed, by systemd itself: `systemd --test` loads the unit as PID 1 does, `systemd-analyze verify` is what
 staging runs, the environment generator reads an environment file with the EnvironmentFile= parser. The argv
 must equal the intended one exactly, and it is the instance record's argv, the one verify's drift check
-expects to find running.
+expects to find running. And what systemd would execute is started, through the installed launcher, into a server
+module that records its argv and environment: exactly the intended ones.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,6 +146,57 @@ def test_systemd_loads_the_rendered_execstart_as_the_intended_argv():
 def test_systemd_analyze_verify_accepts_the_rendered_command_line_with_its_arguments():
     """tests/test_golden.py verifies every golden unit with its commands replaced whole; here the arguments stay."""
     assert systemd_analyze_complaints(runnable(UNIT), UNIT_NAME) == []
+
+
+# A server module named as the unit names SGLang's (sglang.launch_server): it records the argv and the environment
+# it was started with, then exits. (The lab's stand-in needs SGLang's own parser, installed only on lab nodes.)
+RECORDING_SERVER = """\
+import json, os, sys
+from pathlib import Path
+Path(__file__).with_name("started.json").write_text(json.dumps({"argv": sys.argv[1:], "env": dict(os.environ)}))
+"""
+API_KEY = 'k3y "with" $HOME, %h and a \\ backslash'  # the secrets file's value, as hostile as the others
+
+
+@SYSTEMD
+def test_the_server_started_from_the_rendered_unit_gets_the_intended_argv_and_environment(tmp_path):
+    """The unit's command as systemd loads it, "$" expanded as systemd does when it executes it, with the
+    environment file and the secrets file as EnvironmentFile= reads them, is started: the installed launcher
+    (roles/sglang_service/files/sglang-launch) runs the server module, which must get exactly the intended flags,
+    then --api-key from the secrets file, and exactly the intended environment (the key taken out of it)."""
+    lib = tmp_path / "libexec" / "sglang-deploy"
+    (lib / "sglang_deploy").mkdir(parents=True)
+    for name in ("__init__.py", "procinfo.py", "launch.py"):
+        shutil.copy(REPO / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
+    shutil.copy(REPO / "roles" / "sglang_service" / "files" / "sglang-launch", lib / "sglang-launch")
+    server = tmp_path / "site" / "sglang"
+    server.mkdir(parents=True)
+    (server / "__init__.py").write_text("")
+    (server / "launch_server.py").write_text(RECORDING_SERVER)
+    secrets = env_file_line("SGLANG_API_KEY", API_KEY) + "\n"
+    assert environment_file(secrets) == {"SGLANG_API_KEY": API_KEY}
+
+    loaded = systemd_loaded_argv(UNIT, UNIT_NAME)
+    python, launcher, *rest = [expand_variables(w) for w in loaded]
+    assert (python, launcher) == tuple(INTENDED_ARGV[:2]), "the venv's python running the installed launcher"
+    environment = {
+        **environment_file(ENV),
+        **environment_file(secrets),
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(tmp_path / "site"),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(lib / "sglang-launch"), *rest],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    started = json.loads((server / "started.json").read_text())
+    assert started["argv"] == [*INTENDED_ARGV[3:], "--api-key", API_KEY]
+    assert {k: started["env"].get(k) for k in INTENDED_ENV} == INTENDED_ENV
+    assert "SGLANG_API_KEY" not in started["env"], "the key leaves the environment: the server's children lack it"
 
 
 def test_the_instance_records_argv_is_what_systemd_runs():

@@ -76,6 +76,19 @@ def test_what_follows_the_root_does_not_become_the_cause():
     ), "with no root traceback in view, the launcher's word for it"
 
 
+def test_of_two_crashes_in_one_journal_the_first_is_the_root():
+    """Two real crashes one after the other (whole tracebacks, each the root of its own log): whichever comes
+    first is the root, the other is printed after it."""
+    for one, other in (
+        ("cuda-oom-forward-thread", "cuda-graph-capture-oom"),
+        ("warmup-assertion", "cuda-graph-capture-chained"),
+    ):
+        (a, meta_a), (b, meta_b) = vector(one), vector(other)
+        assert meta_a["expected_cause"] != meta_b["expected_cause"]
+        assert unit.cause_of(a + b) == meta_a["expected_cause"], (one, other)
+        assert unit.cause_of(b + a) == meta_b["expected_cause"], (other, one)
+
+
 def test_an_earlier_nccl_timeout_is_the_root_of_the_tracebacks_after_it():
     nccl, meta = vector("nccl-watchdog-timeout")
     oom, _ = vector("cuda-oom-forward-thread")
@@ -83,9 +96,19 @@ def test_an_earlier_nccl_timeout_is_the_root_of_the_tracebacks_after_it():
     assert unit.cause_of(oom + nccl) == "RuntimeError: CUDA error: out of memory"
 
 
+def test_a_port_in_use_is_the_root_of_the_ranks_cascade_after_it():
+    """sgl-project/sglang#29547: one scheduler's ZMQ bind finds its port taken, then every rank's gloo all_reduce
+    fails. Each exception line comes before its frames there: the frames must not make the cascade the cause."""
+    lines, meta = vector("zmq-port-in-use")
+    cascade = "RuntimeError: [gloo/transport/tcp/pair.cc] Connection reset by peer"
+    assert cascade in lines and lines.index(cascade) > 0
+    assert unit.cause_of(lines) == meta["expected_cause"] == lines[0]
+    assert unit.traceback_of(lines) == [lines[0]], "the line that names the port, not the cascade's frames"
+
+
 def test_a_port_in_use():
     # uvicorn's bind failure as SGLang's HTTP server would print it (the line as in dphnAI/sonar#621, an
-    # aphrodite server on uvicorn: no sgl-project/sglang thread with the whole log could be retrieved).
+    # aphrodite server on uvicorn; SGLang's own port in use, a ZMQ bind, is the vector zmq-port-in-use).
     line = "ERROR:    [Errno 98] error while attempting to bind on address ('::', 2242, 0, 0): address already in use"
     assert unit.cause_of([line]) == (
         "[Errno 98] error while attempting to bind on address ('::', 2242, 0, 0): address already in use"

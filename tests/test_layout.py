@@ -1,9 +1,13 @@
-"""The layout #10 asks for, kept: thin modules over module_utils, no Ansible in the logic, names defined once."""
+"""The layout #10 asks for, kept: thin modules over module_utils, no Ansible in the logic, names defined once; and
+the suite run in random order (#17)."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from sglang_deploy import outcomes
@@ -85,3 +89,41 @@ def test_the_support_package_holds_no_tests():
     for path in support.glob("*.py"):
         tree = ast.parse(path.read_text())
         assert not [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")], path
+
+
+ORDER_PROBE = """\
+import os
+
+import pytest
+
+
+@pytest.mark.parametrize("n", range(8))
+def test_probe(n):
+    with open(os.environ["ORDER_FILE"], "a") as fh:
+        fh.write(f"{n}\\n")
+"""
+
+
+def test_the_suite_runs_in_random_order_with_its_seed_printed(tmp_path):
+    """Issue #17: the suite passes in any order, so it is run in a new one each time (pytest-randomly, on through
+    pytest.ini), the seed in the header to run that order again. A probe module, run under this repository's
+    pytest.ini with two seeds: each run names its seed, and the two orders differ."""
+    (tmp_path / "test_probe.py").write_text(ORDER_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    orders = {}
+    for seed in (1, 2):
+        order = tmp_path / f"order-{seed}"
+        pytest = [sys.executable, "-m", "pytest", "-c", str(REPO / "pytest.ini"), "-p", "no:cacheprovider"]
+        proc = subprocess.run(
+            [*pytest, f"--randomly-seed={seed}", str(tmp_path / "test_probe.py")],
+            cwd=tmp_path,
+            env={**env, "ORDER_FILE": str(order)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"Using --randomly-seed={seed}" in proc.stdout
+        orders[seed] = order.read_text().split()
+        assert sorted(orders[seed]) == [str(n) for n in range(8)]
+    assert orders[1] != orders[2], "another seed, another order"

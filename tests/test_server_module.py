@@ -9,6 +9,7 @@ tmp_path (the runner's prelude moves it there).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from support.gpus import simulated
 from support.modules import http_server, instance_record, run_module, systemctl_shim
 
 KEY = "server-key-never-shown"
+GENERATED = {"text": " Paris, the capital of France."}  # what /generate answers (a test may change it)
 
 
 def sglang_api(method, path, body, headers):
@@ -34,7 +36,7 @@ def sglang_api(method, path, body, headers):
         return 200, {"speculative_algorithm": None}
     if path == "/generate":
         n = body["sampling_params"]["max_new_tokens"]
-        return 200, {"text": " Paris, the capital of France.", "meta_info": {"completion_tokens": n}}
+        return 200, {"text": GENERATED["text"], "meta_info": {"completion_tokens": n}}
     return 404, {}
 
 
@@ -100,6 +102,18 @@ def test_verify_of_a_healthy_instance_succeeds(tmp_path, node):
         "patches",
     ]
     assert seen.count(("POST", "/generate")) == 3  # the generation, then the load of 2
+
+
+def test_every_value_of_the_secrets_file_is_stripped_from_whatever_the_module_returns(tmp_path, node, monkeypatch):
+    """docs/restart.md: sglang_server strips every value of the secrets file from what it returns (SGLang logs its
+    server_args, the API key included, and a failure carries a journal tail). Here the server's own words carry
+    the key: the generated text, which verify's generate check quotes."""
+    monkeypatch.setitem(GENERATED, "text", f" the key is {KEY}.")
+    rc, out = server_module(tmp_path, node, action="verify", load_requests=0)
+    assert rc == 0 and out["outcome"] == outcomes.VERIFIED, out
+    [generate] = [c for c in out["verify"]["checks"] if c["name"] == "generate"]
+    assert generate["detail"] == "16 tokens: ' the key is ********.'", "the key was there, and is stripped"
+    assert KEY not in json.dumps(out)
 
 
 def test_a_failed_verification_fails_the_task_with_the_failed_checks(tmp_path, node):

@@ -96,11 +96,14 @@ CONSEQUENCE = re.compile(
     r"|Failed to initialize scheduler rank \d+))"
 )
 # Fatal lines that are no Python traceback: the NCCL watchdog (also inside a c10::DistBackendError's what()), a C++
-# exception that terminated the process, the interpreter's own fatal errors.
+# exception that terminated the process, the interpreter's own fatal errors; and an exception saying a port is in use
+# (ZMQ's, torch.distributed's): printed without its traceback's header, the frames after it would otherwise be taken
+# for those of the next exception line, the other ranks' cascade (sgl-project/sglang#29547).
 FATAL_LINE = (
     re.compile(r"(?:\[Rank \d+\] )?Watchdog caught collective operation timeout: .*"),
     re.compile(r"(?<=what\(\):  ).*"),
     re.compile(r"Fatal Python error: .*"),
+    re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): .*(?:[Aa]ddress already in use|EADDRINUSE).*"),
 )
 C10_STACK_LINE = re.compile(r"^(?:Exception raised from |frame #\d+: )")
 
