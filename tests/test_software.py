@@ -102,8 +102,13 @@ def test_the_role_names_the_generation_as_software_py_does():
     defaults = yaml.safe_load((REPO / "roles" / "sglang" / "defaults" / "main.yml").read_text())
     preflight = REPO / "roles" / "sglang" / "tasks" / "preflight.yml"
     task = "Name the software generation (sglang_software, with its patch manifest)"
+    add_manifest = "Add the generation's patch manifest to sglang_software"
     manifest = {"sglang_patch_manifest": trusted(defaults["sglang_patch_manifest"])}
     facts = render(preflight, task, {**variables, **manifest})
+    # The second task, with the first's fact (a fact of an earlier run of the role would otherwise be read).
+    facts.update(
+        render(preflight, add_manifest, {**variables, **manifest, "sglang_software": facts["sglang_software"]})
+    )
     identity = facts["_sglang_identity"]
     assert identity == {
         "python_version": "3.11",
@@ -123,7 +128,10 @@ def test_the_role_names_the_generation_as_software_py_does():
         "patch_series_sha256": identity["patch_series_sha256"],
         "manifest": f"/opt/x.d/{gen}/sglang-deploy/patches.json",
     }
-    custom = render(preflight, task, {**variables, "sglang_patch_manifest": "/srv/p.json"})["sglang_software"]
+    first = render(preflight, task, variables)["sglang_software"]
+    custom = render(
+        preflight, add_manifest, {**variables, "sglang_patch_manifest": "/srv/p.json", "sglang_software": first}
+    )["sglang_software"]
     assert custom["manifest"] == "/srv/p.json"
 
 
