@@ -396,9 +396,13 @@ esac
 
 def test_one_failing_query_fails_the_snapshot_with_its_message_and_leaves_no_process(tmp_path, monkeypatch):
     pids = tmp_path / "pids"
+    # The failing query waits until the other has started (bounded): both must exist for "ended" to be shown.
     body = f"""echo $$ >>{pids}
 case "$1" in
-  --query-gpu*) echo "Failed to initialize NVML: Driver/library version mismatch"; exit 18 ;;
+  --query-gpu*)
+    i=0
+    while [ "$(wc -l <{pids})" -lt 2 ] && [ $i -lt 1000 ]; do i=$((i+1)); sleep 0.01; done
+    echo "Failed to initialize NVML: Driver/library version mismatch"; exit 18 ;;
   *) exec sleep 30 ;;
 esac
 """
