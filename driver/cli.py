@@ -52,6 +52,10 @@ PLAYBOOKS = {
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(exitcodes.MEANING.items()))
 
 
+# The commands whose restarts or rollbacks report their progress as they run (action_plugins/sglang_server.py).
+PROGRESSING = ("restart", "rollback", "rollout")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m driver",
@@ -101,6 +105,15 @@ def parser() -> argparse.ArgumentParser:
                 "--force-stop",
                 action="store_true",
                 help="also kill other users' processes holding the instance's GPUs (never done otherwise)",
+            )
+        if name in PROGRESSING:
+            sp.add_argument(
+                "--stall-after",
+                type=float,
+                default=300.0,
+                metavar="S",
+                help="flag a restart whose progress (phase, load step, last log line) has not changed for S s "
+                "(default 300; flagged, never stopped)",
             )
         if name == "rollout":
             sp.add_argument(
@@ -209,6 +222,8 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
             evidence.ENV: str(evidence.directory(run_dir)),
         },
         scrub=redactor.scrub if redactor.secrets else None,
+        progress_dir=run_dir / "progress",
+        stall_s=getattr(args, "stall_after", 300.0),
     )
     t0 = time.monotonic()
     code = exitcodes.FAILED  # what the row says if the driver itself fails below

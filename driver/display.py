@@ -82,12 +82,15 @@ class Progress:
     def update(self) -> None:
         """Called after each event."""
         for h in self.tracker.hosts.values():
-            key = f"{h.phase}/{h.status}"
+            now = progress_line(h)
+            key = f"{h.phase}/{h.status}/{now}"
             if self.seen.get(h.name) != key:
                 self.seen[h.name] = key
                 self.since[h.name] = time.monotonic()
                 if not self.live and not self.quiet:
                     wait = f" (waiting for: {WAITS[h.phase]})" if h.phase in WAITS and h.status == "running" else ""
+                    if now:
+                        wait = f": {now}"
                     print(
                         f"[{time.monotonic() - self.t0:6.1f}s] {h.name}: {h.phase} {h.status}{wait}",
                         file=sys.stderr,
@@ -105,8 +108,32 @@ class Progress:
             doing = WAITS.get(h.phase, h.task) if h.status == "running" else h.status
             if h.status == "running" and h.phase in WAITS:
                 doing = f"{h.task}: {doing}"
+            line = progress_line(h) if h.status == "running" else ""
+            if line:
+                doing = line
             table.add_row(h.name, h.phase, f"{for_s:.0f}s", doing)
         return table
+
+
+def progress_line(h) -> str:
+    """What a host's detached restarts say now: "main: start, loading weights 1/2 (50%) for 12s", flagged when
+    stalled ("no change for 4m10s, last line: ..."); "" when none is running."""
+    parts = []
+    for name, p in sorted(h.progress.items()):
+        if p.get("done") or not p.get("phase"):
+            continue
+        what = f"{name}: {p['phase']}"
+        if p.get("step"):
+            what += f", {p['step']}" + (f" {p['detail']}" if p.get("detail") else "")
+        if p.get("stalled_s"):
+            what += f" - NO CHANGE for {duration(p['stalled_s'])}, last line: {p.get('last_line') or 'none'}"
+        parts.append(what)
+    return "; ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def status_table(tracker: Tracker, exit_code: int):

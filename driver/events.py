@@ -62,6 +62,18 @@ WAITS = {
 }
 
 
+# The driver's own event: a detached restart's progress, read from the run's progress/ directory (written by
+# action_plugins/sglang_server.py) and recorded in the stream like Ansible's events.
+PROGRESS = "sglang_progress"
+# What "no change" compares: a load that says nothing new for the stall time is flagged (driver/display.py).
+PROGRESS_KEYS = ("phase", "step", "detail", "last_line", "done")
+
+
+def progress_event(host: str, instance: str, doc: dict) -> dict:
+    created = dt.datetime.fromtimestamp(doc.get("received") or 0, tz=dt.UTC).isoformat()
+    return {"event": PROGRESS, "created": created, "event_data": {"host": host, "instance": instance, **doc}}
+
+
 def timestamp(event: dict) -> float:
     created = event.get("created")
     if not created:
@@ -91,6 +103,9 @@ class HostState:
     status: str = "running"  # running, ok, failed, unreachable
     failures: list[Failure] = field(default_factory=list)
     instances: dict[str, dict] = field(default_factory=dict)
+    # A detached restart's progress per instance (PROGRESS events), and when what it says last changed.
+    progress: dict[str, dict] = field(default_factory=dict)
+    progress_changed: dict[str, float] = field(default_factory=dict)
 
     @property
     def duration(self) -> float:
@@ -175,10 +190,20 @@ class Tracker:
         if kind == "verbose" and event.get("stdout", "").strip():
             if not PROFILE_LINE.match(event["stdout"]):  # the task timer's lines say nothing here
                 self.messages.append(event["stdout"].rstrip())
+        elif kind == PROGRESS:
+            self.on_progress(self.host(data["host"]), data, now)
         elif kind == "playbook_on_stats":
             self.on_stats(data, now)
         elif data.get("host"):
             self.on_host_event(kind, self.host(data["host"]), data, now)
+
+    @staticmethod
+    def on_progress(h: HostState, data: dict, now: float) -> None:
+        name = data.get("instance") or "?"
+        before = h.progress.get(name) or {}
+        if any(before.get(k) != data.get(k) for k in PROGRESS_KEYS) or name not in h.progress_changed:
+            h.progress_changed[name] = now
+        h.progress[name] = data
 
     def on_stats(self, data: dict, now: float) -> None:
         """The play is over: every host still running ended well."""
@@ -379,6 +404,7 @@ def instance_row(h: HostState, name: str, res: dict) -> dict:
         "tokens_per_s": v.get("tokens_per_s") or (res.get("known_good") or {}).get("tokens_per_s"),
         "accept_length": v.get("accept_length") or res.get("accept_length"),
         "detail": detail_of(res, v),
+        **({"steps": res["steps"]} if res.get("steps") else {}),
     }
 
 

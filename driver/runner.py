@@ -9,9 +9,12 @@ import shlex
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from module_utils.sglang_deploy.progress import PROGRESS_DIR_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,6 +34,10 @@ class Job:
     verbosity: int = 0
     env: dict[str, str] | None = None  # more environment for ansible-playbook (SGLANG_DEPLOY_CANCEL_FILE)
     scrub: Callable[[dict], dict] | None = None  # applied to each event before it is recorded or handed on
+    # Where action_plugins/sglang_server.py writes each detached restart's progress (created 0700 here); each
+    # change becomes a progress event (driver/events.py PROGRESS), recorded and handed on like Ansible's.
+    progress_dir: Path | None = None
+    stall_s: float = 300.0  # a progress unchanged this long (not done) is flagged once: an event with stalled_s
 
 
 @dataclass
@@ -68,6 +75,8 @@ def open_private(path: Path):
 
 
 def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_event, cancelled) -> Outcome:
+    pump = Pump(job.progress_dir, job.stall_s) if job.progress_dir else None
+
     def handler(event: dict) -> bool:
         # Task output is in event_data; keep stdout only where it is all there is (errors, warnings).
         slim = event if event.get("event") == "verbose" else {k: v for k, v in event.items() if k not in _BULKY}
@@ -79,6 +88,12 @@ def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_e
         on_event(slim)
         return False  # runner need not keep the event's file: the stream is recorded above
 
+    def cancel() -> bool:
+        if pump:
+            for event in pump.poll():
+                handler(event)
+        return cancelled()
+
     # ansible-runner reads its settings from this file only (a settings= argument is dropped without it).
     (private / "env").mkdir(mode=0o700)
     (private / "env" / "settings").write_text(json.dumps({"pexpect_timeout": POLL_S}), encoding="utf-8")
@@ -89,11 +104,13 @@ def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_e
         # ansible-runner runs from its private dir: name the project's plugin paths outright.
         "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
         "ANSIBLE_LIBRARY": str(REPO / "library"),
+        "ANSIBLE_ACTION_PLUGINS": str(REPO / "action_plugins"),
         "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
         "ANSIBLE_FILTER_PLUGINS": str(REPO / "filter_plugins"),
         # The ansible-playbook of this Python's environment (.venv), whether on PATH or not.
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         **(job.env or {}),
+        **({PROGRESS_DIR_ENV: str(job.progress_dir)} if job.progress_dir else {}),
     }
     if not job.inventory:
         envvars["ANSIBLE_INVENTORY"] = str(REPO / "inventory" / "lab" / "hosts.yml")
@@ -107,11 +124,62 @@ def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_e
         envvars={**envvars, **{k: v for k, v in os.environ.items() if k.startswith("ANSIBLE_")}},
         verbosity=job.verbosity or None,
         event_handler=handler,
-        cancel_callback=cancelled,
+        cancel_callback=cancel,
         quiet=True,
         suppress_env_files=True,
     )
+    if pump:
+        for event in pump.poll():  # the last answers, written as ansible-playbook ended
+            handler(event)
     return Outcome(status=r.status, rc=r.rc if r.rc is not None else 1)
+
+
+class Pump:
+    """The progress files of a run (one per host and instance) read when they change: progress events; and
+    once per stall, the same progress flagged with stalled_s when it has not changed for stall_s."""
+
+    def __init__(self, directory: Path, stall_s: float = 300.0, clock: Callable[[], float] = time.time):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dir = directory
+        self.stall_s = stall_s
+        self.clock = clock
+        self.seen: dict[str, int] = {}
+        self.docs: dict[str, dict] = {}
+        self.changed: dict[str, float] = {}
+        self.flagged: set[str] = set()
+
+    def poll(self) -> list[dict]:
+        from driver.events import PROGRESS_KEYS, progress_event
+
+        out = []
+        for path in sorted(self.dir.glob("*.json")):
+            try:
+                mtime = path.stat().st_mtime_ns
+                if self.seen.get(path.name) == mtime:
+                    continue
+                doc = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue  # replaced as it was read: the next poll reads it
+            self.seen[path.name] = mtime
+            before = self.docs.get(path.name)
+            if before is None or any(before.get(k) != doc.get(k) for k in PROGRESS_KEYS):
+                self.changed[path.name] = self.clock()
+                self.flagged.discard(path.name)
+            self.docs[path.name] = doc
+            out.append(progress_event(*self.names(path.name), doc))
+        now = self.clock()
+        for name, doc in self.docs.items():
+            if doc.get("done") or name in self.flagged or now - self.changed[name] < self.stall_s:
+                continue
+            self.flagged.add(name)
+            stalled = {**doc, "stalled_s": round(now - self.changed[name], 1), "received": now}
+            out.append(progress_event(*self.names(name), stalled))
+        return out
+
+    @staticmethod
+    def names(file_name: str) -> tuple[str, str]:
+        host, _, instance = file_name[: -len(".json")].rpartition(".")
+        return host, instance
 
 
 def inventory_arg(inventory: str | None) -> str | None:

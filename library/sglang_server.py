@@ -81,6 +81,15 @@ options:
       restart: every rendered instance record of the host, checked first, in this call, as sglang_validate checks
       them (its cached parser verdict; a refusal, outcome C(invalid_config), touches nothing). Unset: validated before.
   min_shm_mib: {type: int, default: 0, description: With I(validate_instances), the least size of /dev/shm in MiB.}
+  detach:
+    type: bool
+    default: false
+    description:
+      - restart, rollback - run in a worker detached from this call (module_utils/sglang_deploy/job.py) that reports
+        its phase and model-load step as it goes; this call returns the result if it is there within
+        I(progress_every), else the job and its progress (C(sglang_job)), which sglang_job then waits on.
+      - Set by the action plugin (action_plugins/sglang_server.py) when the driver asks for live progress.
+  progress_every: {type: float, default: 2.0, description: With I(detach), the least seconds between two progress answers.}
 author: sglang-deploy
 """
 
@@ -94,9 +103,14 @@ verify: {description: "checks, running_profile, tokens_per_s, accept_length, ok,
 evidence: {description: "The crash evidence bundle on the host: path, bytes, items, seconds (or error).", type: dict, returned: a start, generation or verification failed}
 known_good: {description: The generation recorded (generation, config_hash, profile, software)., type: dict, returned: restarted}
 lock: {description: "holder: operation, pid, command, controller, since.", type: dict, returned: locked}
+steps: {description: "With detach, each model-load step of each start: phase, step, detail, seconds.", type: list, returned: detach}
+sglang_job: {description: "With detach, the job still running: its directory (progress and seq say how far).", type: str, returned: detach}
 """
 
+from ansible.module_utils import sglang_deploy
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.common.parameters import remove_values
+from ansible.module_utils.sglang_deploy import job as jobs
 from ansible.module_utils.sglang_deploy import outcomes
 from ansible.module_utils.sglang_deploy.checks import Thresholds
 from ansible.module_utils.sglang_deploy.instance import Instance
@@ -181,6 +195,8 @@ def main() -> None:
             secrets_content=dict(type="str", no_log=True),
             validate_instances=dict(type="list", elements="dict"),
             min_shm_mib=dict(type="int", default=0),
+            detach=dict(type="bool", default=False),
+            progress_every=dict(type="float", default=2.0),
         ),
         supports_check_mode=True,
     )
@@ -207,13 +223,27 @@ def main() -> None:
         thresholds=Thresholds(**{k: p[k] for k in THRESHOLDS}),
         **{k: p[k] for k in SETTINGS},
     )
+    machine = Machine(inst, settings)
+    if p["detach"] and p["action"] in ("restart", "rollback") and not module.check_mode:
+        # The worker outlives this call's module files: every sglang_deploy module imported first.
+        jobs.preload(sglang_deploy)
+        said = jobs.start(
+            machine,
+            lambda: ACTIONS[p["action"]](machine),
+            lambda res: succeeded(p["action"], res),
+            mask=lambda doc: remove_values(doc, module.no_log_values),
+            every=p["progress_every"],
+            on_start=install_signal_handlers,
+        )
+        jobs.answer(module, said)
     if p["action"] in ("restart", "rollback"):
         install_signal_handlers()
-    res = ACTIONS[p["action"]](Machine(inst, settings))
-    ok = res["outcome"] in outcomes.SUCCESS or (p["action"] == "rollback" and res["outcome"] == outcomes.ROLLED_BACK)
-    if ok:
-        module.exit_json(**res)
-    module.fail_json(**res)
+    res = ACTIONS[p["action"]](machine)
+    jobs.answer(module, {"done": True, "ok": succeeded(p["action"], res), "res": res})
+
+
+def succeeded(action: str, res: dict) -> bool:
+    return res["outcome"] in outcomes.SUCCESS or (action == "rollback" and res["outcome"] == outcomes.ROLLED_BACK)
 
 
 if __name__ == "__main__":

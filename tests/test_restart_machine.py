@@ -2453,3 +2453,63 @@ def test_a_bundle_that_fails_is_reported_and_the_rollback_still_runs(world, hand
     assert res["outcome"] == R
     assert res["evidence"] == {"error": "no evidence bundle: OSError: [Errno 28] No space left on device"}
     serving(world, "good")
+
+
+# ---------------------------------------------------------------------------- progress of a detached restart
+
+LOAD_LOG = [
+    ["[2026-12-02 10:00:00 TP0] Load weight begin. avail mem=139.50 GB"],
+    [
+        "Loading safetensors checkpoint shards:   0% Completed | 0/2 [00:00<?, ?it/s]"
+        "\rLoading safetensors checkpoint shards: 100% Completed | 2/2 [00:04<00:00, 0.50it/s]",
+        "[2026-12-02 10:00:04 TP0] Load weight end. elapsed=4.00 s, type=LlamaForCausalLM, avail mem=120.00 GB",
+    ],
+    ["[2026-12-02 10:00:04 TP0] Load weight begin. avail mem=120.00 GB"],
+    ["[2026-12-02 10:00:06 TP0] Capture target verify CUDA graph begin. backend=full, avail mem=100.00 GB"],
+    ["Capturing batches (bs=8 avail_mem=99.00 GB): 100%|##########| 4/4 [00:03<00:00, 1.20it/s]"],
+]
+
+
+def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_their_times(world, handlers):
+    """The journal's new lines are read while start waits (a cursor each time), the steps SGLang logs reported
+    as they come; the server turns healthy after the last batch."""
+    from sglang_deploy import progress
+
+    world.host.behave("new", health=503)
+    batches = list(LOAD_LOG)
+    cursors = []
+    said = []
+
+    def journal_since(invocation, cursor=None):
+        cursors.append(cursor)
+        if not batches:
+            world.host.unit.server.b.health = 200
+            return [], cursor
+        return batches.pop(0), f"c{len(cursors)}"
+
+    m = world.machine()
+    m.ports = replace(m.ports, journal_since=journal_since)
+    m.progress = progress.Reporter(None, clock=world.host.clock)
+    real_write = m.progress._write
+
+    def write():
+        real_write()
+        d = m.progress.doc
+        said.append((d["phase"], d["step"], d["detail"]))
+
+    m.progress._write = write
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.RESTARTED, res.get("failure")
+    assert list(dict.fromkeys(p for p, *_ in said)) == [p["phase"] for p in res["phases"]]  # each, in order
+    start = [(step, detail) for phase, step, detail in said if phase == "start" and step]
+    assert list(dict.fromkeys(start)) == [
+        (progress.WEIGHTS, ""),
+        (progress.WEIGHTS, "done"),  # one read held the bar's line and "Load weight end.": its last state
+        (progress.DRAFT_WEIGHTS, ""),
+        (progress.GRAPHS, ""),
+        (progress.GRAPHS, "4/4 (100%)"),
+    ]
+    assert cursors[:3] == [None, "c1", "c2"]  # each read goes on from the last
+    steps = m.progress.finish()
+    assert [s["step"] for s in steps] == [progress.WEIGHTS, progress.DRAFT_WEIGHTS, progress.GRAPHS]
+    assert all(s["seconds"] >= 0.5 for s in steps), steps  # one read at most every 0.5 s of the fake clock

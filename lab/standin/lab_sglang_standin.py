@@ -28,10 +28,13 @@ Knobs (environment, set through the instance's env):
   LAB_STANDIN_ACCEPT_LENGTH  speculative accept length (default 2.6 with a spec algorithm)
   LAB_STANDIN_RELEASE_S      seconds GPU memory takes to free after exit (default 0)
   LAB_STANDIN_DRAIN_S        at most this many seconds of waiting for running requests on SIGTERM (default 60)
+  LAB_STANDIN_SHARDS         checkpoint shards "loaded" (default 2; the model load's steps are logged with
+                             SGLang 0.5.23's lines over the first 80 % of LAB_STANDIN_READY_S)
   LAB_STANDIN_FAULT          comma-separated faults:
      crash-startup        exit with a traceback while loading
      crash-first-decode   load, then die on the first decode (the seed's AttributeError)
      hang                 never become ready
+     stall-load           log "Load weight begin." and never go on (a stalled weight load)
      stray-child          a child that ignores SIGTERM and keeps its GPU memory
      slow-release         GPU memory takes LAB_STANDIN_RELEASE_S (default 4) to free
      wrong-accept         accept length 1.0 (what an EAGLE/EAGLE3 mix-up shows)
@@ -81,6 +84,7 @@ class Knobs:
             self.accept_length = 1.0
         self.release_s = float(env.get("LAB_STANDIN_RELEASE_S", "4" if "slow-release" in self.faults else "0"))
         self.drain_s = float(env.get("LAB_STANDIN_DRAIN_S", "60"))
+        self.shards = int(env.get("LAB_STANDIN_SHARDS", "2"))
 
 
 def gpus() -> list[int]:
@@ -89,6 +93,49 @@ def gpus() -> list[int]:
 
 def lab_gpu(*args: str) -> None:
     subprocess.run(["lab-gpu", *args], check=True)
+
+
+# --------------------------------------------------------------------------- the model load's log
+
+
+def bar(desc: str, total: int, step_s: float, completed: bool) -> None:
+    """A tqdm bar as SGLang's (weight_utils.BAR_FORMAT "{desc}: 50% Completed | 1/2", or tqdm's default
+    "{desc}:  50%|#####     | 2/4" for CUDA graphs): redrawn with "\r", ended with "\n", as tqdm writes."""
+    for n in range(total + 1):
+        pct = round(100 * n / total)
+        if completed:
+            text = f"{desc}: {pct:3d}% Completed | {n}/{total} [00:0{n}<00:0{total - n}, 1.00it/s]"
+        else:
+            text = f"{desc}: {pct:3d}%|{'#' * (pct // 10):<10}| {n}/{total} [00:0{n}<00:0{total - n}, 1.00it/s]"
+        sys.stderr.write(("\r" if n else "") + text)
+        sys.stderr.flush()
+        if n < total:
+            time.sleep(step_s)
+    sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def log_model_load(args: argparse.Namespace, knobs: Knobs) -> None:
+    """SGLang 0.5.23's lines for the model load, in its order (model_runner.py, weight_utils.py,
+    cuda_graph_setup.py, eagle_worker_v2.py, decode_cuda_graph_runner.py), over 80 % of the time to ready."""
+    spec = bool(knobs.spec)
+    steps = knobs.shards + (1 if spec else 0) + 4 + (2 if spec else 0)
+    dt = max(0.0, knobs.ready_s * 0.8 - (time.monotonic() - T0)) / steps
+    models = [("target", knobs.shards)] + ([("draft", 1)] if spec else [])
+    for _, shards in models:
+        log("Load weight begin. avail mem=139.50 GB")
+        bar("Loading safetensors checkpoint shards", shards, dt, completed=True)
+        log("Load weight end. elapsed=0.50 s, type=LabStandIn, avail mem=120.25 GB, mem usage=19.25 GB.")
+    kind = "verify" if spec else "decode"
+    log(f"Capture target {kind} CUDA graph begin. backend=full, num_tokens_per_req=1, avail mem=100.00 GB")
+    bar("Capturing batches (bs=8 avail_mem=100.00 GB)", 4, dt, completed=False)
+    log(f"Capture target {kind} CUDA graph end. bs=[1, 2, 4, 8], elapsed=1.00 s, mem usage=0.50 GB.")
+    if spec:
+        log(
+            "Capture draft decode CUDA graph begin. backend=full, num_tokens_per_req=1, bs=[1, 2, 4, 8], avail mem=99.50 GB"
+        )
+        time.sleep(dt)
+        log("Capture draft decode CUDA graph end. elapsed=0.50 s, mem usage=0.25 GB, avail mem=99.25 GB.")
 
 
 # --------------------------------------------------------------------------- processes
@@ -480,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     httpd = ThreadingHTTPServer((args.host, args.port), Handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    if "stall-load" in knobs.faults:
+        log("Load weight begin. avail mem=139.50 GB (lab fault stall-load: the load never goes on)")
+        wait_for_schedulers_ready()
+    log_model_load(args, knobs)
     log(f"Uvicorn running on http://{args.host}:{args.port}")
     if "hang" in knobs.faults:
         log("Capture cuda graph begin. (lab fault hang: never ready)")

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import evidence, gpu, outcomes, procinfo, unit
+from . import progress as load_progress
 from . import stage as staging
 from .checks import Thresholds
 from .checks import verify as run_checks
@@ -105,6 +106,7 @@ class Ports:
     systemctl: Callable = unit.systemctl
     show: Callable = unit.show
     journal: Callable = unit.journal
+    journal_since: Callable = unit.journal_since
     snapshot: Callable = gpu.snapshot
     wait_clean: Callable = gpu.wait_clean
     cmdline: Callable = procinfo.cmdline
@@ -116,6 +118,32 @@ class Ports:
     stage: Callable = staging.stage
     validate: Callable = validate_host
     evidence: Callable = evidence.for_failure
+
+
+class LoadFollower:
+    """While a detached restart's start waits: the unit's new journal lines (at most every READ_S) to its
+    progress reporter as the model-load step SGLang logs (sglang_deploy.progress.LoadWatch)."""
+
+    READ_S = 0.5
+
+    def __init__(self, m: Machine):
+        self.m = m
+        self.watch = load_progress.LoadWatch()
+        self.cursor: str | None = None
+        self.next_read = 0.0
+
+    def poll(self, invocation: str | None) -> None:
+        p = self.m.ports
+        if not invocation or p.clock() < self.next_read:
+            return
+        self.next_read = p.clock() + self.READ_S
+        try:
+            lines, self.cursor = p.journal_since(invocation, self.cursor)
+        except Exception:  # progress is shown, never needed: a journal that cannot be read shows none
+            return
+        self.watch.feed(lines)
+        w = self.watch
+        self.m.progress.step(w.step or load_progress.READY_WAIT, w.detail, w.last_line)
 
 
 def sigterm(signum, frame):
@@ -138,6 +166,8 @@ class Machine:
         self.verified: dict | None = None
         self.target: dict | None = None  # the known-good generation a rollback puts back
         self.touched_at: float | None = None  # when the first phase past the refusals began: the downtime's start
+        # Where a detached restart reports its phase and model-load step as it goes (sglang_deploy.progress).
+        self.progress: load_progress.Reporter | None = None
 
     # ------------------------------------------------------------------ the phases
 
@@ -284,8 +314,11 @@ class Machine:
         self.systemctl_ok("start", "--no-block", i.unit)
         t0 = p.clock()
         running_since = None
+        watch = LoadFollower(self) if self.progress is not None else None
         while True:
             props = p.show(i.unit)
+            if watch is not None and props.get("InvocationID") != before:
+                watch.poll(props.get("InvocationID"))
             # Until the start job runs, the unit is still the stopped one (same invocation).
             if props.get("InvocationID") != before and unit.has_failed(props):
                 raise self.failure_from_journal(outcomes.START, props, f"{i.unit} exited while starting")
@@ -465,6 +498,8 @@ class Machine:
                 t0 = self.ports.clock()
                 if self.touched_at is None and step not in REFUSALS:
                     self.touched_at = t0
+                if self.progress is not None:
+                    self.progress.phase(label + step.phase)
                 detail = step.run(self) or {}
                 log.append(
                     {

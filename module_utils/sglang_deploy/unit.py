@@ -74,6 +74,20 @@ def journal(unit: str, invocation: str | None = None, lines: int = 80) -> list[s
     return out.stdout.splitlines()
 
 
+def journal_since(invocation: str, cursor: str | None = None, lines: int = 2000) -> tuple[list[str], str | None]:
+    """The server's journal lines of one invocation after `cursor` (all of them, up to `lines`, without one), and
+    the cursor to pass next time: a follower that reads each line once however long the log grows."""
+    # -a: a tqdm bar's line holds its "\r" redraws, which journalctl otherwise shows as "[blob data]"; split at
+    # "\n" only (splitlines() would also cut at each "\r").
+    args = ["journalctl", "--no-pager", "-a", "-o", "cat", "--show-cursor", f"_SYSTEMD_INVOCATION_ID={invocation}"]
+    args += [f"--after-cursor={cursor}"] if cursor else ["-n", str(lines)]
+    out = subprocess.run(args, capture_output=True, text=True, check=False, timeout=10)
+    got = out.stdout.rstrip("\n").split("\n") if out.stdout else []
+    if got and got[-1].startswith("-- cursor: "):
+        return got[:-1], got[-1][len("-- cursor: ") :]
+    return [line for line in got if not line.startswith("-- ")], cursor
+
+
 # A Python exception line: a dotted name ending in Error/Exception/Interrupt/Exit, alone (SGLang's launcher re-raises
 # a bare EOFError) or followed by ": message". "Exception raised from checkTimeout at ..." (a c10 stack) is not one.
 EXCEPTION_LINE = re.compile(

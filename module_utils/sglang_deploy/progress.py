@@ -1,0 +1,145 @@
+"""A restart's progress while it runs: which phase, which step of the model load, how far, streamed to the
+controller (library/sglang_server.py with detach, library/sglang_job.py, action_plugins/sglang_server.py).
+
+The restart runs in a worker detached from the SSH session (detach): it writes its progress to a file
+(Reporter) and, at its end, its result. The module call that started it, and each sglang_job call after it,
+waits on the host until the progress changes or the result is there (wait_change), so the controller learns
+each change with one round trip, never one per second per host.
+
+The model-load steps come from the unit's journal, SGLang 0.5.23's own lines (LoadWatch):
+  "Load weight begin. avail mem=... GB"                (model_runner.py; the first: the target model, the
+                                                         second, after a "Load weight end.": the draft model)
+  "Loading safetensors checkpoint shards:  50% Completed | 1/2 [...]"    (weight_utils.py, tqdm)
+  "Capture target verify CUDA graph begin. ..."         (cuda_graph_setup.py: "Capture {role} {decode|verify}
+  "Capture draft decode CUDA graph begin. ..."           CUDA graph begin."; eagle_worker_v2.py)
+  "Capturing batches (bs=8 avail_mem=70.12 GB):  50%|...| 2/4"          (decode_cuda_graph_runner.py, tqdm)
+tqdm redraws its bar with "\\r" and ends it with "\\n"; journald cuts lines at "\\n" only, so a bar's n/m
+reaches the journal when the bar ends (the last "\\r" segment of the line is its state then). The steps
+themselves ("Load weight begin.", "Capture ... begin.") are logged lines and arrive as they happen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+# The model-load steps (the sub-phases of `start`), in the order SGLang takes them.
+WEIGHTS = "loading weights"
+DRAFT_WEIGHTS = "loading draft weights"
+GRAPHS = "capturing CUDA graphs"
+DRAFT_GRAPHS = "capturing draft CUDA graphs"
+READY_WAIT = "waiting for /health"
+
+LOAD_BEGIN = re.compile(r"\bLoad weight begin\.")
+LOAD_END = re.compile(r"\bLoad weight end\.")
+# "Capture target decode CUDA graph begin.", "Capture draft extend CUDA graph begin.", "Capture cuda graph begin."
+CAPTURE_BEGIN = re.compile(r"\bCapture (?:(target|draft)\s+)?(?:[\w ]+?\s+)?(?:CUDA|cuda) graph begin\.")
+# A tqdm bar segment: "<desc>: 50% Completed | 1/2" (SGLang's BAR_FORMAT) or "<desc>:  50%|#####     | 2/4".
+BAR = re.compile(
+    r"(?P<desc>Loading safetensors checkpoint shards|Capturing batches[^:]*):\s*(?P<pct>\d+)%"
+    r"(?:\s*Completed\s*\||\|[^|]*\|)\s*(?P<n>\d+)/(?P<m>\d+)"
+)
+
+
+class LoadWatch:
+    """Reads the journal's new lines and keeps the model-load step and its bar: step, detail (n/m, %)."""
+
+    def __init__(self) -> None:
+        self.step = ""
+        self.detail = ""
+        self.loads = 0  # "Load weight begin." lines seen: 1 the target, 2 the draft
+        self.last_line = ""
+
+    def feed(self, lines: list[str]) -> bool:
+        """The lines since the last call, in order; True when the step or its detail changed."""
+        before = (self.step, self.detail)
+        for line in lines:
+            if not line.strip():
+                continue
+            segment = line.rsplit("\r", 1)[-1].strip() or line.strip()
+            self.last_line = segment[-300:]
+            if LOAD_BEGIN.search(line):
+                self.loads += 1
+                self.step, self.detail = (WEIGHTS if self.loads == 1 else DRAFT_WEIGHTS), ""
+            elif LOAD_END.search(line):
+                self.detail = "done"
+            m = CAPTURE_BEGIN.search(line)
+            if m:
+                self.step, self.detail = (DRAFT_GRAPHS if m.group(1) == "draft" else GRAPHS), ""
+            bars = list(BAR.finditer(segment))
+            if bars:
+                b = bars[-1]
+                self.detail = f"{b['n']}/{b['m']} ({b['pct']}%)"
+        return (self.step, self.detail) != before
+
+
+class Reporter:
+    """The progress file of one detached restart: rewritten (atomically) on each change, read by wait_change.
+
+    The document: seq (grows on each change), phase (the state machine's, "rollback/start" in a rollback), step
+    (a model-load step of start, or ""), detail, last_line (the server's newest journal line), since (epoch of
+    the phase's start), step_since, and steps: every step finished so far with its seconds (the ledger's
+    sub-phase timings)."""
+
+    def __init__(self, path: str | None, clock=time.time, mask=lambda doc: doc):
+        self.path = path
+        self.clock = clock
+        self.mask = mask  # strips secret values (the module's no_log values) before anything is written
+        self.doc = {"seq": 0, "phase": "", "step": "", "detail": "", "last_line": "", "since": 0.0, "steps": []}
+
+    def _write(self) -> None:
+        self.doc["seq"] += 1
+        if not self.path:
+            return
+        tmp = f"{self.path}.tmp"
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(self.mask(self.doc), f)
+        os.replace(tmp, self.path)
+
+    def _close_step(self, now: float) -> None:
+        d = self.doc
+        if d["step"]:
+            d["steps"].append(
+                {
+                    "phase": d["phase"],
+                    "step": d["step"],
+                    "detail": d["detail"],
+                    "seconds": round(now - d["step_since"], 3),
+                }
+            )
+
+    def phase(self, name: str) -> None:
+        now = self.clock()
+        self._close_step(now)
+        self.doc.update(phase=name, step="", detail="", since=round(now, 3), step_since=round(now, 3))
+        self._write()
+
+    def step(self, name: str, detail: str = "", last_line: str = "") -> None:
+        d = self.doc
+        if (d["step"], d["detail"], d["last_line"]) == (name, detail, last_line):
+            return
+        now = self.clock()
+        if d["step"] != name:
+            self._close_step(now)
+            d["step_since"] = round(now, 3)
+        d.update(step=name, detail=detail, last_line=last_line)
+        self._write()
+
+    def finish(self) -> list[dict]:
+        """The steps with their seconds, the last one closed."""
+        self._close_step(self.clock())
+        self.doc["step"] = ""
+        return list(self.doc["steps"])
+
+
+# The controller's side (action_plugins/sglang_server.py, driver/): where the progress of each host's restart
+# is written, one file per host and instance, when the driver asks for it.
+PROGRESS_DIR_ENV = "SGLANG_DEPLOY_PROGRESS_DIR"
+DETACHED_ACTIONS = frozenset({"restart", "rollback"})
+
+
+def progress_file(directory: str, host: str, instance: str) -> str:
+    return os.path.join(directory, f"{host}.{instance}.json")

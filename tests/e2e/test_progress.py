@@ -1,0 +1,102 @@
+"""Live progress of python -m driver restart on a lab node (issue 16): the restart runs detached on the host and
+reports each phase and each model-load step SGLang logs (the stand-in logs SGLang 0.5.23's lines over its load);
+the driver records them in the run's event stream as they come, flags a load that makes no progress, and the
+ledger's rows carry each step's time. Uses lab-node1's `main`; at the end it is back to deployed, never verified."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_deploy import outcomes
+from support.e2e import ansible, driver_runner, main_with, podman_exec
+
+pytestmark = pytest.mark.lab
+
+NODE = "lab-node1"
+SLOW = {"LAB_STANDIN_READY_S": "5"}  # a load long enough to be seen in several answers
+
+
+@pytest.fixture(scope="module")
+def drive(deployed, tmp_path_factory):
+    the_lab, hosts = deployed
+    node = next(h["container"] for h in hosts if h["name"] == NODE)
+    ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
+    run = driver_runner(the_lab, ledger, NODE)
+    code, _, proc = run("restart")  # a known-good generation to roll back to
+    assert code == 0, proc.stdout[-3000:]
+    yield run, ledger
+    podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")
+    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/etc/sglang/pending")
+    ansible(
+        "ansible-playbook",
+        "playbooks/deploy.yml",
+        "--limit",
+        NODE,
+        "--tags",
+        "sglang_service_configure",
+        inventory=the_lab.inventory,
+    )
+
+
+def progress_of(ledger) -> list[dict]:
+    """The newest run's progress events, in the order recorded."""
+    runs = sorted((ledger.parent / "runs").iterdir(), key=lambda d: int(d.name))
+    events = [json.loads(line) for line in (runs[-1] / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    return [e["event_data"] for e in events if e.get("event") == "sglang_progress"]
+
+
+def in_order(seq: list) -> list:
+    return list(dict.fromkeys(seq))
+
+
+def test_a_restart_streams_its_phases_and_load_steps_in_order_and_records_their_times(drive):
+    run, ledger = drive
+    code, doc, proc = run("restart", "-e", main_with(env=SLOW))
+    assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = progress_of(ledger)
+    phases = in_order(p["phase"] for p in said if p.get("phase"))
+    assert len(said) >= 3, said  # answers while it ran, not one at the end
+    assert phases == [p for p in outcomes.RESTART_PHASES if p in phases], phases  # in the machine's order
+    # Answers come at most every progress_every (2 s): phases shorter than that may pass between two answers,
+    # the load's steps (5 s here) are seen as they come.
+    live = in_order(p["step"] for p in said if p.get("phase") == "start" and p.get("step"))
+    assert "start" in phases and len(live) >= 2, said
+    [r] = [r for r in doc["rows"] if r["host"] == NODE]
+    steps = [s["step"] for s in r["steps"] if s["phase"] == "start"]
+    # The stand-in's profile is speculative: the target's weights, the draft's, then the CUDA graphs.
+    assert steps[:3] == ["loading weights", "loading draft weights", "capturing CUDA graphs"], r["steps"]
+    assert all(s["seconds"] >= 0 for s in r["steps"])
+    assert said[-1]["done"] is True and said[-1]["outcome"] == "restarted"
+    assert not any(p.get("stalled_s") for p in said)
+    assert "sglang_job" not in json.dumps(doc)  # the task's result is the module's own
+
+
+def test_a_failing_restart_streams_its_rollback(drive):
+    run, ledger = drive
+    code, _, proc = run("restart", "-e", main_with(env={**SLOW, "LAB_STANDIN_FAULT": "crash-startup"}))
+    assert code == 5, proc.stdout[-3000:] + proc.stderr[-3000:]
+    phases = in_order(p["phase"] for p in progress_of(ledger) if p.get("phase"))
+    assert "start" in phases and "rollback/start" in phases and "rollback/verify" in phases, phases
+    assert phases.index("start") < phases.index("rollback/start") < phases.index("rollback/verify")
+    assert progress_of(ledger)[-1]["outcome"] == "rolled_back"
+
+
+def test_a_stalled_load_is_flagged_with_its_last_line_and_not_killed_by_the_flag(drive):
+    run, ledger = drive
+    code, _, proc = run(
+        "restart",
+        "--stall-after",
+        "3",
+        "-e",
+        main_with(env={"LAB_STANDIN_FAULT": "stall-load"}),
+        "-e",
+        json.dumps({"sglang_service_ready_timeout": 12}),
+    )
+    assert code == 5, proc.stdout[-3000:] + proc.stderr[-3000:]  # the ready timeout, then the rollback
+    said = progress_of(ledger)
+    [flag] = [p for p in said if p.get("stalled_s")][:1]
+    assert flag["phase"] == "start" and flag["step"] == "loading weights" and flag["stalled_s"] >= 3
+    assert "stall-load" in flag["last_line"]
+    assert said[-1]["outcome"] == "rolled_back"
