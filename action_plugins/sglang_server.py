@@ -49,7 +49,11 @@ class ActionModule(ActionBase):
                 module_args={"job": res["sglang_job"], "seen": res.get("seq", 0), "wait_s": WAIT_S, "min_s": every},
                 task_vars=task_vars,
             )
-        self._write(path, {"outcome": res.get("outcome"), "steps": res.get("steps", [])}, done=True)
+        self._write(
+            path,
+            {"outcome": res.get("outcome"), "steps": res.get("steps", []), "trail": res.get("trail", [])},
+            done=True,
+        )
         result.update(res)
         return result
 

@@ -35,8 +35,11 @@ THRESHOLD_MIB = 1024
 USED_MIB = int(143771 * 0.88)  # what the stand-in holds per GPU at mem_fraction_static 0.88
 
 
-def playbook(node: str, env: dict[str, str], *extra: str) -> tuple[float, int, dict]:
-    """Run restart.yml on node with the instance's env; (wall s, rc, the module's result)."""
+def playbook(
+    node: str, env: dict[str, str], *extra: str, controller_env: dict | None = None
+) -> tuple[float, int, dict]:
+    """Run restart.yml on node with the instance's env (and ansible-playbook's controller_env); (wall s, rc, the
+    module's result)."""
     inst = {"name": "main", "port": 30000, "gpus": list(range(8)), "env": env}
     cmd = [
         str(REPO / ".venv" / "bin" / "ansible-playbook"),
@@ -54,7 +57,7 @@ def playbook(node: str, env: dict[str, str], *extra: str) -> tuple[float, int, d
         cwd=REPO,
         capture_output=True,
         text=True,
-        env={**os.environ, "ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"},
+        env={**os.environ, "ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json", **(controller_env or {})},
     )
     wall = time.monotonic() - t0
     start = proc.stdout.find("\n{\n")

@@ -310,6 +310,8 @@ def history(args: argparse.Namespace) -> int:
                 "best tok/s",
                 "median accept len",
                 "verified running",
+                "median load s",
+                "median graphs s",
                 "config hashes",
                 "last measured",
             ),
@@ -322,6 +324,8 @@ def history(args: argparse.Namespace) -> int:
                 str(r["best_tokens_per_s"]),
                 str(r["median_accept_length"]),
                 r["verified_running"],
+                str(r["median_load_s"] if r["median_load_s"] is not None else "-"),
+                str(r["median_capture_s"] if r["median_capture_s"] is not None else "-"),
                 ", ".join(r["config_hashes"]) or "-",
                 r["last_measured"],
             )

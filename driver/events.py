@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from driver import exitcodes
-from module_utils.sglang_deploy import outcomes
+from module_utils.sglang_deploy import outcomes, progress
 
 PROFILE_LINE = re.compile(r"^\w+day \d+ \w+ \d{4} ")
 
@@ -304,6 +304,7 @@ class Tracker:
                         "downtime_s": res.get("downtime_s"),
                         "tokens_per_s": v.get("tokens_per_s"),
                         "accept_length": v.get("accept_length") if v else res.get("accept_length"),
+                        **step_seconds(res.get("steps") or []),
                     }
                 )
         return out
@@ -387,6 +388,22 @@ def record_not_begun(h: HostState, res: dict) -> None:
     name = item.get("name") if isinstance(item, dict) else None
     if name and res.get("skip_reason") == "Conditional result was False":
         h.instances[name] = {"instance": name, "outcome": NOT_BEGUN, "profile": item.get("profile")}
+
+
+def step_seconds(steps: list[dict]) -> dict:
+    """The seconds a restart's start spent loading weights (target and draft) and capturing CUDA graphs, from
+    its progress steps (sglang_deploy.progress); none without steps (a restart that reported none)."""
+    own = [s for s in steps if s.get("phase") == outcomes.START]
+    if not own:
+        return {"load_s": None, "capture_s": None}
+
+    def total(names) -> float:
+        return round(sum(s.get("seconds") or 0 for s in own if s.get("step") in names), 3)
+
+    return {
+        "load_s": total((progress.WEIGHTS, progress.DRAFT_WEIGHTS)),
+        "capture_s": total((progress.GRAPHS, progress.DRAFT_GRAPHS)),
+    }
 
 
 def instance_row(h: HostState, name: str, res: dict) -> dict:

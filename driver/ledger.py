@@ -49,7 +49,9 @@ CREATE TABLE IF NOT EXISTS measurements (
     config_hash TEXT,
     downtime_s REAL,
     tokens_per_s REAL,
-    accept_length REAL
+    accept_length REAL,
+    load_s REAL,
+    capture_s REAL
 );
 CREATE INDEX IF NOT EXISTS measurements_profile ON measurements(profile);
 """
@@ -117,6 +119,11 @@ class Ledger:
         if "evidence_path" not in columns:  # a ledger made before the crash evidence bundle
             self.db.execute("ALTER TABLE runs ADD COLUMN evidence_path TEXT")
             self.db.commit()
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(measurements)")}
+        for column in ("load_s", "capture_s"):  # a ledger made before the restart's progress
+            if column not in columns:
+                self.db.execute(f"ALTER TABLE measurements ADD COLUMN {column} REAL")
+        self.db.commit()
 
     def set_evidence(self, run_id: int, path: str) -> None:
         self.db.execute("UPDATE runs SET evidence_path=? WHERE id=?", (path, run_id))
@@ -166,7 +173,7 @@ class Ledger:
         )
         self.db.executemany(
             "INSERT INTO measurements (run_id, host, instance, outcome, profile, running_profile, config_hash,"
-            " downtime_s, tokens_per_s, accept_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " downtime_s, tokens_per_s, accept_length, load_s, capture_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     run_id,
@@ -179,6 +186,8 @@ class Ledger:
                     m.get("downtime_s"),
                     m.get("tokens_per_s"),
                     m.get("accept_length"),
+                    m.get("load_s"),
+                    m.get("capture_s"),
                 )
                 for m in measurements
             ],
@@ -210,6 +219,8 @@ class Ledger:
             tok = [m["tokens_per_s"] for m in ms]
             acc = [m["accept_length"] for m in ms if m["accept_length"] is not None]
             verified = sum(1 for m in ms if m["running_profile"] == profile)
+            load = [m["load_s"] for m in ms if m["load_s"] is not None]
+            capture = [m["capture_s"] for m in ms if m["capture_s"] is not None]
             out.append(
                 {
                     "profile": profile,
@@ -218,6 +229,9 @@ class Ledger:
                     "best_tokens_per_s": round(max(tok), 1),
                     "median_accept_length": round(statistics.median(acc), 2) if acc else None,
                     "verified_running": f"{verified}/{len(ms)}",
+                    # The model load and the CUDA-graph capture of its restarts (the restart's progress steps).
+                    "median_load_s": round(statistics.median(load), 1) if load else None,
+                    "median_capture_s": round(statistics.median(capture), 1) if capture else None,
                     "config_hashes": sorted({m["config_hash"] for m in ms if m["config_hash"]}),
                     "last_measured": ms[-1]["started_at"],
                 }

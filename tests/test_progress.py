@@ -65,6 +65,13 @@ def test_the_reporter_times_each_step_and_writes_only_what_its_mask_leaves(tmp_p
     doc = json.loads(path.read_text())
     assert seq == 4 and doc["seq"] == 5 and doc["phase"] == "start" and doc["step"] == progress.GRAPHS
     assert "sk-1" not in path.read_text() and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert [(t["phase"], t["step"], t["detail"]) for t in doc["trail"]] == [
+        ("stop", "", ""),
+        ("start", "", ""),
+        ("start", progress.WEIGHTS, ""),
+        ("start", progress.WEIGHTS, "1/2 (50%)"),
+        ("start", progress.GRAPHS, ""),
+    ]
     assert r.finish() == [
         {"phase": "start", "step": progress.WEIGHTS, "detail": "1/2 (50%)", "seconds": 7.0},
         {"phase": "start", "step": progress.GRAPHS, "detail": "", "seconds": 3.0},
@@ -210,3 +217,18 @@ def test_start_runs_the_action_detached_with_the_jobs_reporter_and_masks_its_res
     assert said["ok"] and said["res"]["msg"] == "restarted with ****"
     assert [s["step"] for s in said["res"]["steps"]] == [progress.WEIGHTS]
     assert os.listdir(tmp_path) == []
+
+
+def test_the_ledger_keeps_the_load_and_capture_seconds_of_the_restart_not_its_rollback():
+    from driver.events import step_seconds
+
+    steps = [
+        {"phase": "start", "step": progress.READY_WAIT, "seconds": 4.0},
+        {"phase": "start", "step": progress.WEIGHTS, "seconds": 100.0},
+        {"phase": "start", "step": progress.DRAFT_WEIGHTS, "seconds": 10.5},
+        {"phase": "start", "step": progress.GRAPHS, "seconds": 30.0},
+        {"phase": "start", "step": progress.DRAFT_GRAPHS, "seconds": 5.0},
+        {"phase": "rollback-start", "step": progress.WEIGHTS, "seconds": 99.0},
+    ]
+    assert step_seconds(steps) == {"load_s": 110.5, "capture_s": 35.0}
+    assert step_seconds([]) == {"load_s": None, "capture_s": None}

@@ -2504,7 +2504,8 @@ def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_t
     start = [(step, detail) for phase, step, detail in said if phase == "start" and step]
     assert list(dict.fromkeys(start)) == [
         (progress.WEIGHTS, ""),
-        (progress.WEIGHTS, "done"),  # one read held the bar's line and "Load weight end.": its last state
+        (progress.WEIGHTS, "2/2 (100%)"),  # one read held the bar's line and "Load weight end.": both reported
+        (progress.WEIGHTS, "done"),
         (progress.DRAFT_WEIGHTS, ""),
         (progress.GRAPHS, ""),
         (progress.GRAPHS, "4/4 (100%)"),

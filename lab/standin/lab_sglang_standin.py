@@ -29,7 +29,9 @@ Knobs (environment, set through the instance's env):
   LAB_STANDIN_RELEASE_S      seconds GPU memory takes to free after exit (default 0)
   LAB_STANDIN_DRAIN_S        at most this many seconds of waiting for running requests on SIGTERM (default 60)
   LAB_STANDIN_SHARDS         checkpoint shards "loaded" (default 2; the model load's steps are logged with
-                             SGLang 0.5.23's lines over the first 80 % of LAB_STANDIN_READY_S)
+                             SGLang 0.5.23's lines over what is left of 80 % of LAB_STANDIN_READY_S)
+  LAB_STANDIN_LOAD_S         the model load's steps over this many seconds from the end of the parse instead
+                             (SGLang's parser can take most of a short LAB_STANDIN_READY_S on a busy machine)
   LAB_STANDIN_FAULT          comma-separated faults:
      crash-startup        exit with a traceback while loading
      crash-first-decode   load, then die on the first decode (the seed's AttributeError)
@@ -85,6 +87,7 @@ class Knobs:
         self.release_s = float(env.get("LAB_STANDIN_RELEASE_S", "4" if "slow-release" in self.faults else "0"))
         self.drain_s = float(env.get("LAB_STANDIN_DRAIN_S", "60"))
         self.shards = int(env.get("LAB_STANDIN_SHARDS", "2"))
+        self.load_s = float(env.get("LAB_STANDIN_LOAD_S", "0"))
 
 
 def gpus() -> list[int]:
@@ -120,7 +123,7 @@ def log_model_load(args: argparse.Namespace, knobs: Knobs) -> None:
     cuda_graph_setup.py, eagle_worker_v2.py, decode_cuda_graph_runner.py), over 80 % of the time to ready."""
     spec = bool(knobs.spec)
     steps = knobs.shards + (1 if spec else 0) + 4 + (2 if spec else 0)
-    dt = max(0.0, knobs.ready_s * 0.8 - (time.monotonic() - T0)) / steps
+    dt = (knobs.load_s or max(0.0, knobs.ready_s * 0.8 - (time.monotonic() - T0))) / steps
     models = [("target", knobs.shards)] + ([("draft", 1)] if spec else [])
     for _, shards in models:
         log("Load weight begin. avail mem=139.50 GB")

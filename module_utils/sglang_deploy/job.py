@@ -180,6 +180,7 @@ def start(
         on_start()
         res = action()
         res["steps"] = machine.progress.finish()
+        res["trail"] = machine.progress.doc["trail"]
         return {"ok": succeeded(res), "res": mask(res)}
 
     def on_error(exc: BaseException) -> dict:

@@ -30,7 +30,7 @@ WEIGHTS = "loading weights"
 DRAFT_WEIGHTS = "loading draft weights"
 GRAPHS = "capturing CUDA graphs"
 DRAFT_GRAPHS = "capturing draft CUDA graphs"
-READY_WAIT = "waiting for /health"
+READY_WAIT = "starting"  # no load step logged yet (Python and SGLang importing, the ranks starting)
 
 LOAD_BEGIN = re.compile(r"\bLoad weight begin\.")
 LOAD_END = re.compile(r"\bLoad weight end\.")
@@ -52,9 +52,10 @@ class LoadWatch:
         self.loads = 0  # "Load weight begin." lines seen: 1 the target, 2 the draft
         self.last_line = ""
 
-    def feed(self, lines: list[str]) -> bool:
-        """The lines since the last call, in order; True when the step or its detail changed."""
-        before = (self.step, self.detail)
+    def feed(self, lines: list[str]) -> list[tuple[str, str]]:
+        """The lines since the last call, in order; each (step, detail) they went through, in order (a bar's end
+        and the next step's begin often come in one read: the bar's last n/m is not lost)."""
+        went: list[tuple[str, str]] = []
         for line in lines:
             if not line.strip():
                 continue
@@ -72,7 +73,9 @@ class LoadWatch:
             if bars:
                 b = bars[-1]
                 self.detail = f"{b['n']}/{b['m']} ({b['pct']}%)"
-        return (self.step, self.detail) != before
+            if (self.step, self.detail) != (went[-1] if went else None):
+                went.append((self.step, self.detail))
+        return went
 
 
 class Reporter:
@@ -81,13 +84,25 @@ class Reporter:
     The document: seq (grows on each change), phase (the state machine's, "rollback/start" in a rollback), step
     (a model-load step of start, or ""), detail, last_line (the server's newest journal line), since (epoch of
     the phase's start), step_since, and steps: every step finished so far with its seconds (the ledger's
-    sub-phase timings)."""
+    sub-phase timings), and trail: the last TRAIL phase and step changes with their epoch (each answer carries
+    them, so none is lost between two answers)."""
+
+    TRAIL = 100
 
     def __init__(self, path: str | None, clock=time.time, mask=lambda doc: doc):
         self.path = path
         self.clock = clock
         self.mask = mask  # strips secret values (the module's no_log values) before anything is written
-        self.doc = {"seq": 0, "phase": "", "step": "", "detail": "", "last_line": "", "since": 0.0, "steps": []}
+        self.doc = {
+            "seq": 0,
+            "phase": "",
+            "step": "",
+            "detail": "",
+            "last_line": "",
+            "since": 0.0,
+            "steps": [],
+            "trail": [],
+        }
 
     def _write(self) -> None:
         self.doc["seq"] += 1
@@ -98,6 +113,13 @@ class Reporter:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(self.mask(self.doc), f)
         os.replace(tmp, self.path)
+
+    def _trail(self, now: float) -> None:
+        d = self.doc
+        d["trail"] = [
+            *d["trail"],
+            {"phase": d["phase"], "step": d["step"], "detail": d["detail"], "at": round(now, 3)},
+        ][-self.TRAIL :]
 
     def _close_step(self, now: float) -> None:
         d = self.doc
@@ -115,6 +137,7 @@ class Reporter:
         now = self.clock()
         self._close_step(now)
         self.doc.update(phase=name, step="", detail="", since=round(now, 3), step_since=round(now, 3))
+        self._trail(now)
         self._write()
 
     def step(self, name: str, detail: str = "", last_line: str = "") -> None:
@@ -125,11 +148,14 @@ class Reporter:
         if d["step"] != name:
             self._close_step(now)
             d["step_since"] = round(now, 3)
+        moved = (d["step"], d["detail"]) != (name, detail)
         d.update(step=name, detail=detail, last_line=last_line)
+        if moved:
+            self._trail(now)
         self._write()
 
     def finish(self) -> list[dict]:
-        """The steps with their seconds, the last one closed."""
+        """The steps with their seconds, the last one closed (the trail stays in doc)."""
         self._close_step(self.clock())
         self.doc["step"] = ""
         return list(self.doc["steps"])

@@ -132,18 +132,18 @@ class LoadFollower:
         self.cursor: str | None = None
         self.next_read = 0.0
 
-    def poll(self, invocation: str | None) -> None:
+    def poll(self, invocation: str | None, last: bool = False) -> None:
+        """last: the server is ready; what it logged since the previous read is read now, whatever the time."""
         p = self.m.ports
-        if not invocation or p.clock() < self.next_read:
+        if not invocation or (p.clock() < self.next_read and not last):
             return
         self.next_read = p.clock() + self.READ_S
         try:
             lines, self.cursor = p.journal_since(invocation, self.cursor)
         except Exception:  # progress is shown, never needed: a journal that cannot be read shows none
             return
-        self.watch.feed(lines)
-        w = self.watch
-        self.m.progress.step(w.step or load_progress.READY_WAIT, w.detail, w.last_line)
+        for step, detail in self.watch.feed(lines) or [(self.watch.step, self.watch.detail)]:
+            self.m.progress.step(step or load_progress.READY_WAIT, detail, self.watch.last_line)
 
 
 def sigterm(signum, frame):
@@ -325,11 +325,15 @@ class Machine:
             if props["ActiveState"] == "active" and not i.serves_http:
                 running_since = running_since or p.clock()  # a rank above 0: running, and still running 2 s on
                 if p.clock() - running_since >= 2.0:
+                    if watch is not None:
+                        watch.poll(props.get("InvocationID"), last=True)
                     self.argv = p.cmdline(props["MainPID"])
                     if self.s.phase in SAVES_STARTED:
                         self.save_started()  # this node's next call confirms and records it
                     return {"main_pid": props["MainPID"], "running_after_s": round(p.clock() - t0, 3)}
             elif props["ActiveState"] == "active" and healthy(i.base, api_key=i.api_key()):
+                if watch is not None:
+                    watch.poll(props.get("InvocationID"), last=True)
                 self.argv = p.cmdline(props["MainPID"])
                 if self.s.phase in SAVES_STARTED:
                     self.save_started()  # rank 0 records in the record phase, once every rank is confirmed

@@ -14,8 +14,10 @@ from driver import cli, exitcodes, ledger
 REPO = Path(__file__).resolve().parents[2]
 
 
-def measurement(profile, tok, acc, running=None, host="n1", config_hash="abc"):
+def measurement(profile, tok, acc, running=None, host="n1", config_hash="abc", load_s=None, capture_s=None):
     return {
+        "load_s": load_s,
+        "capture_s": capture_s,
         "host": host,
         "instance": "main",
         "outcome": "restarted",
@@ -51,8 +53,8 @@ def test_compare_answers_which_config_gave_what_and_whether_it_ran(tmp_path):
         1,
         ["n1"],
         [
-            measurement("eagle3_5tok_cuda_graph", 82.3, 1.9, config_hash="h1"),
-            measurement("eagle3_5tok_cuda_graph", 80.1, 1.8, running="eagle3_topk1", config_hash="h2"),
+            measurement("eagle3_5tok_cuda_graph", 82.3, 1.9, config_hash="h1", load_s=300.0, capture_s=41.0),
+            measurement("eagle3_5tok_cuda_graph", 80.1, 1.8, running="eagle3_topk1", config_hash="h2", load_s=320.0),
             measurement("baseline_no_spec", 90.0, None, config_hash="h3"),
         ],
         None,
@@ -62,6 +64,25 @@ def test_compare_answers_which_config_gave_what_and_whether_it_ran(tmp_path):
     assert five["measurements"] == 2 and five["best_tokens_per_s"] == 82.3 and five["median_tokens_per_s"] == 81.2
     assert five["verified_running"] == "1/2" and five["config_hashes"] == ["h1", "h2"]
     assert rows["baseline_no_spec"]["median_accept_length"] is None
+    # How long each profile takes to load and capture: from the restarts' progress steps, where they reported them.
+    assert five["median_load_s"] == 310.0 and five["median_capture_s"] == 41.0
+    assert rows["baseline_no_spec"]["median_load_s"] is None
+
+
+def test_a_ledger_made_before_the_progress_steps_gains_their_columns(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "l.sqlite3"
+    ledger.Ledger(path).close()
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE measurements DROP COLUMN load_s")
+    db.execute("ALTER TABLE measurements DROP COLUMN capture_s")
+    db.commit()
+    db.close()
+    book = ledger.Ledger(path)
+    run = book.start("restart", [], None, None)
+    book.finish(run, 0, "success", 1, ["n1"], [measurement("p", 90.0, 2.0, load_s=12.5)], None)
+    assert book.compare()[0]["median_load_s"] == 12.5
 
 
 def test_extra_vars_from_options():
