@@ -232,3 +232,36 @@ def test_the_ledger_keeps_the_load_and_capture_seconds_of_the_restart_not_its_ro
     ]
     assert step_seconds(steps) == {"load_s": 110.5, "capture_s": 35.0}
     assert step_seconds([]) == {"load_s": None, "capture_s": None}
+
+
+def job_module(tmp_path, args: dict):
+    from support.modules import run_module
+
+    prelude = f"import ansible.module_utils.sglang_deploy.job as j; j.JOBS_DIR = {str(tmp_path / 'jobs')!r}"
+    return run_module("sglang_job", args, tmp_path, prelude=prelude)
+
+
+def test_the_sglang_job_module_hands_over_a_result_its_progress_or_a_clear_refusal(tmp_path):
+    done = jobs.new("main", str(tmp_path / "jobs"))
+    jobs.write_json(done.result, {"ok": True, "res": {"outcome": "restarted", "msg": "main: restarted"}})
+    rc, res = job_module(tmp_path, {"job": done.dir})
+    assert rc == 0 and res["outcome"] == "restarted" and not os.path.exists(done.dir)
+
+    failed = jobs.new("main", str(tmp_path / "jobs"))
+    jobs.write_json(failed.result, {"ok": False, "res": {"outcome": "rolled_back", "msg": "main: rolled back"}})
+    rc, res = job_module(tmp_path, {"job": failed.dir})
+    assert rc == 1 and res["failed"] and res["outcome"] == "rolled_back"
+
+    running = jobs.new("main", str(tmp_path / "jobs"))
+    with open(running.pid_file, "w") as f:
+        f.write(str(os.getpid()))  # alive for as long as the test runs
+    jobs.write_json(running.progress, {"seq": 3, "phase": "start", "step": progress.WEIGHTS})
+    rc, res = job_module(tmp_path, {"job": running.dir, "seen": 1, "min_s": 0, "wait_s": 5})
+    assert rc == 0 and res["sglang_job"] == running.dir and res["seq"] == 3
+    assert res["progress"]["step"] == progress.WEIGHTS
+
+    rc, res = job_module(tmp_path, {"job": "/etc"})
+    assert rc == 1 and "is not a job directory under" in res["msg"]
+    empty = jobs.new("main", str(tmp_path / "jobs"))
+    rc, res = job_module(tmp_path, {"job": empty.dir})
+    assert rc == 1 and "holds no restart" in res["msg"]
