@@ -12,7 +12,7 @@ import time
 import pytest
 
 from support import wait_for
-from support.e2e import REPO, ansible, driver_runner, main_with, podman_exec
+from support.e2e import REPO, back_to_deployed, driver_runner, main_with, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -30,19 +30,7 @@ def core(deployed, tmp_path_factory):
     code, _, proc = run("restart")
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     yield run, node
-    podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")
-    podman_exec(
-        node, "rm", "-rf", "/var/lib/sglang/known-good/main", "/etc/sglang/pending", "/etc/sglang/secrets/main.env"
-    )
-    ansible(
-        "ansible-playbook",
-        "playbooks/deploy.yml",
-        "--limit",
-        NODE,
-        "--tags",
-        "sglang_service_configure",
-        inventory=the_lab.inventory,
-    )
+    back_to_deployed(the_lab, node, NODE)
 
 
 def row(doc: dict) -> dict:

@@ -11,7 +11,14 @@ import sys
 
 import pytest
 
-from support.e2e import REPO, ansible, controller_env, driver_runner, lab_gpu_state, main_with, podman_exec
+from support.e2e import (
+    REPO,
+    back_to_deployed,
+    controller_env,
+    driver_runner,
+    lab_gpu_state,
+    main_with,
+)
 
 pytestmark = pytest.mark.lab
 
@@ -43,17 +50,7 @@ def drive(deployed, tmp_path_factory):
     code, _, proc = run("restart")
     assert code == 0, proc.stdout[-3000:]
     yield run, node
-    podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")  # back to deployed, never verified
-    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/etc/sglang/pending")
-    ansible(
-        "ansible-playbook",
-        "playbooks/deploy.yml",
-        "--limit",
-        NODE,
-        "--tags",
-        "sglang_service_configure",
-        inventory=the_lab.inventory,
-    )
+    back_to_deployed(the_lab, node, NODE)
 
 
 def row(doc: dict) -> dict:

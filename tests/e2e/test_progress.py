@@ -10,7 +10,7 @@ import json
 import pytest
 
 from sglang_deploy import outcomes
-from support.e2e import ansible, driver_runner, main_with, podman_exec
+from support.e2e import back_to_deployed, driver_runner, main_with
 
 pytestmark = pytest.mark.lab
 
@@ -27,17 +27,7 @@ def drive(deployed, tmp_path_factory):
     code, _, proc = run("restart")  # a known-good generation to roll back to
     assert code == 0, proc.stdout[-3000:]
     yield run, ledger
-    podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")
-    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good", "/etc/sglang/pending")
-    ansible(
-        "ansible-playbook",
-        "playbooks/deploy.yml",
-        "--limit",
-        NODE,
-        "--tags",
-        "sglang_service_configure",
-        inventory=the_lab.inventory,
-    )
+    back_to_deployed(the_lab, node, NODE)
 
 
 def progress_of(ledger) -> list[dict]:

@@ -123,3 +123,22 @@ def driver_runner(the_lab, ledger: Path, default_limit: str | None):
         return proc.returncode, doc, proc
 
     return run
+
+
+def back_to_deployed(the_lab, container: str, host: str) -> None:
+    """lab-node's `main` as deploy.yml leaves it: stopped, never verified (no known-good generation, nothing
+    staged, no secrets file), its configuration rewritten from group_vars. The e2e modules that restart main
+    end with it."""
+    podman_exec(container, "systemctl", "disable", "--now", "sglang-main.service")
+    podman_exec(
+        container, "rm", "-rf", "/var/lib/sglang/known-good/main", "/etc/sglang/pending", "/etc/sglang/secrets/main.env"
+    )
+    ansible(
+        "ansible-playbook",
+        "playbooks/deploy.yml",
+        "--limit",
+        host,
+        "--tags",
+        "sglang_service_configure",
+        inventory=the_lab.inventory,
+    )
