@@ -14,13 +14,14 @@ export PY_COLORS ?= 0
 LAB_NODES ?= 2
 LAB_GPUS  ?= 8
 PYTEST_ARGS ?=
+MOLECULE ?= molecule
 # Line coverage of module_utils/, library/, driver/ and filter_plugins/ (.coveragerc: subprocess runs included),
 # printed by `make test`; each of those files must stay at 80 % or more (issue #17, tools/coverage_floor.py),
 # the restart state machine at 90 % or more (issue #10).
 COV := --cov --cov-report=term
 COV_FLOOR := 80
 
-.PHONY: help setup doctor image lab-up lab-down lab-status demo test lint pytest unit e2e molecule upgrade-check lock lock-sglang clean
+.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint pytest unit e2e molecule upgrade-check lock lock-sglang clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -61,15 +62,35 @@ unit: setup ## pytest without the lab
 e2e: image ## pytest end-to-end tests on their own lab nodes
 	@$(BIN)/python -m pytest -m lab $(PYTEST_ARGS)
 
-pytest: image ## every pytest test, with line coverage (each production file at least 80 %, the state machine 90 %)
+pytest: image ## every pytest test in one run, with line coverage (each production file at least 80 %, the state machine 90 %)
 	@$(BIN)/python -m pytest $(COV) $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory coverage-floor
+
+coverage-floor: ## the floors over the last run's .coverage (each production file 80 %, the state machine 90 %)
 	@$(BIN)/python -m coverage report --include='module_utils/sglang_deploy/restart.py' --fail-under=90
 	@$(BIN)/python -m coverage json -q -o - | $(BIN)/python tools/coverage_floor.py --floor $(COV_FLOOR) -
 
 molecule: image ## every molecule scenario (create, converge, idempotence, check, verify, destroy)
-	@molecule test --all
+	@$(MOLECULE) test --all
 
-test: lint pytest molecule ## every test
+# make test runs two streams side by side (CI has 2 cores): the lab's end-to-end tests; the unit tests, then
+# molecule. Their containers (labels, names), networks and ports never meet. Each line is prefixed with its
+# stream; the coverage of both runs is combined, then held to the floors.
+test: lint ## every test: lint, then pytest's lab tests beside (unit tests, then molecule), then the coverage floors
+	@rm -f .coverage .coverage.lab .coverage.unit
+	@$(MAKE) --no-print-directory -j2 test-lab test-rest
+	@$(BIN)/python -m coverage combine -q .coverage.lab .coverage.unit
+	@$(BIN)/python -m coverage report --format=total | sed 's/^/line coverage, both streams: /; s/$$/ %/'
+	@$(MAKE) --no-print-directory coverage-floor
+
+test-lab: image
+	@SECONDS=0; COVERAGE_FILE=$(CURDIR)/.coverage.lab $(BIN)/python -m pytest -m lab --cov --cov-report= \
+		$(PYTEST_ARGS) 2>&1 | sed -u 's/^/lab  | /' || rc=$$?; echo "lab  | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
+
+test-rest: image
+	@SECONDS=0; { COVERAGE_FILE=$(CURDIR)/.coverage.unit $(BIN)/python -m pytest -m "not lab" --cov --cov-report= \
+		$(PYTEST_ARGS) && $(MOLECULE) test --all; } 2>&1 | sed -u 's/^/rest | /' || rc=$$?; \
+		echo "rest | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
 
 upgrade-check: setup ## does the patch series apply to SGLANG_CANDIDATE? (fetches its wheel, changes nothing)
 	@test -n "$(SGLANG_CANDIDATE)" || { echo "usage: make upgrade-check SGLANG_CANDIDATE=X.Y.Z" >&2; exit 2; }
@@ -85,4 +106,4 @@ lock: ## refresh requirements.lock from requirements.in
 	@$(BIN)/python -m pip freeze --exclude-editable >requirements.lock
 
 clean: lab-down ## lab down, and remove the virtualenv
-	@rm -rf $(VENV) .pytest_cache .lab-tests
+	@rm -rf $(VENV) .pytest_cache .lab-tests .coverage .coverage.*
