@@ -1,4 +1,4 @@
-"""python -m driver: deploy, restart, verify, validate, status, rollback, preflight, collect, history.
+"""python -m driver: deploy, restart, verify, validate, status, rollback, preflight, collect, rollout, tune, history.
 
 Only argparse is imported at start-up: `--help` answers at once (bench/driver_help.py).
 """
@@ -6,6 +6,7 @@ Only argparse is imported at start-up: `--help` answers at once (bench/driver_he
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 from driver import exitcodes
@@ -54,6 +55,34 @@ EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning
 
 # The commands whose restarts or rollbacks report their progress as they run (action_plugins/sglang_server.py).
 PROGRESSING = ("restart", "rollback", "rollout")
+
+
+def tune_arguments(sp: argparse.ArgumentParser) -> None:
+    """tune's own options (driver/tune.py runs the sweep)."""
+    sp.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a flag as profiles write it (speculative_num_steps=1,2,3) or an environment variable "
+        "(NCCL_ALGO=Ring,Tree); repeatable; '' unsets",
+    )
+    sp.add_argument(
+        "--grid-file", type=pathlib.Path, help="a YAML or JSON mapping of key to values (--grid adds to it)"
+    )
+    sp.add_argument(
+        "--concurrency", default="1", help="concurrency levels, comma-separated; the first ranks (default 1)"
+    )
+    sp.add_argument("--requests", type=int, default=8, help="measured requests per level (default 8)")
+    sp.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
+    sp.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (default 2)")
+    sp.add_argument("--name", help="the winner's profile name (default <profile>_tuned_<sweep>)")
+    sp.add_argument(
+        "--profile-dir",
+        type=pathlib.Path,
+        help="where the winner's profile file goes (default: the inventory's group_vars/sglang_nodes/)",
+    )
+    sp.add_argument("--keep-best", action="store_true", help="leave the instance on the winner, not its own profile")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -128,6 +157,20 @@ def parser() -> argparse.ArgumentParser:
                 default="0",
                 help="failed replica hosts the rollout goes on after, a count or a percentage (default 0)",
             )
+    text = (
+        "a sweep of speculative and serving flags over the safe restart on one instance: each combination "
+        "restarted, benchmarked and recorded; ranked against no speculation; the winner written as a new profile"
+    )
+    tune_arguments(
+        sub.add_parser(
+            "tune",
+            parents=[common],
+            help=text,
+            description=text,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     h = sub.add_parser(
         "history", help="the run ledger; --compare puts profiles side by side", description="The run ledger."
     )
@@ -375,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
         if args.command == "history":
             return history(args)
+        if args.command == "tune":
+            from driver import tune
+
+            return tune.main(args)
         return run_playbook(args, argv)
     except KeyboardInterrupt:  # before the driver's own handler, or after it: nothing half-recorded, no traceback
         print("\ninterrupted", file=sys.stderr)

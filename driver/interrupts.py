@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # Commands whose playbooks honour the cancel file (each instance's restart or rollback begins only without it).
-GRACEFUL = frozenset({"restart", "rollback"})
+GRACEFUL = frozenset({"restart", "rollback", "tune"})
 
 FIRST = "interrupted: no further restart will begin; waiting for those in flight (Ctrl-C again to abandon)"
 AT_ONCE = "interrupted: stopping ansible-playbook ({command} restarts nothing, so nothing is left to wait for)"

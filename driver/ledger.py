@@ -54,7 +54,56 @@ CREATE TABLE IF NOT EXISTS measurements (
     capture_s REAL
 );
 CREATE INDEX IF NOT EXISTS measurements_profile ON measurements(profile);
+CREATE TABLE IF NOT EXISTS tune_results (
+    sweep TEXT NOT NULL,
+    combination TEXT NOT NULL,
+    run_id INTEGER NOT NULL REFERENCES runs(id),
+    measured_at TEXT NOT NULL,
+    host TEXT NOT NULL,
+    instance TEXT NOT NULL,
+    start_profile TEXT NOT NULL,
+    label TEXT NOT NULL,
+    combo TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    cause TEXT,
+    config_hash TEXT,
+    software TEXT,
+    gpu_model TEXT,
+    tokens_per_s REAL,
+    accept_length REAL,
+    ttft_median_s REAL,
+    ttft_p99_s REAL,
+    itl_median_s REAL,
+    itl_p99_s REAL,
+    bench TEXT,
+    PRIMARY KEY (sweep, combination)
+);
 """
+
+# The columns of a tune result (tune_results above) that driver/tune.py fills, in order.
+TUNE_COLUMNS = (
+    "sweep",
+    "combination",
+    "run_id",
+    "measured_at",
+    "host",
+    "instance",
+    "start_profile",
+    "label",
+    "combo",
+    "outcome",
+    "cause",
+    "config_hash",
+    "software",
+    "gpu_model",
+    "tokens_per_s",
+    "accept_length",
+    "ttft_median_s",
+    "ttft_p99_s",
+    "itl_median_s",
+    "itl_p99_s",
+    "bench",
+)
 
 
 def default_path() -> Path:
@@ -193,6 +242,45 @@ class Ledger:
             ],
         )
         self.db.commit()
+
+    def tune_record(self, row: dict) -> None:
+        """One combination of a sweep, measured or failed: kept (a re-run of the sweep skips it), and a measured
+        one also as a measurement of its run (history --compare ranks it with the profiles)."""
+        row = {**row, "measured_at": now_iso()}
+        for k in ("combo", "software", "bench"):
+            row[k] = json.dumps(row.get(k), sort_keys=True, default=str)
+        self.db.execute(
+            f"INSERT OR REPLACE INTO tune_results ({', '.join(TUNE_COLUMNS)}) VALUES ({', '.join('?' * len(TUNE_COLUMNS))})",
+            tuple(row.get(k) for k in TUNE_COLUMNS),
+        )
+        if row.get("tokens_per_s") is not None:
+            self.db.execute(
+                "INSERT INTO measurements (run_id, host, instance, outcome, profile, running_profile, config_hash,"
+                " tokens_per_s, accept_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row["run_id"],
+                    row["host"],
+                    row["instance"],
+                    row["outcome"],
+                    row["combination"],
+                    row.get("running_profile"),
+                    row.get("config_hash"),
+                    row["tokens_per_s"],
+                    row.get("accept_length"),
+                ),
+            )
+        self.db.commit()
+
+    def tune_results(self, sweep: str) -> list[dict]:
+        """The sweep's recorded combinations, oldest first."""
+        rows = self.db.execute("SELECT * FROM tune_results WHERE sweep=? ORDER BY measured_at", (sweep,)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            for k in ("combo", "software", "bench"):
+                d[k] = json.loads(d[k]) if d[k] else None
+            out.append(d)
+        return out
 
     def runs(self, limit: int = 20) -> list[dict]:
         rows = self.db.execute("SELECT * FROM runs ORDER BY id DESC LIMIT ?", (limit,)).fetchall()

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "module_utils"))
 from sglang_deploy.instance import NAME
 from sglang_deploy.procinfo import SECRET_FLAGS
 from sglang_deploy.router import worker_url
+from sglang_deploy.tune import TUNED_PREFIX, GridError, plan
 
 
 class ConfigError(ValueError):
@@ -272,6 +273,64 @@ def env_file_line(name: str, value: str) -> str:
     return f'{name}="{escaped}"'
 
 
+def with_tuned(profiles: dict, host_vars) -> dict:
+    """sglang_profiles and every tuned profile: a variable sglang_tuned_profile_<name> (a group_vars file that
+    `python -m driver tune` wrote, or the sweep's combination) is profile <name>. A tuned name that is also one
+    of sglang_profiles is refused: a tuned profile never replaces the operator's."""
+    out = dict(profiles or {})
+    for var in sorted(k for k in host_vars if str(k).startswith(TUNED_PREFIX)):
+        name = var[len(TUNED_PREFIX) :]
+        if name in out:
+            raise ConfigError(f"{var}: sglang_profiles has a profile {name!r} already; rename the tuned one")
+        if not isinstance(host_vars[var], dict):
+            raise ConfigError(
+                f"{var}: a profile (description, flags, env, baseline), not {type(host_vars[var]).__name__}"
+            )
+        out[name] = host_vars[var]
+    return out
+
+
+def tune_plan(instances, name, profiles, profile, common_flags=None, common_env=None, grid=None, sweep=""):
+    """The sweep over `profile` for instance `name` (sglang_deploy.tune.plan): {index, combinations: [{name,
+    label, values, notes, profile}], dropped: [{values, reason}]}, the baseline first."""
+    names = [str(i.get("name")) for i in instances or []]
+    if name not in names:
+        raise ConfigError(
+            f"sglang_tune.instance {name!r} is not one of this host's sglang_instances ({', '.join(names)})"
+        )
+    index = names.index(name)
+    instance = instances[index]
+    if profile not in profiles:
+        raise ConfigError(f"the sweep's starting profile {profile!r} is not in sglang_profiles")
+    start = profiles[profile] or {}
+    own = instance.get("flags") or {}
+    start_flags = {**(common_flags or {}), **(start.get("flags") or {}), **own}
+    start_env = {**(common_env or {}), **(start.get("env") or {}), **(instance.get("env") or {})}
+    fixed = {k: f"sglang_instances[{index}].flags.{k}" for k in own}
+    fixed.update({k: f"sglang_instances[{index}].env.{k}" for k in instance.get("env") or {}})
+    try:
+        combos, dropped = plan(start_flags, start_env, grid or {}, fixed)
+    except GridError as exc:
+        raise ConfigError(str(exc)) from exc
+    return {
+        "index": index,
+        "combinations": [{**c.as_dict(), "notes": c.notes, "profile": c.profile(start, sweep)} for c in combos],
+        "dropped": dropped,
+    }
+
+
+def _filter_error(fn):
+    def wrapped(*args, **kwargs):
+        from ansible.errors import AnsibleFilterError
+
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as exc:
+            raise AnsibleFilterError(str(exc)) from exc
+
+    return wrapped
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -281,4 +340,7 @@ class FilterModule:
             "env_file_line": lambda item: env_file_line(*item),
             # host | sglang_worker_url(port, scheme): a router worker's URL (sglang_deploy.router.worker_url).
             "sglang_worker_url": worker_url,
+            # sglang_profiles | sglang_with_tuned(hostvars[inventory_hostname]): with every tuned profile.
+            "sglang_with_tuned": _filter_error(with_tuned),
+            "sglang_tune_plan": _filter_error(tune_plan),
         }

@@ -74,8 +74,10 @@ counter = path + ".polls"
 answered = int(open(counter).read()) if os.path.exists(counter) else 0
 if kind == "gpus":
     answered += 1
-    with open(counter, "w") as fh:
+    # Atomically: the --query-compute-apps of the same snapshot runs at the same time and reads it.
+    with open(counter + f".{{os.getpid()}}", "w") as fh:
         fh.write(str(answered))
+    os.replace(counter + f".{{os.getpid()}}", counter)
 poll = state["polls"][min(max(answered - 1, 0), len(state["polls"]) - 1)]
 headers = state["headers"][kind]
 unknown = [f for f in fields if f not in headers or any(f not in row for row in poll[kind])]

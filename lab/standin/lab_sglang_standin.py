@@ -32,6 +32,8 @@ Knobs (environment, set through the instance's env):
                              SGLang 0.5.23's lines over what is left of 80 % of LAB_STANDIN_READY_S)
   LAB_STANDIN_LOAD_S         the model load's steps over this many seconds from the end of the parse instead
                              (SGLang's parser can take most of a short LAB_STANDIN_READY_S on a busy machine)
+  LAB_STANDIN_SPEC_MODEL     1: decode speed and accept length follow the flags (throughput_model: steps,
+                             topk, draft tokens, CUDA-graph batch size), with a known optimum (autotune's tests)
   LAB_STANDIN_FAULT          comma-separated faults:
      crash-startup        exit with a traceback while loading
      crash-first-decode   load, then die on the first decode (the seed's AttributeError)
@@ -84,10 +86,34 @@ class Knobs:
         self.accept_length = float(env.get("LAB_STANDIN_ACCEPT_LENGTH", default_accept))
         if "wrong-accept" in self.faults:
             self.accept_length = 1.0
+        self.graph_bs = None
+        if env.get("LAB_STANDIN_SPEC_MODEL") == "1":
+            steps = args.speculative_num_steps if self.spec else 0
+            accept, speed = throughput_model(
+                steps or 0, args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens or (steps or 0) + 1
+            )
+            self.accept_length = 1.0 if "wrong-accept" in self.faults else accept
+            self.tokens_per_s *= speed
+            self.graph_bs = getattr(args, "cuda_graph_max_bs_decode", None) or getattr(args, "cuda_graph_max_bs", None)
         self.release_s = float(env.get("LAB_STANDIN_RELEASE_S", "4" if "slow-release" in self.faults else "0"))
         self.drain_s = float(env.get("LAB_STANDIN_DRAIN_S", "60"))
         self.shards = int(env.get("LAB_STANDIN_SHARDS", "2"))
         self.load_s = float(env.get("LAB_STANDIN_LOAD_S", "0"))
+
+
+def throughput_model(steps: int, topk: int, draft_tokens: int) -> tuple[float, float]:
+    """(accept length, decode speed relative to no speculation) of EAGLE-style speculation, a toy with a known
+    optimum: each of min(steps, draft_tokens - 1) positions is accepted with q = 1 - 0.45 / sqrt(topk) (a wider
+    tree guesses better); a step costs the draft model's 0.2, 0.08 per draft step, 0.01 per step and extra
+    branch, and 0.04 x (draft_tokens - 1)^2 to verify. Over steps {1, 3} x topk {1, 4} x draft tokens {4, 8}
+    (SGLang sets draft tokens to steps + 1 when topk is 1) the best is steps 3, topk 4, 4 draft tokens (x1.50),
+    and steps 3, topk 4, 8 draft tokens is slower than no speculation (x0.81). tests/test_tune.py holds it."""
+    if steps <= 0:
+        return 1.0, 1.0
+    q = 1 - 0.45 / topk**0.5
+    accept = 1 + sum(q**i for i in range(1, min(steps, draft_tokens - 1) + 1))
+    cost = 1 + 0.2 + 0.08 * steps + 0.01 * steps * (topk - 1) + 0.04 * (draft_tokens - 1) ** 2
+    return round(accept, 3), accept / cost
 
 
 def gpus() -> list[int]:
@@ -241,7 +267,8 @@ class State:
             done = 0
             while done < n:
                 k = min(step, n - done)
-                time.sleep(k / self.knobs.tokens_per_s)
+                graphs = self.knobs.graph_bs is None or self.running <= self.knobs.graph_bs
+                time.sleep(k / (self.knobs.tokens_per_s * (1.0 if graphs else 0.7)))  # past the graphs: eager
                 done += k
                 elapsed = time.monotonic() - started
                 text = " ".join(words[i % len(words)] for i in range(done))

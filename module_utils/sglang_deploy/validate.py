@@ -653,9 +653,10 @@ def _check_instance(i, inst, parse, host_gpus, service_user):
     return problems
 
 
-def _host_checks(instances, min_shm_mib, shm_path, gpu_counter, check_mode):
-    """Distinct names/ports/GPUs, /dev/shm, the host's GPU count: (problems, notes, shm_mib, host_gpus)."""
-    problems, notes, shm_mib, host_gpus = check_distinct(instances), [], None, None
+def _host_checks(instances, min_shm_mib, shm_path, gpu_counter, check_mode, variants=False):
+    """Distinct names/ports/GPUs (not for variants: other configurations of one instance), /dev/shm, the host's
+    GPU count: (problems, notes, shm_mib, host_gpus)."""
+    problems, notes, shm_mib, host_gpus = [] if variants else check_distinct(instances), [], None, None
     if min_shm_mib:
         found, shm_mib = check_shm(int(min_shm_mib), shm_path)
         problems += found
@@ -724,8 +725,11 @@ def validate_host(
     gpu_counter=count_gpus,
     parser=run_parser,
     shm_path="/dev/shm",
+    variants=False,
 ):
-    """Check every instance of the host and the host; the module's result.
+    """Check every instance of the host and the host; the module's result. With variants, the records are other
+    configurations of the same instances (autotune's combinations): not checked against one another, and each
+    problem names its record's profile.
 
     On a refusal: failed, outcome INVALID_CONFIG, msg (every problem, each naming its variable) and
     problems [{check, key, message, instance}]. Always: instances [{name, unit, profile, parsed,
@@ -737,7 +741,7 @@ def validate_host(
         lacking = [k for k in RECORD_KEYS if k not in inst]
         if lacking:
             raise ValidateError(f"instances[{i}] lacks {', '.join(lacking)}: not a rendered instance record")
-    found, notes, shm_mib, host_gpus = _host_checks(instances, min_shm_mib, shm_path, gpu_counter, check_mode)
+    found, notes, shm_mib, host_gpus = _host_checks(instances, min_shm_mib, shm_path, gpu_counter, check_mode, variants)
     installed, missing, waiting = _installed(instances, check_mode)
     problems = [dict(p, instance=None) for p in found + missing]
     notes += waiting
@@ -747,7 +751,10 @@ def validate_host(
     reports = []
     for i, inst in enumerate(instances):
         parse = parses.get(i)
-        problems += [dict(p, instance=inst["name"]) for p in _check_instance(i, inst, parse, host_gpus, service_user)]
+        found = _check_instance(i, inst, parse, host_gpus, service_user)
+        problems += [
+            dict(p, instance=inst["name"], **({"profile": inst.get("profile")} if variants else {})) for p in found
+        ]
         verdict_ok = parse is not None and not parse.get("error") and not check_parser(parse, inst["server_argv"], {})
         if i in keys and i not in cached and verdict_ok and not check_mode:
             store.store(keys[i], parse, inst["name"])

@@ -66,7 +66,8 @@ def verified(deployed, tmp_path_factory):
 
 def failed_restart(verified, **env: str) -> tuple[dict, dict[str, bytes]]:
     run, ledger = verified
-    code, doc, proc = run("restart", "-e", instance(**env), "-e", "sglang_service_ready_timeout=8")
+    # 20 s to ready: the rollback's start shares it, and SGLang's parser takes seconds on a busy machine.
+    code, doc, proc = run("restart", "-e", instance(**env), "-e", "sglang_service_ready_timeout=20")
     assert code == 5, (proc.stdout + proc.stderr)[-3000:]  # rolled back, serving
     path = doc["evidence"]
     assert path and path.endswith(f"evidence-{doc['run_id']}.tar.gz")

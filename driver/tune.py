@@ -1,0 +1,468 @@
+"""python -m driver tune: a sweep of speculative and serving flags over the safe restart (issue 15, docs/tune.md).
+
+One instance on one host (--limit, --instance), from a starting profile (--profile) and a grid (--grid, or
+--grid-file). In order:
+
+1. plan (playbooks/tune.yml, step plan): the combinations, SGLang's refusals and the combinations that would
+   start the same server dropped with their reason, every other one checked by the installed SGLang's parser;
+   nothing running is touched, and an invalid combination is dropped before any restart;
+2. per combination not yet in the ledger for this sweep (a re-run resumes), the baseline (no speculation)
+   first: the safe restart on it (lock, GPU gate, fail-fast, verify; a failure rolls back to the known-good
+   and is recorded as failed, and the sweep goes on), then the fixed benchmark (sglang_bench); each one is
+   recorded at once;
+3. the instance back on its own profile (or the winner, --keep-best), by the safe restart;
+4. the ranking (combinations slower than no speculation marked), the winner written as a new profile file
+   (never over the operator's), a plot (--svg).
+
+Ctrl-C: the combination running ends as its restart does (a defined end), none after it begins, and the
+instance is put back (step 3); a second Ctrl-C abandons that too.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from driver import exitcodes
+from driver.events import NOT_BEGUN
+from module_utils.sglang_deploy import outcomes, tune
+
+PLAYBOOK = "playbooks/tune.yml"
+RESTART = "playbooks/restart.yml"
+MEASURED, FAILED = "measured", "failed"
+# A combination that failed so still leaves the instance serving (or untouched): the sweep goes on.
+GOES_ON = (outcomes.RESTARTED, outcomes.ROLLED_BACK, outcomes.INVALID_CONFIG)
+
+
+def usage(args, message: str) -> int:
+    from driver.cli import usage_error
+
+    return usage_error(args, message)
+
+
+def load_grid_file(path: Path) -> dict:
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise tune.GridError(f"--grid-file {path}: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise tune.GridError(f"--grid-file {path}: a mapping of key to a list of values, not {type(doc).__name__}")
+    return doc
+
+
+def settings(args) -> tuple[dict, dict]:
+    """(grid, bench) from the command line; GridError/ValueError name the option."""
+    base = load_grid_file(args.grid_file) if args.grid_file else None
+    grid = tune.parse_grid(args.grid, base)
+    try:
+        levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency {args.concurrency!r}: whole numbers, comma-separated (1,4)") from None
+    for opt, v in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens)):
+        if v < 1:
+            raise ValueError(f"{opt} {v}: at least 1")
+    if not levels or min(levels) < 1 or args.warmup < 0:
+        raise ValueError("--concurrency levels at least 1, --warmup at least 0")
+    bench = {
+        "concurrency": levels,
+        "requests": args.requests,
+        "max_new_tokens": args.max_new_tokens,
+        "warmup": args.warmup,
+    }
+    return grid, bench
+
+
+class Sweep:
+    """One tune run: its ledger run, its playbook steps through the runner, what each step's modules said."""
+
+    def __init__(self, args, host: str, instance: str, grid: dict, bench: dict, interrupts):
+        from driver import ledger, redact
+
+        self.args, self.host, self.instance, self.grid, self.bench = args, host, instance, grid, bench
+        self.interrupts = interrupts
+        self.start = args.profile
+        self.id = tune.sweep_id(host, instance, self.start, grid, bench)
+        self.book = ledger.Ledger()
+        self.redactor = redact.Redactor()
+        self.run_id = self.book.start("tune", self.redactor.argv(sys.argv[1:]), args.inventory, self.start)
+        self.dir = self.book.events_dir(self.run_id)
+        self.steps = 0
+        self.evidence = None  # the last step's crash evidence bundle, if it fetched any
+        self.touched = False  # a measure step ran: the instance may be on a combination
+        self.back: tuple[int, str] | None = None  # the put-back step's (exit code, cause), once it ran
+
+    def say(self, line: str) -> None:
+        if not self.args.json:
+            print(line, flush=True)
+
+    def playbook(self, playbook: str, extra: dict, command: str, after_interrupt: bool = False):
+        """Run one step: (tracker, {module: [results]}, exit code). Each step has its own cancel file: a Ctrl-C
+        makes it; the step that puts the instance back after one (after_interrupt) starts without it."""
+        from driver import events, evidence, runner
+
+        self.steps += 1
+        step_dir = self.dir / f"step-{self.steps:03d}"
+        step_dir.mkdir(mode=0o700)
+        if after_interrupt:
+            self.interrupts.cancel_file = step_dir / "cancel"  # only the second Ctrl-C (abandon) stops it
+        else:
+            self.interrupts.arm(step_dir / "cancel")
+        results: dict[str, list] = {}
+        tracker = events.Tracker(command)
+
+        def on_event(event: dict) -> None:
+            tracker.handle(event)
+            data = event.get("event_data") or {}
+            if event.get("event") in ("runner_on_ok", "runner_on_failed") and data.get("host") == self.host:
+                results.setdefault(events.module_of(data), []).append(data.get("res") or {})
+
+        job = runner.Job(
+            playbook=playbook,
+            inventory=self.args.inventory,
+            limit=self.host,
+            extravars=[*self.args.extra_vars, json.dumps(extra)],
+            verbosity=self.args.verbose,
+            env={
+                "SGLANG_DEPLOY_CANCEL_FILE": str(step_dir / "cancel"),
+                "SGLANG_DEPLOY_COMMAND": "python -m driver tune",
+                evidence.ENV: str(evidence.directory(step_dir)),
+            },
+            scrub=self.redactor.scrub if self.redactor.secrets else None,
+            progress_dir=step_dir / "progress",
+        )
+        try:
+            outcome = runner.run(job, on_event, self.interrupts.poll, record=step_dir / "events.jsonl")
+        except KeyboardInterrupt:
+            self.interrupts.abandon()
+            outcome = runner.Outcome(status="canceled", rc=254)
+        code = tracker.exit_code(outcome.status, outcome.rc, self.interrupts.abandoned)
+        self.evidence = None
+        try:  # a failed restart's crash evidence, fetched by the playbook: one bundle in the step's directory
+            self.evidence = evidence.package(step_dir, self.run_id)
+        except OSError as exc:
+            print(f"tune: the crash evidence stays under {evidence.directory(step_dir)}: {exc}", file=sys.stderr)
+        return tracker, results, code
+
+    # ------------------------------------------------------------------ the steps
+
+    def plan(self) -> tuple[dict | None, int, str]:
+        extra = {
+            "sglang_tune_step": "plan",
+            "sglang_tune": {"instance": self.instance, "profile": self.start, "grid": self.grid, "sweep": self.id},
+        }
+        tracker, results, code = self.playbook(PLAYBOOK, extra, "validate")
+        res = (results.get("sglang_tune") or [None])[-1]
+        if res and res.get("plan") and not res.get("failed"):
+            return res["plan"], exitcodes.OK, ""
+        return None, code or exitcodes.FAILED, cause_of(tracker) or (res or {}).get("msg") or "the plan failed"
+
+    def measure(self, combo: dict) -> dict:
+        """The safe restart on one combination, then the benchmark: the ledger's row."""
+        name = combo["name"]
+        extra = {
+            "sglang_tune_step": "measure",
+            "sglang_tune": {"instance": self.instance, "profile": self.start, "sweep": self.id, "bench": self.bench},
+            tune.profile_var(name): combo["profile"],
+            "sglang_service_instance_profiles": {self.instance: name},
+        }
+        t0 = time.monotonic()
+        self.touched = True
+        tracker, results, code = self.playbook(PLAYBOOK, extra, "restart")
+        h = tracker.hosts.get(self.host)
+        server = (h.instances.get(self.instance) if h else None) or {}  # the restart's result (events.record_instance)
+        if server.get("outcome") in (None, NOT_BEGUN) and self.interrupts.interrupted:
+            return {
+                "combination": name,
+                "outcome": NOT_BEGUN,
+                "label": combo["label"],
+            }  # not recorded: re-run measures it
+        bench_res = (results.get("sglang_bench") or [{}])[-1]
+        b = bench_res.get("bench") or {}
+        kg = server.get("known_good") or {}
+        measured = code == exitcodes.OK and server.get("outcome") == outcomes.RESTARTED and b.get("output_tokens_per_s")
+        row = {
+            "sweep": self.id,
+            "combination": name,
+            "run_id": self.run_id,
+            "host": self.host,
+            "instance": self.instance,
+            "start_profile": self.start,
+            "label": combo["label"],
+            "combo": combo,
+            "outcome": MEASURED if measured else FAILED,
+            "cause": None
+            if measured
+            else (server.get("outcome") or "")
+            + ": "
+            + (cause_of(tracker) or "no result")
+            + (f" (crash evidence: {self.evidence})" if self.evidence else ""),
+            "restart_outcome": server.get("outcome"),
+            "exit_code": code,
+            "config_hash": kg.get("config_hash"),
+            "software": kg.get("software"),
+            "gpu_model": bench_res.get("gpu_model"),
+            "running_profile": (server.get("verify") or {}).get("running_profile"),
+            "bench": b or None,
+        }
+        # The sweep's own time for this combination: all of it but the server's start (the start phase: process
+        # start to ready) and the benchmark itself (docs/tune.md, goal at most 5 s).
+        start_s = sum(p.get("seconds") or 0 for p in server.get("phases") or [] if p.get("phase") == outcomes.START)
+        timing = {"seconds": round(time.monotonic() - t0, 2), "start_s": round(start_s, 2), "bench_s": b.get("seconds")}
+        if measured:
+            timing["overhead_s"] = round(timing["seconds"] - start_s - (b.get("seconds") or 0), 2)
+        row["timing"], row["bench"] = timing, {**b, "timing": timing}
+        for k in ("output_tokens_per_s", "accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s"):
+            row["tokens_per_s" if k == "output_tokens_per_s" else k] = b.get(k) if measured else None
+        self.book.tune_record(row)
+        return row
+
+    def put_back(self, winner: tuple[str, dict] | None = None) -> tuple[int, str]:
+        """The instance on its own profile again (or the winner (name, profile): passed along, so that it runs
+        wherever its file went), by the safe restart."""
+        extra: dict = {"sglang_service_instances_selected": [self.instance]}
+        if winner:
+            extra["sglang_service_instance_profiles"] = {self.instance: winner[0]}
+            extra[tune.profile_var(winner[0])] = winner[1]
+        tracker, _, code = self.playbook(RESTART, extra, "restart", after_interrupt=self.interrupts.interrupted)
+        self.back = (code, cause_of(tracker))
+        return self.back
+
+
+def cause_of(tracker) -> str:
+    return "; ".join(f.message for h in tracker.hosts.values() for f in h.failures)[:600]
+
+
+def results_of(recorded: list[dict]) -> list[dict]:
+    """Ledger rows as rank() takes them."""
+    return [
+        {
+            **r,
+            "name": r["combination"],
+            "output_tokens_per_s": r["tokens_per_s"],
+            "label": r["label"] if r["combination"] != tune.BASELINE else "no speculation",
+        }
+        for r in recorded
+    ]
+
+
+def inventory_dir(source: str) -> Path:
+    p = Path(source)
+    return p if p.is_dir() else p.parent
+
+
+def line_of(i: int, n: int, row: dict) -> str:
+    if row["outcome"] == MEASURED:
+        return (
+            f"[{i}/{n}] {row['combination']} {row['label']}: {row['tokens_per_s']} tok/s, accept "
+            f"{row['accept_length']}, TTFT p50 {row['ttft_median_s']} s, ITL p50 {row['itl_median_s']} s "
+            f"({row['timing']['seconds']} s, the sweep's own {row['timing'].get('overhead_s')} s)"
+        )
+    return f"[{i}/{n}] {row['combination']} {row['label']}: FAILED ({row['cause']})"
+
+
+def main(args) -> int:
+    from driver import inventory
+    from driver.interrupts import Interrupts
+
+    try:
+        checked = inventory.check(args.inventory, args.limit)
+    except inventory.InventoryError as e:
+        return usage(args, str(e))
+    if len(checked.hosts) != 1:
+        return usage(args, f"tune runs on one host: --limit matches {len(checked.hosts)} ({', '.join(checked.hosts)})")
+    if len(args.instance) != 1:
+        return usage(args, "tune measures one instance: give --instance NAME once")
+    if not args.profile:
+        return usage(args, "tune needs its starting profile: --profile NAME (a profile of sglang_profiles)")
+    if args.name and not tune.FLAG_NAME.match(args.name):
+        return usage(args, f"--name {args.name!r}: lowercase letters, digits and '_'")
+    try:
+        grid, bench = settings(args)
+    except (tune.GridError, ValueError) as exc:
+        return usage(args, str(exc))
+    interrupts = Interrupts("tune")
+    previous = signal.signal(signal.SIGINT, interrupts.handler)
+    try:
+        return _sweep(args, Sweep(args, checked.hosts[0], args.instance[0], grid, bench, interrupts), checked)
+    except KeyboardInterrupt:
+        return exitcodes.INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _sweep(args, sweep: Sweep, checked) -> int:
+    t0 = time.monotonic()
+    code, report = exitcodes.OK, {}
+    try:
+        code, report = _steps(args, sweep, checked)
+    except Exception as exc:  # contained: the cause, the instance put back, never a traceback
+        code, report = exitcodes.FAILED, {"cause": f"{type(exc).__name__}: {exc}"}
+        print(f"tune: stopped by {type(exc).__name__}: {exc}", file=sys.stderr)
+        if sweep.touched and sweep.back is None and not sweep.interrupts.abandoned:
+            try:
+                back_code, back_cause = sweep.put_back()
+            except Exception as again:
+                back_code, back_cause = exitcodes.FAILED, f"{type(again).__name__}: {again}"
+            report["put_back"] = {"exit_code": back_code, "profile": "its own", "cause": back_cause}
+            if back_code != exitcodes.OK:
+                print(f"tune: putting {sweep.instance} back failed: {back_cause}", file=sys.stderr)
+    finally:
+        if sweep.interrupts.interrupted:
+            code = exitcodes.INTERRUPTED
+        sweep.book.finish(
+            sweep.run_id,
+            code,
+            exitcodes.MEANING.get(code, "?"),
+            round(time.monotonic() - t0, 1),
+            [sweep.host],
+            [],
+            str(sweep.dir),
+        )
+        sweep.book.close()
+    report.update(
+        command="tune", exit_code=code, meaning=exitcodes.MEANING.get(code, "?"), run_id=sweep.run_id, sweep=sweep.id
+    )
+    if args.json:
+        print(json.dumps(report, default=str))
+    return code
+
+
+def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
+    sweep.say(f"sweep {sweep.id}: {sweep.instance} on {sweep.host} from profile {sweep.start}")
+    plan, code, cause = sweep.plan()
+    if plan is None:
+        print(f"tune: the plan failed, nothing was restarted: {cause}", file=sys.stderr)
+        return code, {"cause": cause}
+    combos = [c for c in plan["combinations"] if c["valid"]]
+    dropped = plan["dropped"] + [
+        {"values": c["values"], "reason": "refused by SGLang's parser: " + "; ".join(c["problems"])}
+        for c in plan["combinations"]
+        if not c["valid"]
+    ]
+    for d in dropped:
+        sweep.say(f"dropped {json.dumps(d['values'])}: {d['reason']}")
+    if args.check:  # the plan only: nothing restarted
+        for c in combos:
+            sweep.say(
+                f"would measure {c['name']}: {c['label']}" + (f" ({'; '.join(c['notes'])})" if c["notes"] else "")
+            )
+        return exitcodes.OK, {"combinations": combos, "dropped": dropped}
+    done = {r["combination"]: r for r in sweep.book.tune_results(sweep.id)}
+    todo = [c for c in combos if c["name"] not in done]
+    if done:
+        sweep.say(
+            f"resuming: {len(combos) - len(todo)} of {len(combos)} combination(s) recorded, {len(todo)} to measure"
+        )
+    n = len(combos)
+    stopped = None
+    for c in todo:
+        if sweep.interrupts.interrupted:
+            break
+        row = sweep.measure(c)
+        if row["outcome"] == NOT_BEGUN:
+            break
+        sweep.say(line_of(n - len(todo) + todo.index(c) + 1, n, row))
+        if row["outcome"] == FAILED and row["restart_outcome"] not in GOES_ON:
+            stopped = f"{c['name']}: {row['cause']}"  # not serving its known-good, locked, GPUs busy: no further
+            break
+    recorded = sweep.book.tune_results(sweep.id)
+    ranked = tune.rank(results_of([r for r in recorded if r["combination"] in {c["name"] for c in combos}]))
+    best = tune.winner(ranked)
+    base = next((r for r in ranked if r["name"] == tune.BASELINE and r["output_tokens_per_s"]), None)
+    complete = not stopped and not sweep.interrupts.interrupted and len(recorded) >= n
+    written, winner_profile, file_error = None, None, None
+    if best and complete:
+        name = args.name or f"{sweep.start}_tuned_{sweep.id[:6]}"
+        combo = next(c for c in combos if c["name"] == best["name"])
+        how = (
+            f"python -m driver tune sweep {sweep.id} on {sweep.host}/{sweep.instance} "
+            f"({best.get('gpu_model') or 'GPU model unknown'}), {json.dumps(sweep.bench)}, {time.strftime('%Y-%m-%d')}"
+        )
+        out_dir = args.profile_dir or inventory_dir(checked.source) / "group_vars" / "sglang_nodes"
+        profile = {**combo["profile"], "description": f"tuned from {sweep.start}: {combo['label']}"}
+        winner_profile = (name, {**profile, "baseline": {"output_tokens_per_s": best["output_tokens_per_s"]}})
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path = out_dir / f"tuned_{name}.yml"
+            path.write_text(tune.profile_file(name, profile, best, base, how), encoding="utf-8")
+            written = path
+        except OSError as exc:  # measured and recorded all the same: the instance is still put back
+            file_error = f"the winner's profile file could not be written: {exc}"
+            print(f"tune: {file_error}", file=sys.stderr)
+    keep = winner_profile if args.keep_best else None
+    back_code, back_cause = (
+        sweep.put_back(keep) if not sweep.interrupts.abandoned else (exitcodes.INTERRUPTED, "abandoned")
+    )
+    table(sweep, ranked, dropped, written, best)
+    if args.svg and ranked:
+        try:
+            Path(args.svg).write_text(
+                tune.svg(ranked, f"sweep {sweep.id}: {sweep.instance} on {sweep.host}"), encoding="utf-8"
+            )
+        except OSError as exc:
+            file_error = f"--svg {args.svg}: {exc}"
+            print(f"tune: {file_error}", file=sys.stderr)
+    overheads = [((r.get("bench") or {}).get("timing") or {}).get("overhead_s") for r in recorded]
+    overheads = sorted(o for o in overheads if o is not None)
+    report = {
+        # Per measured combination, the sweep's own seconds beyond the server's start and the benchmark.
+        "overhead_median_s": round(statistics.median(overheads), 2) if overheads else None,
+        "overheads_s": overheads,
+        "ranked": ranked,
+        "dropped": dropped,
+        "winner": best["name"] if best else None,
+        "profile_file": str(written) if written else None,
+        "complete": complete,
+        "stopped": stopped,
+        "put_back": {"exit_code": back_code, "profile": keep[0] if keep else "its own", "cause": back_cause},
+        "file_error": file_error,
+    }
+    if back_code != exitcodes.OK:
+        print(f"tune: putting {sweep.instance} back failed: {back_cause}", file=sys.stderr)
+        return back_code, report
+    if stopped:
+        print(f"tune: the sweep stopped: {stopped}", file=sys.stderr)
+        return exitcodes.NOT_RECOVERED, report
+    return exitcodes.OK, report
+
+
+def table(sweep: Sweep, ranked: list[dict], dropped: list[dict], written, best) -> None:
+    if sweep.args.json:
+        return
+    from driver import display
+
+    t = display.table(
+        f"sweep {sweep.id}, ranked by output tok/s at concurrency {sweep.bench['concurrency'][0]}",
+        ("rank", "combination", "values", "tok/s", "vs no spec", "accept", "TTFT p50/p99 s", "ITL p50/p99 s", "result"),
+    )
+    for r in ranked:
+        verdict = (
+            "slower than no speculation"
+            if r["slower_than_baseline"]
+            else ("failed: " + (r.get("cause") or "") if r["outcome"] == FAILED else "")
+        )
+        t.add_row(
+            str(r["rank"] or "-"),
+            r["name"],
+            r["label"],
+            str(r["output_tokens_per_s"] or "-"),
+            str(r["vs_baseline"] or "-"),
+            str(r.get("accept_length") or "-"),
+            f"{r.get('ttft_median_s')}/{r.get('ttft_p99_s')}",
+            f"{r.get('itl_median_s')}/{r.get('itl_p99_s')}",
+            verdict[:80],
+        )
+    display.console().print(t)
+    if best and written:
+        print(
+            f"winner {best['name']} ({best['label']}): {best['output_tokens_per_s']} tok/s, x{best['vs_baseline']} "
+            f"no speculation; written as {written}"
+        )
+    elif not best:
+        print("no combination beat no speculation: no profile written")

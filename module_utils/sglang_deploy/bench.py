@@ -1,0 +1,151 @@
+"""A fixed benchmark of one running instance, on its host: what autotune measures per combination (issue 15).
+
+At each concurrency level, `requests` streamed /generate requests of `max_new_tokens` each (ignore_eos, so
+every answer is as long as asked), `concurrency` at a time, after `warmup` unmeasured ones. Per level:
+output tok/s (the tokens of the measured requests over the level's wall time), accept length (their tokens
+over their verify steps, SGLang's meta_info.spec_verify_ct; 1.0 without speculation), TTFT and inter-token
+latency (median and p99; ITL per token, a streamed event's gap spread over the tokens it brought), and
+the requests that failed. SGLang's own bench_serving needs the model's tokenizer and a dataset; this load
+runs with what a host has (library/sglang_bench.py is the adapter).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+import urllib.request
+
+from .http import OPENER, HttpError
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+def one(base: str, prompt: str, max_new_tokens: int, api_key: str | None, timeout: float, clock=time.monotonic) -> dict:
+    """One streamed /generate: {tokens, verify_ct, ttft_s, itl_s: [per token], seconds}. Raises HttpError."""
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+        "stream": True,
+    }
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(f"{base}/generate", data=json.dumps(body).encode(), headers=headers)
+    t0 = clock()
+    tokens, verify_ct, ttft, itl, last, done = 0, None, None, [], t0, False
+    try:
+        with OPENER.open(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                meta = (json.loads(data).get("meta_info") or {}) if data else {}
+                n = int(meta.get("completion_tokens") or 0)
+                now = clock()
+                if n > tokens:
+                    if ttft is None:
+                        ttft = now - t0
+                    else:
+                        itl += [(now - last) / (n - tokens)] * (n - tokens)
+                    tokens, last = n, now
+                if meta.get("spec_verify_ct") is not None:
+                    verify_ct = int(meta["spec_verify_ct"])
+    except (OSError, ValueError) as exc:  # refused, reset, timed out, an HTTP error status, a malformed event
+        raise HttpError(f"{base}/generate: {exc}") from exc
+    if not done or tokens < max_new_tokens:
+        raise HttpError(f"{base}/generate: the stream ended after {tokens} of {max_new_tokens} tokens")
+    return {"tokens": tokens, "verify_ct": verify_ct, "ttft_s": ttft, "itl_s": itl, "seconds": clock() - t0}
+
+
+def level(
+    base: str, concurrency: int, requests: int, max_new_tokens: int, api_key=None, timeout=120.0, request=one
+) -> dict:
+    """`requests` requests, `concurrency` at a time: the level's figures."""
+    results, failures, lock = [], [], threading.Lock()
+    todo = iter(range(requests))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                n = next(todo, None)
+            if n is None:
+                return
+            try:
+                r = request(base, f"sglang-deploy tune request {n}: count", max_new_tokens, api_key, timeout)
+            except HttpError as exc:
+                with lock:
+                    failures.append(str(exc)[:300])
+                continue
+            with lock:
+                results.append(r)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    tokens = sum(r["tokens"] for r in results)
+    steps = [r["verify_ct"] for r in results if r["verify_ct"]]
+    ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    itl = [x for r in results for x in r["itl_s"]]
+    r4 = lambda v: None if v is None else round(v, 4)  # noqa: E731
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "ok": len(results),
+        "failed": len(failures),
+        "failures": failures[:5],
+        "output_tokens_per_s": round(tokens / wall, 2) if results and wall > 0 else None,
+        "accept_length": round(tokens / sum(steps), 3) if steps and len(steps) == len(results) else 1.0,
+        "ttft_median_s": r4(statistics.median(ttft)) if ttft else None,
+        "ttft_p99_s": r4(percentile(ttft, 99)),
+        "itl_median_s": r4(statistics.median(itl)) if itl else None,
+        "itl_p99_s": r4(percentile(itl, 99)),
+        "seconds": round(wall, 3),
+    }
+
+
+def run(
+    base: str,
+    concurrency: list[int],
+    requests: int,
+    max_new_tokens: int,
+    warmup: int = 2,
+    api_key=None,
+    timeout: float = 120.0,
+    request=one,
+) -> dict:
+    """Warm-up, then every level. The first level's figures are the result's own (what a sweep ranks by)."""
+    if not concurrency or any(c < 1 for c in concurrency) or requests < 1 or max_new_tokens < 1:
+        raise ValueError("concurrency levels, requests and max_new_tokens must be at least 1")
+    t0 = time.monotonic()
+    warm_failed = []
+    for n in range(warmup):
+        try:
+            request(base, f"sglang-deploy tune warm-up {n}", max_new_tokens, api_key, timeout)
+        except HttpError as exc:
+            warm_failed.append(str(exc)[:300])
+    levels = [level(base, c, requests, max_new_tokens, api_key, timeout, request) for c in concurrency]
+    first = levels[0]
+    keys = ("output_tokens_per_s", "accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")
+    return {
+        **{k: first[k] for k in keys},
+        "levels": levels,
+        "failed": sum(lv["failed"] for lv in levels) + len(warm_failed),
+        "warmup_failures": warm_failed[:5],
+        "max_new_tokens": max_new_tokens,
+        "seconds": round(time.monotonic() - t0, 3),
+    }

@@ -1,0 +1,322 @@
+"""driver/tune.py without a lab: the sweep's steps with each playbook step answered by a fake (what the modules
+would have said, in a real events.Tracker), the ledger real. The same steps on lab nodes: tests/e2e/test_tune.py."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from driver import cli, events, exitcodes, inventory
+from driver import tune as dtune
+from module_utils.sglang_deploy import outcomes, tune
+
+HOST = "gpu-node-01"
+
+
+def combo(name: str, label: str, valid: bool = True, problems=()) -> dict:
+    return {
+        "name": name,
+        "label": label,
+        "values": {"speculative_num_steps": label},
+        "flags": {},
+        "env": {},
+        "notes": [],
+        "profile": {"description": label, "flags": {"speculative_num_steps": 3}},
+        "valid": valid,
+        "problems": list(problems),
+    }
+
+
+PLAN = {
+    "combinations": [
+        combo(tune.BASELINE, "no speculation"),
+        combo("tune_a", "steps=1"),
+        combo("tune_b", "steps=3"),
+        combo("tune_c", "steps=5"),
+        combo("tune_x", "steps=9", False, ["flags: --bad is not a flag"]),
+    ],
+    "dropped": [{"values": {"speculative_num_steps": 7}, "reason": "the same server as steps=1"}],
+}
+
+
+class Fake:
+    """Answers each step of the sweep: plan, measure (per combination: tok/s or an outcome), put back."""
+
+    def __init__(self, speeds: dict, plan=PLAN, plan_code=exitcodes.OK, interrupt_after: str | None = None):
+        self.speeds, self.plan, self.plan_code, self.interrupt_after = speeds, plan, plan_code, interrupt_after
+        self.calls: list[tuple] = []
+
+    def __call__(self, sweep, playbook, extra, command, after_interrupt=False):
+        tracker = events.Tracker(command)
+        h = tracker.host(HOST)
+        step = extra.get("sglang_tune_step") or "put_back"
+        self.calls.append((step, (extra.get("sglang_service_instance_profiles") or {}).get("main"), after_interrupt))
+        if step == "plan":
+            if self.plan_code:
+                h.failures.append(events.Failure(self.plan_code, "Plan", "grid key 'x' is set by sglang_instances[0]"))
+                return tracker, {}, self.plan_code
+            return tracker, {"sglang_tune": [{"instance": "main", "plan": self.plan}]}, exitcodes.OK
+        if step == "put_back":
+            h.instances["main"] = {"instance": "main", "outcome": outcomes.RESTARTED}
+            return tracker, {}, exitcodes.OK
+        name = extra["sglang_service_instance_profiles"]["main"]
+        got = self.speeds[name]
+        if name == self.interrupt_after:
+            sweep.interrupts.count = 1  # a Ctrl-C while this one ran: it ends, no other begins
+        phases = [{"phase": outcomes.START, "ok": True, "seconds": 2.0}]
+        kg = {"config_hash": f"hash-{name}", "software": {"sglang_version": "0.5.23"}}
+        if isinstance(got, str):  # an outcome: the restart failed so
+            h.instances["main"] = {"instance": "main", "outcome": got, "phases": phases}
+            h.failures.append(events.Failure(exitcodes.OUTCOME_CODES.get(got, 1), "Restart", f"{name} crashed"))
+            return tracker, {}, exitcodes.OUTCOME_CODES.get(got, exitcodes.FAILED)
+        h.instances["main"] = {
+            "instance": "main",
+            "outcome": outcomes.RESTARTED,
+            "phases": phases,
+            "known_good": kg,
+            "verify": {"running_profile": name},
+        }
+        b = {
+            "output_tokens_per_s": got,
+            "accept_length": 2.0,
+            "ttft_median_s": 0.01,
+            "ttft_p99_s": 0.02,
+            "itl_median_s": 0.003,
+            "itl_p99_s": 0.004,
+            "seconds": 1.5,
+            "levels": [],
+        }
+        return tracker, {"sglang_bench": [{"instance": "main", "bench": b, "gpu_model": "NVIDIA H200"}]}, exitcodes.OK
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch, ledger_path):
+    inv = tmp_path / "inv" / "hosts.yml"
+    inv.parent.mkdir()
+    inv.write_text("all: {}\n")
+    monkeypatch.setattr(inventory, "check", lambda i, limit: inventory.Checked(source=str(inv), hosts=[HOST]))
+    return tmp_path, inv, ledger_path
+
+
+def run(monkeypatch, fake, *extra):
+    monkeypatch.setattr(dtune.Sweep, "playbook", lambda self, *a, **k: fake(self, *a, **k))
+    code = cli.main(
+        [
+            "tune",
+            "--limit",
+            HOST,
+            "--instance",
+            "main",
+            "--profile",
+            "eagle3_topk1",
+            "--grid",
+            "speculative_num_steps=1,3,5,9",
+            *extra,
+        ]
+    )
+    return code
+
+
+def doc_of(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_sweep_measures_each_valid_combination_ranks_them_and_writes_the_winner(env, monkeypatch, capsys):
+    tmp, inv, ledger_path = env
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": 90.0, "tune_b": 150.0, "tune_c": outcomes.ROLLED_BACK})
+    code = run(monkeypatch, fake, "--json", "--name", "fast", "--svg", str(tmp / "s.svg"))
+    doc = doc_of(capsys)
+    assert code == exitcodes.OK, doc
+    assert [c[:2] for c in fake.calls] == [
+        ("plan", None),
+        ("measure", tune.BASELINE),
+        ("measure", "tune_a"),
+        ("measure", "tune_b"),
+        ("measure", "tune_c"),
+        ("put_back", None),
+    ]
+    assert [(r["name"], r["rank"], r["slower_than_baseline"]) for r in doc["ranked"]] == [
+        ("tune_b", 1, False),
+        (tune.BASELINE, 2, False),
+        ("tune_a", 3, True),
+        ("tune_c", None, False),
+    ]
+    assert doc["winner"] == "tune_b" and doc["complete"] is True and doc["put_back"]["exit_code"] == 0
+    assert [d["reason"] for d in doc["dropped"]] == [
+        "the same server as steps=1",
+        "refused by SGLang's parser: flags: --bad is not a flag",
+    ]
+    failed = doc["ranked"][-1]
+    assert failed["outcome"] == "failed" and failed["cause"] == "rolled_back: tune_c crashed"
+    written = inv.parent / "group_vars" / "sglang_nodes" / "tuned_fast.yml"  # beside the inventory
+    assert doc["profile_file"] == str(written) and "sglang_tuned_profile_fast:" in written.read_text()
+    assert "output_tokens_per_s: 150.0" in written.read_text()
+    # Each measured one's own time: its step's wall time (the fake's: nearly 0) less start (2 s) and bench (1.5 s).
+    assert len(doc["overheads_s"]) == 3 and all(-3.5 <= o < -3.0 for o in doc["overheads_s"]), doc["overheads_s"]
+    assert (tmp / "s.svg").read_text().startswith("<svg")
+    db = sqlite3.connect(ledger_path)
+    rows = db.execute(
+        "SELECT combination, outcome, gpu_model, config_hash FROM tune_results ORDER BY measured_at"
+    ).fetchall()
+    assert rows == [
+        (tune.BASELINE, "measured", "NVIDIA H200", f"hash-{tune.BASELINE}"),
+        ("tune_a", "measured", "NVIDIA H200", "hash-tune_a"),
+        ("tune_b", "measured", "NVIDIA H200", "hash-tune_b"),
+        ("tune_c", "failed", None, None),
+    ]
+    assert db.execute("SELECT command, exit_code FROM runs").fetchall() == [("tune", 0)]
+    db.close()
+
+    again = Fake({})  # every combination is recorded: a re-run measures none
+    assert run(monkeypatch, again, "--json", "--name", "fast") == exitcodes.OK
+    assert [c[0] for c in again.calls] == ["plan", "put_back"]
+    assert doc_of(capsys)["winner"] == "tune_b"
+
+
+def test_an_interrupted_sweep_stops_after_the_running_one_and_puts_the_instance_back(env, monkeypatch, capsys):
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": 120.0, "tune_b": 150.0, "tune_c": 10.0}, interrupt_after="tune_a")
+    code = run(monkeypatch, fake, "--json")
+    doc = doc_of(capsys)
+    assert code == exitcodes.INTERRUPTED
+    assert fake.calls == [
+        ("plan", None, False),
+        ("measure", tune.BASELINE, False),
+        ("measure", "tune_a", False),
+        ("put_back", None, True),
+    ]
+    assert doc["complete"] is False and doc["profile_file"] is None  # no winner from half a sweep
+    resumed = Fake({"tune_b": 150.0, "tune_c": 10.0})
+    assert run(monkeypatch, resumed, "--json") == exitcodes.OK
+    assert [c[1] for c in resumed.calls if c[0] == "measure"] == ["tune_b", "tune_c"]  # only the rest
+    assert doc_of(capsys)["winner"] == "tune_b"
+
+
+def test_a_combination_that_leaves_no_server_stops_the_sweep(env, monkeypatch, capsys):
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": outcomes.NOT_RECOVERED, "tune_b": 1.0, "tune_c": 1.0})
+    code = run(monkeypatch, fake, "--json")
+    doc = doc_of(capsys)
+    assert code == exitcodes.NOT_RECOVERED
+    assert [c[1] for c in fake.calls if c[0] == "measure"] == [tune.BASELINE, "tune_a"]
+    assert doc["stopped"] == "tune_a: not_recovered: tune_a crashed" and fake.calls[-1][0] == "put_back"
+
+
+def test_a_failed_plan_restarts_nothing_and_says_why(env, monkeypatch, capsys):
+    fake = Fake({}, plan_code=exitcodes.INVALID_CONFIG)
+    assert run(monkeypatch, fake, "--json") == exitcodes.INVALID_CONFIG
+    assert [c[0] for c in fake.calls] == ["plan"]
+    assert doc_of(capsys)["cause"] == "grid key 'x' is set by sglang_instances[0]"
+
+
+def test_check_mode_plans_and_lists_what_it_would_measure(env, monkeypatch, capsys):
+    fake = Fake({})
+    assert run(monkeypatch, fake, "--check") == exitcodes.OK
+    out = capsys.readouterr().out
+    assert [c[0] for c in fake.calls] == ["plan"]
+    assert "would measure tune_b: steps=3" in out and 'dropped {"speculative_num_steps": 7}: the same server' in out
+
+
+def test_without_a_winner_no_profile_is_written_and_the_table_says_so(env, monkeypatch, capsys):
+    _, inv, _ = env
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": 90.0, "tune_b": 80.0, "tune_c": 70.0})
+    assert run(monkeypatch, fake) == exitcodes.OK
+    out = capsys.readouterr().out
+    assert "no combination beat no speculation: no profile written" in out
+    assert "slower than no speculation" in out and "[2/4] tune_a steps=1: 90.0 tok/s" in out
+    assert not (inv.parent / "group_vars").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--instance", "other"], "tune measures one instance: give --instance NAME once"),
+        (["--concurrency", "1,x"], "--concurrency '1,x': whole numbers, comma-separated (1,4)"),
+        (["--requests", "0"], "--requests 0: at least 1"),
+        (["--name", "Bad-Name"], "--name 'Bad-Name': lowercase letters, digits and '_'"),
+        (["--grid", "novalue"], "--grid 'novalue': write it as key=value1,value2"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs(env, monkeypatch, capsys, extra, message):
+    fake = Fake({})
+    assert run(monkeypatch, fake, *extra) == exitcodes.USAGE
+    assert fake.calls == [] and message in capsys.readouterr().err
+
+
+def test_one_host_a_profile_and_a_readable_grid_file_are_required(env, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(dtune.Sweep, "playbook", Fake({}))
+    monkeypatch.setattr(inventory, "check", lambda i, limit: inventory.Checked(source="x", hosts=["a", "b"]))
+    assert cli.main(["tune", "--instance", "main", "--profile", "p", "--grid", "a=1"]) == exitcodes.USAGE
+    assert "tune runs on one host: --limit matches 2 (a, b)" in capsys.readouterr().err
+    monkeypatch.setattr(inventory, "check", lambda i, limit: inventory.Checked(source="x", hosts=["a"]))
+    assert cli.main(["tune", "--instance", "main", "--grid", "a=1"]) == exitcodes.USAGE
+    assert "tune needs its starting profile: --profile NAME" in capsys.readouterr().err
+    bad = tmp_path / "grid.yml"
+    bad.write_text("- a list\n")
+    assert cli.main(["tune", "--instance", "main", "--profile", "p", "--grid-file", str(bad)]) == exitcodes.USAGE
+    assert "a mapping of key to a list of values, not list" in capsys.readouterr().err
+    good = tmp_path / "grid2.yml"
+    good.write_text("speculative_num_steps: [1, 3]\n")
+    grid, bench = dtune.settings(
+        cli.parser().parse_args(["tune", "--grid-file", str(good), "--grid", "NCCL_ALGO=Ring"])
+    )
+    assert grid == {"speculative_num_steps": [1, 3], "NCCL_ALGO": ["Ring"]} and bench["concurrency"] == [1]
+
+
+def test_an_error_inside_the_sweep_is_contained_and_the_instance_put_back(env, monkeypatch, capsys):
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": 120.0})
+    broken = {"n": 0}
+
+    def failing(self, *a, **k):
+        broken["n"] += 1
+        if broken["n"] == 3:  # the second combination's step: the ledger's disk is gone, say
+            raise OSError(28, "No space left on device")
+        return fake(self, *a, **k)
+
+    monkeypatch.setattr(dtune.Sweep, "playbook", failing)
+    code = cli.main(["tune", "--limit", HOST, "--instance", "main", "--profile", "p", "--grid", "a=1", "--json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert code == exitcodes.FAILED and "Traceback" not in err
+    assert doc["cause"] == "OSError: [Errno 28] No space left on device"
+    assert "tune: stopped by OSError: [Errno 28] No space left on device" in err
+    assert [c[0] for c in fake.calls] == ["plan", "measure", "put_back"] and doc["put_back"]["exit_code"] == 0
+
+
+def test_keep_best_puts_the_winner_back_wherever_its_file_went(env, monkeypatch, capsys, tmp_path):
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": 120.0, "tune_b": 150.0, "tune_c": 130.0})
+    seen = {}
+
+    def keeping(self, playbook, extra, command, after_interrupt=False):
+        if playbook == dtune.RESTART:
+            seen.update(extra)
+        return fake(self, playbook, extra, command, after_interrupt)
+
+    monkeypatch.setattr(dtune.Sweep, "playbook", keeping)
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    argv = [
+        "tune",
+        "--limit",
+        HOST,
+        "--instance",
+        "main",
+        "--profile",
+        "p",
+        "--grid",
+        "a=1",
+        "--keep-best",
+        "--name",
+        "best",
+        "--profile-dir",
+        str(blocked / "sub"),
+        "--json",
+    ]
+    assert cli.main(argv) == exitcodes.OK
+    doc = doc_of(capsys)
+    assert doc["profile_file"] is None and doc["file_error"].startswith(
+        "the winner's profile file could not be written"
+    )
+    assert seen["sglang_service_instance_profiles"] == {"main": "best"}
+    assert seen["sglang_tuned_profile_best"]["baseline"] == {"output_tokens_per_s": 150.0}
+    assert doc["put_back"]["profile"] == "best"

@@ -1,0 +1,441 @@
+"""Autotune's logic without a lab (issue 15): the grid, the plan (SGLang 0.5.23's refusals and redundancies), the
+lab stand-in's throughput model and its known optimum measured through the real benchmark (bench.py against the
+stand-in's HTTP server on a loopback port), the ranking, the winner's profile file, the plot, tuned profiles in
+the render, the ledger's sweep records, and library/sglang_bench.py and library/sglang_tune.py run as Ansible
+runs them."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import socket
+import threading
+import xml.etree.ElementTree as ET
+from http.server import ThreadingHTTPServer
+
+import pytest
+import yaml
+
+from driver import ledger
+from filter_plugins.sglang_config import ConfigError, tune_plan, with_tuned
+from sglang_deploy import bench, tune
+from support import lab_standin
+from support.modules import instance_record, run_module
+
+EAGLE3 = {
+    "speculative_algorithm": "EAGLE3",
+    "speculative_draft_model_path": "/srv/models/eagle3-draft",
+    "speculative_num_steps": 2,
+    "speculative_eagle_topk": 1,
+    "speculative_num_draft_tokens": 3,
+    "cuda_graph_max_bs_decode": 128,
+}
+GRID = {
+    "speculative_num_steps": [1, 3],
+    "speculative_eagle_topk": [1, 4],
+    "speculative_num_draft_tokens": [4, 8],
+}
+# What the 2 x 2 x 2 grid leaves: (steps, topk, draft tokens) of each distinct server, in grid order.
+DISTINCT = [(1, 1, 2), (1, 4, 4), (3, 1, 4), (3, 4, 4), (3, 4, 8)]
+
+
+def spec_of(c: tune.Combination) -> tuple:
+    eff = {**EAGLE3, **c.flags}
+    return (eff["speculative_num_steps"], eff["speculative_eagle_topk"], eff["speculative_num_draft_tokens"])
+
+
+# ------------------------------------------------------------------ the grid
+
+
+def test_a_grid_reads_values_as_yaml_would_and_adds_to_a_file():
+    grid = tune.parse_grid(
+        ["speculative-num-steps=1,3", "NCCL_ALGO=Ring,", "x_flag=true,0.5"], {"cuda_graph_max_bs_decode": 64}
+    )
+    assert grid == {
+        "cuda_graph_max_bs_decode": [64],
+        "speculative_num_steps": [1, 3],
+        "NCCL_ALGO": ["Ring", ""],
+        "x_flag": [True, 0.5],
+    }
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (["speculative_num_steps"], "--grid 'speculative_num_steps': write it as key=value1,value2"),
+        (["Bad-Key=1"], "grid key 'Bad_Key': a flag as profiles write it"),
+        (["speculative_num_steps=1,1"], "grid key 'speculative_num_steps' lists a value twice: [1, 1]"),
+        ([], "an empty grid: give --grid key=v1,v2"),
+    ],
+)
+def test_a_grid_that_cannot_be_swept_is_refused_naming_it(items, message):
+    with pytest.raises(tune.GridError) as e:
+        tune.parse_grid(items)
+    assert str(e.value).startswith(message)
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def test_the_plan_puts_the_baseline_first_and_drops_what_sglang_refuses_or_would_run_twice():
+    combos, dropped = tune.plan(EAGLE3, {}, GRID)
+    assert combos[0].name == tune.BASELINE and combos[0].label == "no speculation"
+    assert all(v is None for k, v in combos[0].flags.items() if k.startswith("speculative_"))
+    assert set(combos[0].flags) == {k for k in EAGLE3 if k.startswith("speculative_")}
+    assert [spec_of(c) for c in combos[1:]] == DISTINCT
+    reasons = {json.dumps(d["values"]): d["reason"] for d in dropped}
+    assert len(dropped) == 3
+    # topk 1: SGLang 0.5.23 sets draft tokens to steps + 1, so 4 and 8 start one server.
+    assert reasons[
+        json.dumps({"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 8})
+    ] == (
+        "the same server as steps=1 topk=1 draft=4 (speculative_num_draft_tokens 8 -> 2: SGLang sets steps + 1 when topk is 1)"
+    )
+    assert reasons[
+        json.dumps({"speculative_num_steps": 1, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8})
+    ] == (
+        "8 draft tokens, more than the draft tree holds (speculative_num_steps x speculative_eagle_topk + 1 = 5): "
+        "SGLang's bench_speculative.py skips it"
+    )
+    assert combos[1].notes == ["speculative_num_draft_tokens 4 -> 2: SGLang sets steps + 1 when topk is 1"]
+    assert len({c.name for c in combos}) == len(combos)
+    assert [c.name for c in tune.plan(EAGLE3, {}, GRID)[0]] == [c.name for c in combos]  # a re-run finds them
+
+
+def test_refusals_of_sglang_0_5_23_are_dropped_with_its_words():
+    trt = {**EAGLE3, "attention_backend": "trtllm_mha"}
+    combos, dropped = tune.plan(trt, {}, {"speculative_eagle_topk": [1, 2]})
+    assert [spec_of(c)[1] for c in combos[1:]] == [1]
+    assert dropped[0]["reason"] == "trtllm_mha backend only supports topk = 1 for speculative decoding (SGLang 0.5.23)"
+    assert tune.refusal({**EAGLE3, "speculative_eagle_topk": 2, "speculative_use_rejection_sampling": True}) == (
+        "--speculative-use-rejection-sampling requires --speculative-eagle-topk=1 (SGLang 0.5.23)"
+    )
+    assert tune.refusal({**EAGLE3, "speculative_num_steps": 0}).startswith("speculative_num_steps=0: at least 1")
+    assert "only supported on" in tune.refusal(
+        {**EAGLE3, "speculative_eagle_topk": 2, "page_size": 16, "attention_backend": "trtllm_mla"}
+    )
+    with pytest.raises(tune.GridError, match="speculative_num_steps='x': SGLang takes a whole number"):
+        tune.plan(EAGLE3, {}, {"speculative_num_steps": ["x"]})
+
+
+def test_a_plan_over_a_profile_without_speculation_or_over_an_instances_own_flag_is_refused():
+    with pytest.raises(tune.GridError, match="the starting profile has no speculative_algorithm"):
+        tune.plan({"cuda_graph_max_bs_decode": 128}, {}, {"speculative_num_steps": [1, 2]})
+    instances = [{"name": "main", "port": 30000, "gpus": [0], "flags": {"speculative_num_steps": 2}}]
+    profiles = {"p": {"flags": EAGLE3}}
+    with pytest.raises(ConfigError, match=r"set by sglang_instances\[0\]\.flags\.speculative_num_steps"):
+        tune_plan(instances, "main", profiles, "p", grid={"speculative_num_steps": [1, 3]})
+    with pytest.raises(
+        ConfigError, match=r"sglang_tune.instance 'other' is not one of this host's sglang_instances \(main\)"
+    ):
+        tune_plan(instances, "other", profiles, "p", grid={"speculative_num_steps": [1, 3]})
+    with pytest.raises(ConfigError, match="starting profile 'nope' is not in sglang_profiles"):
+        tune_plan(instances, "main", profiles, "nope", grid={"speculative_num_steps": [1, 3]})
+
+
+def test_the_plans_profiles_are_the_start_with_the_changes_and_env_varies_too():
+    instances = [{"name": "a", "port": 1, "gpus": [0]}, {"name": "main", "port": 2, "gpus": [1]}]
+    profiles = {"p": {"description": "d", "flags": EAGLE3, "env": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "LL"}}}
+    out = tune_plan(instances, "main", profiles, "p", grid={"NCCL_PROTO": ["", "Simple"]}, sweep="abc")
+    assert out["index"] == 1 and out["dropped"] == []
+    base, unset, simple = out["combinations"]
+    assert base["profile"]["flags"] == {"cuda_graph_max_bs_decode": 128}  # no speculative flag left
+    assert unset["profile"]["env"] == {"NCCL_ALGO": "Ring"}  # '' unsets
+    assert simple["profile"]["env"] == {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
+    assert simple["profile"]["flags"] == EAGLE3 and simple["profile"]["description"] == "sweep abc: NCCL_PROTO=Simple"
+
+
+def test_tuned_profiles_join_the_operators_and_never_replace_one():
+    profiles = {"eagle3_topk1": {"flags": EAGLE3}}
+    host_vars = {"sglang_tuned_profile_fast": {"flags": {"x": 1}}, "other": 1}
+    assert with_tuned(profiles, host_vars) == {**profiles, "fast": {"flags": {"x": 1}}}
+    with pytest.raises(ConfigError, match="sglang_profiles has a profile 'eagle3_topk1' already"):
+        with_tuned(profiles, {"sglang_tuned_profile_eagle3_topk1": {"flags": {}}})
+    with pytest.raises(ConfigError, match=r"a profile .* not str"):
+        with_tuned(profiles, {"sglang_tuned_profile_x": "flags"})
+
+
+# ------------------------------------------------------------------ the stand-in's model, measured
+
+
+def standin_server(spec: tuple | None, tokens_per_s: float = 250.0, api_key: str | None = None):
+    """The lab stand-in's State and Handler serving on a loopback port with the throughput model on."""
+    s = lab_standin()
+    steps, topk, draft = spec or (None, None, None)
+    args = argparse.Namespace(
+        model_path="/srv/models/lab-target",
+        served_model_name=None,
+        api_key=api_key,
+        speculative_algorithm="EAGLE3" if spec else None,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=draft,
+        cuda_graph_max_bs_decode=None,
+    )
+    knobs = s.Knobs({"LAB_STANDIN_SPEC_MODEL": "1", "LAB_STANDIN_TOKENS_PER_S": str(tokens_per_s)}, args)
+    state = s.State(args, [], knobs)
+    state.ready = True
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (s.Handler,), {"state": state}))
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_the_standin_model_has_its_known_optimum_over_the_planned_grid():
+    model = lab_standin().throughput_model
+    speeds = {spec: model(*spec)[1] for spec in DISTINCT}
+    assert max(speeds, key=speeds.get) == (3, 4, 4)
+    assert round(speeds[(3, 4, 4)], 2) == 1.50
+    assert [s for s, v in speeds.items() if v < 1.0] == [(3, 4, 8)]
+    ordered = sorted(speeds.values(), reverse=True)
+    assert ordered[0] > 1.2 * ordered[1]  # clear of the next: a measurement finds it
+    assert model(0, 1, 1) == (1.0, 1.0)
+
+
+def test_the_benchmark_ranks_the_standins_combinations_as_its_model_does():
+    results = []
+    for spec in [None, *DISTINCT]:
+        srv, base = standin_server(spec)
+        try:
+            b = bench.run(base, [1], requests=3, max_new_tokens=32, warmup=1)
+        finally:
+            srv.shutdown()
+            srv.server_close()
+        assert b["failed"] == 0 and b["levels"][0]["ok"] == 3
+        name = tune.BASELINE if spec is None else f"tune_{spec}"
+        results.append({"name": name, "label": str(spec), **b})
+    ranked = tune.rank(results)
+    assert ranked[0]["name"] == "tune_(3, 4, 4)" and ranked[0]["rank"] == 1
+    assert [r["name"] for r in ranked if r["slower_than_baseline"]] == ["tune_(3, 4, 8)"]
+    assert tune.winner(ranked)["name"] == "tune_(3, 4, 4)"
+    model = lab_standin().throughput_model
+    for r in results[1:]:
+        spec = tuple(int(x) for x in r["label"].strip("()").split(", "))
+        assert r["accept_length"] == pytest.approx(model(*spec)[0], abs=0.15)
+    base = results[0]
+    assert base["accept_length"] == 1.0
+    assert base["ttft_median_s"] > 0 and base["itl_median_s"] > 0 and base["itl_p99_s"] >= base["itl_median_s"]
+
+
+def test_the_benchmark_counts_what_fails_and_takes_the_api_key():
+    srv, base = standin_server((3, 4, 4), api_key="s3cret")
+    try:
+        refused = bench.run(base, [1, 2], requests=2, max_new_tokens=8, warmup=1)
+        assert (
+            refused["failed"] == 5 and refused["levels"][0]["ok"] == 0 and "401" in refused["levels"][0]["failures"][0]
+        )
+        ok = bench.run(base, [2], requests=4, max_new_tokens=8, warmup=0, api_key="s3cret")
+        assert ok["failed"] == 0 and ok["levels"][0]["concurrency"] == 2 and ok["output_tokens_per_s"] > 0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with pytest.raises(ValueError, match="at least 1"):
+        bench.run(base, [0], requests=1, max_new_tokens=1)
+
+
+# ------------------------------------------------------------------ ranking, the profile file, the plot
+
+
+def results_for_rank():
+    return [
+        {"name": tune.BASELINE, "label": "no speculation", "output_tokens_per_s": 100.0, "accept_length": 1.0},
+        {"name": "tune_a", "label": "steps=1", "output_tokens_per_s": 90.0, "accept_length": 1.6},
+        {"name": "tune_b", "label": "steps=3", "output_tokens_per_s": 150.0, "accept_length": 2.8},
+        {"name": "tune_c", "label": "steps=5", "output_tokens_per_s": None, "accept_length": None, "cause": "crash"},
+    ]
+
+
+def test_the_ranking_marks_what_is_slower_than_no_speculation_and_puts_failures_last():
+    ranked = tune.rank(results_for_rank())
+    assert [(r["name"], r["rank"], r["vs_baseline"], r["slower_than_baseline"]) for r in ranked] == [
+        ("tune_b", 1, 1.5, False),
+        (tune.BASELINE, 2, 1.0, False),
+        ("tune_a", 3, 0.9, True),
+        ("tune_c", None, None, False),
+    ]
+    assert tune.winner(ranked)["name"] == "tune_b"
+    slow = [r for r in results_for_rank() if r["name"] != "tune_b"]
+    assert tune.winner(tune.rank(slow)) is None  # none beats no speculation: no winner
+
+
+def test_the_winner_is_written_as_a_profile_file_that_ansible_reads(tmp_path):
+    ranked = tune.rank(results_for_rank())
+    profile = {
+        "description": "tuned from eagle3_topk1: steps=3",
+        "flags": {**EAGLE3, "speculative_num_steps": 3},
+        "env": {"NCCL_ALGO": "Ring"},
+    }
+    text = tune.profile_file("eagle3_fast", profile, ranked[0], ranked[1], "python -m driver tune sweep abc")
+    assert text.startswith("---\n# Profile 'eagle3_fast', written by `python -m driver tune`")
+    assert "# How it was measured: python -m driver tune sweep abc" in text
+    assert "# Its figure: 150.0 output tok/s, accept length 2.8; no speculation in the same sweep: 100.0 tok/s." in text
+    doc = yaml.safe_load(text)
+    assert doc == {"sglang_tuned_profile_eagle3_fast": {**profile, "baseline": {"output_tokens_per_s": 150.0}}}
+    assert with_tuned({"other": {}}, doc)["eagle3_fast"]["flags"]["speculative_num_steps"] == 3
+    templated = tune.profile_file(
+        "t", {"flags": {"speculative_draft_model_path": "{{ sglang_draft_model_path }}"}}, ranked[0], None, "x"
+    )
+    assert yaml.safe_load(templated)["sglang_tuned_profile_t"]["flags"] == {
+        "speculative_draft_model_path": "{{ sglang_draft_model_path }}"
+    }
+
+
+def test_the_plot_shows_each_measured_combination_and_the_baseline():
+    ranked = tune.rank(results_for_rank())
+    root = ET.fromstring(tune.svg(ranked, "sweep <abc> & co"))
+    ns = "{http://www.w3.org/2000/svg}"
+    circles = root.findall(f"{ns}circle")
+    assert [c.find(f"{ns}title").text for c in circles] == ["steps=3", "steps=1"]
+    assert [c.get("fill") for c in circles] == ["forestgreen", "crimson"]  # the winner, the slower one
+    dashed = [line for line in root.findall(f"{ns}line") if line.get("stroke-dasharray")]
+    assert len(dashed) == 1
+    assert any(t.text == "no speculation 100.0" for t in root.findall(f"{ns}text"))
+    assert root.find(f"{ns}text").text == "sweep <abc> & co"
+
+
+# ------------------------------------------------------------------ the ledger
+
+
+def test_the_ledger_keeps_each_combination_of_a_sweep_and_compare_ranks_the_measured(tmp_path):
+    book = ledger.Ledger(tmp_path / "ledger.sqlite3")
+    run = book.start("tune", ["tune"], None, "eagle3_topk1")
+    common = {"sweep": "s1", "run_id": run, "host": "h", "instance": "main", "start_profile": "eagle3_topk1"}
+    book.tune_record(
+        {
+            **common,
+            "combination": "tune_a",
+            "label": "steps=1",
+            "combo": {"flags": {"x": 1}},
+            "outcome": "measured",
+            "tokens_per_s": 120.5,
+            "accept_length": 2.1,
+            "config_hash": "c1",
+            "software": {"sglang_version": "0.5.23"},
+            "gpu_model": "NVIDIA H200",
+            "bench": {"levels": []},
+            "running_profile": "tune_a",
+        }
+    )
+    book.tune_record(
+        {
+            **common,
+            "combination": "tune_b",
+            "label": "steps=3",
+            "combo": {},
+            "outcome": "failed",
+            "cause": "rolled_back: crashed on its first decode",
+        }
+    )
+    book.tune_record(
+        {**common, "sweep": "s2", "combination": "tune_a", "label": "steps=1", "combo": {}, "outcome": "failed"}
+    )
+    got = book.tune_results("s1")
+    assert [(r["combination"], r["outcome"]) for r in got] == [("tune_a", "measured"), ("tune_b", "failed")]
+    assert got[0]["software"] == {"sglang_version": "0.5.23"} and got[0]["gpu_model"] == "NVIDIA H200"
+    assert got[1]["cause"] == "rolled_back: crashed on its first decode" and got[1]["tokens_per_s"] is None
+    compare = {r["profile"]: r for r in book.compare()}
+    assert compare["tune_a"]["median_tokens_per_s"] == 120.5 and compare["tune_a"]["verified_running"] == "1/1"
+    assert "tune_b" not in compare
+    book.close()
+
+
+# ------------------------------------------------------------------ the modules, as Ansible runs them
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sglang_bench_measures_the_instance_on_its_port_with_its_key(tmp_path):
+    srv, _ = standin_server((3, 4, 4), api_key="k3y-value")
+    port = srv.server_address[1]
+    record = instance_record(tmp_path, name="main", port=port)
+    (tmp_path / "etc" / "secrets").mkdir(parents=True)
+    (tmp_path / "etc" / "secrets" / "main.env").write_text('SGLANG_API_KEY="k3y-value"\n')
+    try:
+        args = {"instance": record, "concurrency": [1, 2], "requests": 2, "max_new_tokens": 8, "warmup": 1}
+        rc, out = run_module("sglang_bench", args, tmp_path)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert rc == 0, out
+    assert out["instance"] == "main" and out["changed"] is False
+    assert [lv["concurrency"] for lv in out["bench"]["levels"]] == [1, 2] and out["bench"]["failed"] == 0
+    assert out["bench"]["output_tokens_per_s"] > 0 and out["bench"]["accept_length"] > 2
+    assert "k3y-value" not in json.dumps(out)
+    rc, out = run_module(
+        "sglang_bench", {**args, "instance": instance_record(tmp_path, name="main", port=free_port())}, tmp_path
+    )
+    assert rc == 1 and out["msg"].startswith("main: no request succeeded at concurrency [1, 2]: http://127.0.0.1:")
+    rc, out = run_module("sglang_bench", {**args, "instance": {**record, "name": "Bad/Name"}}, tmp_path)
+    assert rc == 1 and out["msg"].startswith("Bad/Name: cannot benchmark: instance name 'Bad/Name'")
+    rc, out = run_module("sglang_bench", args, tmp_path, check_mode=True)
+    assert rc == 0 and out["msg"] == "check mode: nothing measured"
+
+
+FAKE_PARSER = """
+import functools
+import ansible.module_utils.sglang_deploy.validate as v
+def fake(python, argvs, timeout=0):
+    return [{"error": None, "args": {}, "options": ["--port", "--speculative-num-steps"], "env_names": []} for _ in argvs]
+v.validate_host = functools.partial(v.validate_host, gpu_counter=lambda: 8, parser=fake)
+"""
+
+
+def tune_record(tmp_path, profile: str, argv_extra: list[str]) -> dict:
+    port = free_port()
+    argv = ["--port", str(port), *argv_extra]
+    return {
+        **instance_record(tmp_path, name="main", port=port, argv=["/py", "-m", "sglang.launch_server", *argv]),
+        "profile": profile,
+        "server_argv": argv,
+        "python": "/bin/sh",
+        "env": {},
+        "origins": {},
+        "env_origins": {},
+    }
+
+
+def test_sglang_tune_checks_every_combination_and_marks_the_refused(tmp_path):
+    plan = {
+        "combinations": [{"name": tune.BASELINE}, {"name": "tune_a"}, {"name": "tune_b"}],
+        "dropped": [{"values": {"x": 1}, "reason": "r"}],
+    }
+    records = [
+        tune_record(tmp_path, tune.BASELINE, []),
+        tune_record(tmp_path, "tune_a", ["--speculative-num-steps", "3"]),
+        tune_record(tmp_path, "tune_b", ["--speculative-num-stepz", "3"]),
+    ]
+    args = {"plan": plan, "records": records, "service_user": "nobody"}
+    rc, out = run_module("sglang_tune", args, tmp_path, prelude=FAKE_PARSER)
+    assert rc == 0, out
+    assert [(c["name"], c["valid"]) for c in out["plan"]["combinations"]] == [
+        (tune.BASELINE, True),
+        ("tune_a", True),
+        ("tune_b", False),
+    ]
+    assert (
+        "--speculative-num-stepz is not a flag of the installed SGLang" in out["plan"]["combinations"][2]["problems"][0]
+    )
+    assert out["plan"]["dropped"] == plan["dropped"] and out["msg"] == "2 of 3 combination(s) valid, 1 dropped"
+    bad_base = {**args, "records": [records[2], records[1], records[0]]}
+    rc, out = run_module("sglang_tune", bad_base, tmp_path, prelude=FAKE_PARSER)
+    assert rc == 1 and out["msg"].startswith("main: the baseline (no speculation) is refused: ")
+    rc, out = run_module("sglang_tune", {**args, "records": records[:2]}, tmp_path, prelude=FAKE_PARSER)
+    assert rc == 1 and out["msg"] == "records and the plan's combinations differ in number"
+
+
+def test_every_spec_grid_combination_is_named_once_and_stably():
+    names = set()
+    for steps, topk in itertools.product((1, 2, 3), (1, 2)):
+        names.add(tune.name_of({"speculative_num_steps": steps, "speculative_eagle_topk": topk}, {}))
+    assert len(names) == 6 and all(n.startswith(tune.PREFIX) and len(n) == len(tune.PREFIX) + 8 for n in names)
+    assert tune.sweep_id("h", "main", "p", GRID, {"requests": 8}) == tune.sweep_id(
+        "h", "main", "p", GRID, {"requests": 8}
+    )
+    assert tune.sweep_id("h", "main", "p", GRID, {"requests": 8}) != tune.sweep_id(
+        "h", "main", "p", GRID, {"requests": 9}
+    )
