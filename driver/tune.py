@@ -21,6 +21,7 @@ instance is put back (step 3); a second Ctrl-C abandons that too.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import statistics
 import sys
@@ -36,6 +37,8 @@ RESTART = "playbooks/restart.yml"
 MEASURED, FAILED = "measured", "failed"
 # A combination that failed so still leaves the instance serving (or untouched): the sweep goes on.
 GOES_ON = (outcomes.RESTARTED, outcomes.ROLLED_BACK, outcomes.INVALID_CONFIG)
+# A combination whose restart ended so has its result: a re-run of the sweep does not measure it again.
+DECIDED = (outcomes.RESTARTED, outcomes.ROLLED_BACK)
 
 
 def usage(args, message: str) -> int:
@@ -58,8 +61,13 @@ def load_grid_file(path: Path) -> dict:
 
 def settings(args) -> tuple[dict, dict]:
     """(grid, bench) from the command line; GridError/ValueError name the option."""
+    from driver import redact
+
     base = load_grid_file(args.grid_file) if args.grid_file else None
     grid = tune.parse_grid(args.grid, base)
+    for key in grid:
+        if redact.is_secret(key):
+            raise tune.GridError(f"grid key {key!r} names a secret: a sweep shows its values everywhere; set it as one")
     try:
         levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     except ValueError:
@@ -87,7 +95,7 @@ class Sweep:
         self.args, self.host, self.instance, self.grid, self.bench = args, host, instance, grid, bench
         self.interrupts = interrupts
         self.start = args.profile
-        self.id = tune.sweep_id(host, instance, self.start, grid, bench)
+        self.id = ""  # named once the plan says what it starts from (_steps)
         self.book = ledger.Ledger()
         self.redactor = redact.Redactor()
         self.run_id = self.book.start("tune", self.redactor.argv(sys.argv[1:]), args.inventory, self.start)
@@ -154,7 +162,7 @@ class Sweep:
     def plan(self) -> tuple[dict | None, int, str]:
         extra = {
             "sglang_tune_step": "plan",
-            "sglang_tune": {"instance": self.instance, "profile": self.start, "grid": self.grid, "sweep": self.id},
+            "sglang_tune": {"instance": self.instance, "profile": self.start, "grid": self.grid},
         }
         tracker, results, code = self.playbook(PLAYBOOK, extra, "validate")
         res = (results.get("sglang_tune") or [None])[-1]
@@ -185,7 +193,8 @@ class Sweep:
         bench_res = (results.get("sglang_bench") or [{}])[-1]
         b = bench_res.get("bench") or {}
         kg = server.get("known_good") or {}
-        measured = code == exitcodes.OK and server.get("outcome") == outcomes.RESTARTED and b.get("output_tokens_per_s")
+        whole = bool(b.get("output_tokens_per_s")) and not b.get("failed")  # every request answered in full
+        measured = code == exitcodes.OK and server.get("outcome") == outcomes.RESTARTED and whole
         row = {
             "sweep": self.id,
             "combination": name,
@@ -196,12 +205,7 @@ class Sweep:
             "label": combo["label"],
             "combo": combo,
             "outcome": MEASURED if measured else FAILED,
-            "cause": None
-            if measured
-            else (server.get("outcome") or "")
-            + ": "
-            + (cause_of(tracker) or "no result")
-            + (f" (crash evidence: {self.evidence})" if self.evidence else ""),
+            "cause": None if measured else failure_of(server, tracker, b, self.evidence),
             "restart_outcome": server.get("outcome"),
             "exit_code": code,
             "config_hash": kg.get("config_hash"),
@@ -229,9 +233,19 @@ class Sweep:
         if winner:
             extra["sglang_service_instance_profiles"] = {self.instance: winner[0]}
             extra[tune.profile_var(winner[0])] = winner[1]
-        tracker, _, code = self.playbook(RESTART, extra, "restart", after_interrupt=self.interrupts.interrupted)
+        # Never armed: a first Ctrl-C now must not keep the instance on a combination (a second one abandons it).
+        tracker, _, code = self.playbook(RESTART, extra, "restart", after_interrupt=True)
         self.back = (code, cause_of(tracker))
         return self.back
+
+
+def failure_of(server: dict, tracker, b: dict, bundle) -> str:
+    """Why a combination has no measurement: its restart's outcome and cause, or what its benchmark lost."""
+    if server.get("outcome") == outcomes.RESTARTED and not cause_of(tracker):
+        lost = [f for lv in b.get("levels") or [] for f in lv.get("failures") or []] + (b.get("warmup_failures") or [])
+        return f"the benchmark: {b.get('failed', '?')} request(s) failed" + (f": {lost[0]}" if lost else "")
+    text = f"{server.get('outcome') or 'no restart'}: {cause_of(tracker) or 'no result'}"
+    return text + (f" (crash evidence: {bundle})" if bundle else "")
 
 
 def cause_of(tracker) -> str:
@@ -249,6 +263,14 @@ def results_of(recorded: list[dict]) -> list[dict]:
         }
         for r in recorded
     ]
+
+
+def writable(d: Path) -> bool:
+    """d, or the nearest directory above it that exists, is one this user can write (mkdir makes the rest)."""
+    d = d.resolve()
+    while not d.exists():
+        d = d.parent
+    return d.is_dir() and os.access(d, os.W_OK | os.X_OK)
 
 
 def inventory_dir(source: str) -> Path:
@@ -286,6 +308,9 @@ def main(args) -> int:
         grid, bench = settings(args)
     except (tune.GridError, ValueError) as exc:
         return usage(args, str(exc))
+    for opt, where in (("--profile-dir", args.profile_dir), ("--svg", Path(args.svg).parent if args.svg else None)):
+        if where is not None and not writable(Path(where)):
+            return usage(args, f"{opt} {where}: not a directory this user can write (checked before anything runs)")
     interrupts = Interrupts("tune")
     previous = signal.signal(signal.SIGINT, interrupts.handler)
     try:
@@ -315,16 +340,19 @@ def _sweep(args, sweep: Sweep, checked) -> int:
     finally:
         if sweep.interrupts.interrupted:
             code = exitcodes.INTERRUPTED
-        sweep.book.finish(
-            sweep.run_id,
-            code,
-            exitcodes.MEANING.get(code, "?"),
-            round(time.monotonic() - t0, 1),
-            [sweep.host],
-            [],
-            str(sweep.dir),
-        )
-        sweep.book.close()
+        try:
+            sweep.book.finish(
+                sweep.run_id,
+                code,
+                exitcodes.MEANING.get(code, "?"),
+                round(time.monotonic() - t0, 1),
+                [sweep.host],
+                [],
+                str(sweep.dir),
+            )
+            sweep.book.close()
+        except Exception as exc:  # the ledger's disk or database: said, never a traceback over the outcome
+            print(f"tune: the ledger could not record the run's end: {type(exc).__name__}: {exc}", file=sys.stderr)
     report.update(
         command="tune", exit_code=code, meaning=exitcodes.MEANING.get(code, "?"), run_id=sweep.run_id, sweep=sweep.id
     )
@@ -334,11 +362,23 @@ def _sweep(args, sweep: Sweep, checked) -> int:
 
 
 def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
-    sweep.say(f"sweep {sweep.id}: {sweep.instance} on {sweep.host} from profile {sweep.start}")
     plan, code, cause = sweep.plan()
     if plan is None:
         print(f"tune: the plan failed, nothing was restarted: {cause}", file=sys.stderr)
         return code, {"cause": cause}
+    # Named by what it starts from too: a changed profile, software or model is another sweep, never resumed.
+    sweep.id = tune.sweep_id(sweep.host, sweep.instance, sweep.start, sweep.grid, sweep.bench, plan.get("fingerprint"))
+    name = args.name or tune.default_name(sweep.start, sweep.id)
+    target = (args.profile_dir or inventory_dir(checked.source) / "group_vars" / "sglang_nodes") / f"tuned_{name}.yml"
+    refusal = None
+    if name in (plan.get("profiles") or []):
+        refusal = f"--name {name}: a profile of that name exists already; a sweep never replaces one (choose another)"
+    elif target.exists():
+        refusal = f"--name {name}: {target} exists already (an earlier sweep's); choose another name or remove it"
+    if refusal:
+        print(f"python -m driver tune: {refusal}", file=sys.stderr)
+        return exitcodes.USAGE, {"cause": refusal}
+    sweep.say(f"sweep {sweep.id}: {sweep.instance} on {sweep.host} from profile {sweep.start}")
     combos = [c for c in plan["combinations"] if c["valid"]]
     dropped = plan["dropped"] + [
         {"values": c["values"], "reason": "refused by SGLang's parser: " + "; ".join(c["problems"])}
@@ -353,7 +393,9 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
                 f"would measure {c['name']}: {c['label']}" + (f" ({'; '.join(c['notes'])})" if c["notes"] else "")
             )
         return exitcodes.OK, {"combinations": combos, "dropped": dropped}
-    done = {r["combination"]: r for r in sweep.book.tune_results(sweep.id)}
+    # Done: those whose restart ended (measured, or failed on the combination itself). A host unreachable, a lock
+    # held, busy GPUs or a stop before the restart say nothing of the combination: measured again.
+    done = {r["combination"] for r in sweep.book.tune_results(sweep.id) if r["restart_outcome"] in DECIDED}
     todo = [c for c in combos if c["name"] not in done]
     if done:
         sweep.say(
@@ -372,39 +414,45 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
             stopped = f"{c['name']}: {row['cause']}"  # not serving its known-good, locked, GPUs busy: no further
             break
     recorded = sweep.book.tune_results(sweep.id)
-    ranked = tune.rank(results_of([r for r in recorded if r["combination"] in {c["name"] for c in combos}]))
+    names = {c["name"] for c in combos}
+    ranked = tune.rank(results_of([r for r in recorded if r["combination"] in names]))
     best = tune.winner(ranked)
     base = next((r for r in ranked if r["name"] == tune.BASELINE and r["output_tokens_per_s"]), None)
-    complete = not stopped and not sweep.interrupts.interrupted and len(recorded) >= n
-    written, winner_profile, file_error = None, None, None
+    complete = (
+        not stopped
+        and not sweep.interrupts.interrupted
+        and names <= {r["combination"] for r in recorded if r["restart_outcome"] in DECIDED}
+    )
+    winner_profile = None
     if best and complete:
-        name = args.name or f"{sweep.start}_tuned_{sweep.id[:6]}"
         combo = next(c for c in combos if c["name"] == best["name"])
+        profile = {**combo["profile"], "description": f"tuned from {sweep.start}: {combo['label']}"}
+        one = tune.single_stream(best)
+        winner_profile = (name, {**profile, **({"baseline": {"output_tokens_per_s": one}} if one is not None else {})})
+    keep = winner_profile if args.keep_best else None
+    # Put back only when this run moved the instance; first, so that nothing written below can stand in its way.
+    if not sweep.touched:
+        back_code, back_cause = exitcodes.OK, "nothing was restarted"
+    elif sweep.interrupts.abandoned:
+        back_code, back_cause = exitcodes.INTERRUPTED, f"abandoned: {sweep.instance} runs what the last step left"
+    else:
+        back_code, back_cause = sweep.put_back(keep)
+    written, file_error = None, None
+    if winner_profile:
         how = (
             f"python -m driver tune sweep {sweep.id} on {sweep.host}/{sweep.instance} "
             f"({best.get('gpu_model') or 'GPU model unknown'}), {json.dumps(sweep.bench)}, {time.strftime('%Y-%m-%d')}"
         )
-        out_dir = args.profile_dir or inventory_dir(checked.source) / "group_vars" / "sglang_nodes"
-        profile = {**combo["profile"], "description": f"tuned from {sweep.start}: {combo['label']}"}
-        winner_profile = (name, {**profile, "baseline": {"output_tokens_per_s": best["output_tokens_per_s"]}})
+        text = tune.profile_file(name, {k: v for k, v in winner_profile[1].items() if k != "baseline"}, best, base, how)
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            path = out_dir / f"tuned_{name}.yml"
-            path.write_text(tune.profile_file(name, profile, best, base, how), encoding="utf-8")
-            written = path
-        except OSError as exc:  # measured and recorded all the same: the instance is still put back
-            file_error = f"the winner's profile file could not be written: {exc}"
+            written = write_atomic(target, text)
+        except OSError as exc:  # measured and recorded all the same; the instance was put back before
+            file_error = f"the winner's profile file {target} could not be written: {exc}"
             print(f"tune: {file_error}", file=sys.stderr)
-    keep = winner_profile if args.keep_best else None
-    back_code, back_cause = (
-        sweep.put_back(keep) if not sweep.interrupts.abandoned else (exitcodes.INTERRUPTED, "abandoned")
-    )
     table(sweep, ranked, dropped, written, best)
     if args.svg and ranked:
         try:
-            Path(args.svg).write_text(
-                tune.svg(ranked, f"sweep {sweep.id}: {sweep.instance} on {sweep.host}"), encoding="utf-8"
-            )
+            write_atomic(Path(args.svg), tune.svg(ranked, f"sweep {sweep.id}: {sweep.instance} on {sweep.host}"))
         except OSError as exc:
             file_error = f"--svg {args.svg}: {exc}"
             print(f"tune: {file_error}", file=sys.stderr)
@@ -417,6 +465,7 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
         "ranked": ranked,
         "dropped": dropped,
         "winner": best["name"] if best else None,
+        "baseline_measured": base is not None,
         "profile_file": str(written) if written else None,
         "complete": complete,
         "stopped": stopped,
@@ -430,6 +479,18 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
         print(f"tune: the sweep stopped: {stopped}", file=sys.stderr)
         return exitcodes.NOT_RECOVERED, report
     return exitcodes.OK, report
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """path with text, whole or not at all (a temporary file beside it, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def table(sweep: Sweep, ranked: list[dict], dropped: list[dict], written, best) -> None:

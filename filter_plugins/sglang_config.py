@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "module_utils"))
 from sglang_deploy.instance import NAME
 from sglang_deploy.procinfo import SECRET_FLAGS
 from sglang_deploy.router import worker_url
-from sglang_deploy.tune import TUNED_PREFIX, GridError, plan
+from sglang_deploy.tune import SPEC, TUNED_PREFIX, GridError, fingerprint, plan
 
 
 class ConfigError(ValueError):
@@ -126,6 +126,10 @@ def server_config(
         (f"{inst_name}.env", instance.get("env") or {}),
     ):
         for name, value in layer.items():
+            if value is None:  # null unsets what a lower layer set (autotune's baseline and '' values)
+                env.pop(name, None)
+                env_origins.pop(name, None)
+                continue
             env[name] = "1" if value is True else "0" if value is False else str(value)
             env_origins[name] = f"{where}.{name}"
     if "CUDA_VISIBLE_DEVICES" in env:
@@ -290,9 +294,11 @@ def with_tuned(profiles: dict, host_vars) -> dict:
     return out
 
 
-def tune_plan(instances, name, profiles, profile, common_flags=None, common_env=None, grid=None, sweep=""):
+def tune_plan(instances, name, profiles, profile, common_flags=None, common_env=None, grid=None, identity=None):
     """The sweep over `profile` for instance `name` (sglang_deploy.tune.plan): {index, combinations: [{name,
-    label, values, notes, profile}], dropped: [{values, reason}]}, the baseline first."""
+    label, values, notes, profile}], dropped: [{values, reason}], profiles (every name known), fingerprint (of
+    what the sweep starts from: its flags, environment and `identity`, the software and model), the baseline
+    first."""
     names = [str(i.get("name")) for i in instances or []]
     if name not in names:
         raise ConfigError(
@@ -308,14 +314,24 @@ def tune_plan(instances, name, profiles, profile, common_flags=None, common_env=
     start_env = {**(common_env or {}), **(start.get("env") or {}), **(instance.get("env") or {})}
     fixed = {k: f"sglang_instances[{index}].flags.{k}" for k in own}
     fixed.update({k: f"sglang_instances[{index}].env.{k}" for k in instance.get("env") or {}})
+    spec_own = sorted(k for k in own if k.startswith(SPEC))
+    if spec_own:  # the instance's flags override every profile: the baseline could not turn speculation off
+        raise ConfigError(
+            f"sglang_instances[{index}].flags.{spec_own[0]} overrides every profile, so the sweep's no-speculation "
+            "baseline would still speculate: move the speculative flags into the profile"
+        )
     try:
         combos, dropped = plan(start_flags, start_env, grid or {}, fixed)
     except GridError as exc:
         raise ConfigError(str(exc)) from exc
     return {
         "index": index,
-        "combinations": [{**c.as_dict(), "notes": c.notes, "profile": c.profile(start, sweep)} for c in combos],
+        "combinations": [
+            {**c.as_dict(), "notes": c.notes, "profile": c.profile(start, f"tune of {profile}")} for c in combos
+        ],
         "dropped": dropped,
+        "profiles": sorted(profiles),
+        "fingerprint": fingerprint(start_flags, start_env, identity),
     }
 
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from driver import ledger
-from filter_plugins.sglang_config import ConfigError, tune_plan, with_tuned
+from filter_plugins.sglang_config import ConfigError, server_config, tune_plan, with_tuned
 from sglang_deploy import bench, tune
 from support import lab_standin
 from support.modules import instance_record, run_module
@@ -124,8 +124,11 @@ def test_a_plan_over_a_profile_without_speculation_or_over_an_instances_own_flag
         tune.plan({"cuda_graph_max_bs_decode": 128}, {}, {"speculative_num_steps": [1, 2]})
     instances = [{"name": "main", "port": 30000, "gpus": [0], "flags": {"speculative_num_steps": 2}}]
     profiles = {"p": {"flags": EAGLE3}}
-    with pytest.raises(ConfigError, match=r"set by sglang_instances\[0\]\.flags\.speculative_num_steps"):
+    with pytest.raises(ConfigError, match=r"sglang_instances\[0\]\.flags\.speculative_num_steps overrides every"):
         tune_plan(instances, "main", profiles, "p", grid={"speculative_num_steps": [1, 3]})
+    own = [{"name": "main", "port": 30000, "gpus": [0], "flags": {"cuda_graph_max_bs_decode": 64}}]
+    with pytest.raises(ConfigError, match=r"is set by sglang_instances\[0\]\.flags\.cuda_graph_max_bs_decode"):
+        tune_plan(own, "main", profiles, "p", grid={"cuda_graph_max_bs_decode": [32, 128]})
     with pytest.raises(
         ConfigError, match=r"sglang_tune.instance 'other' is not one of this host's sglang_instances \(main\)"
     ):
@@ -137,13 +140,35 @@ def test_a_plan_over_a_profile_without_speculation_or_over_an_instances_own_flag
 def test_the_plans_profiles_are_the_start_with_the_changes_and_env_varies_too():
     instances = [{"name": "a", "port": 1, "gpus": [0]}, {"name": "main", "port": 2, "gpus": [1]}]
     profiles = {"p": {"description": "d", "flags": EAGLE3, "env": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "LL"}}}
-    out = tune_plan(instances, "main", profiles, "p", grid={"NCCL_PROTO": ["", "Simple"]}, sweep="abc")
+    out = tune_plan(instances, "main", profiles, "p", grid={"NCCL_PROTO": ["", "Simple"]})
     assert out["index"] == 1 and out["dropped"] == []
     base, unset, simple = out["combinations"]
-    assert base["profile"]["flags"] == {"cuda_graph_max_bs_decode": 128}  # no speculative flag left
-    assert unset["profile"]["env"] == {"NCCL_ALGO": "Ring"}  # '' unsets
+    # Removed as null, so that a common layer's value goes too (below, through the render).
+    assert base["profile"]["flags"] == {
+        **{k: None for k in EAGLE3 if k.startswith("speculative_")},
+        "cuda_graph_max_bs_decode": 128,
+    }
+    assert unset["profile"]["env"] == {"NCCL_ALGO": "Ring", "NCCL_PROTO": None}  # '' unsets
     assert simple["profile"]["env"] == {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
-    assert simple["profile"]["flags"] == EAGLE3 and simple["profile"]["description"] == "sweep abc: NCCL_PROTO=Simple"
+    assert simple["profile"]["flags"] == EAGLE3 and simple["profile"]["description"] == "tune of p: NCCL_PROTO=Simple"
+    assert len(out["fingerprint"]) == 12 and out["profiles"] == ["p"]
+
+
+def test_the_baseline_speculates_not_even_when_the_common_flags_do():
+    instances = [{"name": "main", "port": 30000, "gpus": [0, 1]}]
+    common = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 2}
+    profiles = {"p": {"flags": {"speculative_eagle_topk": 1}}}
+    out = tune_plan(instances, "main", profiles, "p", common, {"NCCL_PROTO": "LL"}, grid={"NCCL_PROTO": [""]})
+    base, unset = out["combinations"]
+    assert base["name"] == tune.BASELINE
+    conf = server_config(instances[0], {"b": base["profile"]}, "b", "/m", common, {"NCCL_PROTO": "LL"})
+    assert not [a for a in conf["argv"] if a.startswith("--speculative")], conf["argv"]
+    conf = server_config(instances[0], {"u": unset["profile"]}, "u", "/m", common, {"NCCL_PROTO": "LL"})
+    assert "NCCL_PROTO" not in conf["env"] and "--speculative-algorithm" in conf["argv"]
+    assert (
+        tune_plan(instances, "main", profiles, "p", common, {}, {"NCCL_PROTO": [""]}, {"venv": "/a"})["fingerprint"]
+        != tune_plan(instances, "main", profiles, "p", common, {}, {"NCCL_PROTO": [""]}, {"venv": "/b"})["fingerprint"]
+    )
 
 
 def test_tuned_profiles_join_the_operators_and_never_replace_one():
@@ -266,13 +291,18 @@ def test_the_winner_is_written_as_a_profile_file_that_ansible_reads(tmp_path):
         "flags": {**EAGLE3, "speculative_num_steps": 3},
         "env": {"NCCL_ALGO": "Ring"},
     }
-    text = tune.profile_file("eagle3_fast", profile, ranked[0], ranked[1], "python -m driver tune sweep abc")
+    best = {**ranked[0], "bench": {"levels": [{"concurrency": 1, "output_tokens_per_s": 150.0}]}}
+    text = tune.profile_file("eagle3_fast", profile, best, ranked[1], "python -m driver tune sweep abc")
     assert text.startswith("---\n# Profile 'eagle3_fast', written by `python -m driver tune`")
     assert "# How it was measured: python -m driver tune sweep abc" in text
     assert "# Its figure: 150.0 output tok/s, accept length 2.8; no speculation in the same sweep: 100.0 tok/s." in text
     doc = yaml.safe_load(text)
     assert doc == {"sglang_tuned_profile_eagle3_fast": {**profile, "baseline": {"output_tokens_per_s": 150.0}}}
     assert with_tuned({"other": {}}, doc)["eagle3_fast"]["flags"]["speculative_num_steps"] == 3
+    assert "# baseline: its tok/s at concurrency 1 (verify measures single requests)" in text
+    busy = {**ranked[0], "bench": {"levels": [{"concurrency": 8, "output_tokens_per_s": 900.0}]}}
+    aggregate = yaml.safe_load(tune.profile_file("f", profile, busy, None, "x"))["sglang_tuned_profile_f"]
+    assert "baseline" not in aggregate  # an aggregate over 8 streams is no figure for verify's single requests
     templated = tune.profile_file(
         "t", {"flags": {"speculative_draft_model_path": "{{ sglang_draft_model_path }}"}}, ranked[0], None, "x"
     )

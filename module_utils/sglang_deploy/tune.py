@@ -52,6 +52,11 @@ def value_of(text: str):
     return t
 
 
+# Flags and variables a grid may not vary: their values are secrets (SGLang's --api-key, a token), which the
+# sweep's labels, ledger and profile file would show.
+SECRET_WORD = re.compile(r"(^|_)(api_key|key|token|secret|password|passwd|credentials?)($|_)", re.I)
+
+
 def parse_grid(items: list[str], base: dict | None = None) -> dict[str, list]:
     """--grid key=v1,v2 (repeatable) on top of a grid file's {key: [values]}: {key: [values]}, in order."""
     grid: dict[str, list] = {}
@@ -71,6 +76,8 @@ def parse_grid(items: list[str], base: dict | None = None) -> dict[str, list]:
             )
         if not values:
             raise GridError(f"grid key {key!r} has no values")
+        if SECRET_WORD.search(key):
+            raise GridError(f"grid key {key!r} names a secret: a sweep shows its values everywhere; set it as a secret")
         if len({json.dumps(v) for v in values}) != len(values):
             raise GridError(f"grid key {key!r} lists a value twice: {values}")
     if not grid:
@@ -95,11 +102,12 @@ class Combination:
     def as_dict(self) -> dict:
         return {"name": self.name, "flags": self.flags, "env": self.env, "values": self.values, "label": self.label}
 
-    def profile(self, start: dict, sweep: str) -> dict:
-        """The starting profile with this combination's changes: what the restart runs."""
-        flags = {k: v for k, v in {**(start.get("flags") or {}), **self.flags}.items() if v is not None}
-        env = {k: v for k, v in {**(start.get("env") or {}), **self.env}.items() if v is not None}
-        out = {"description": f"sweep {sweep}: {self.label}", "flags": flags}
+    def profile(self, start: dict, origin: str) -> dict:
+        """The starting profile with this combination's changes: what the restart runs. A removed flag or variable
+        stays as null, so that it also unsets what sglang_server_flags or sglang_server_env set."""
+        flags = {**(start.get("flags") or {}), **self.flags}
+        env = {**(start.get("env") or {}), **self.env}
+        out = {"description": f"{origin}: {self.label}", "flags": flags}
         if env:
             out["env"] = env
         return out
@@ -202,9 +210,17 @@ def plan(start_flags: dict, start_env: dict, grid: dict[str, list], fixed: dict 
     return out, dropped
 
 
-def sweep_id(host: str, instance: str, start: str, grid: dict, bench: dict) -> str:
-    """The sweep's identity: a re-run with the same host, instance, start, grid and benchmark resumes it."""
-    doc = json.dumps([host, instance, start, grid, bench], sort_keys=True, default=str)
+def sweep_id(host: str, instance: str, start: str, grid: dict, bench: dict, fingerprint: str = "") -> str:
+    """The sweep's identity: a re-run with the same host, instance, start, grid and benchmark, from the same
+    configuration and software (the plan's fingerprint), resumes it."""
+    doc = json.dumps([host, instance, start, grid, bench, fingerprint], sort_keys=True, default=str)
+    return hashlib.sha256(doc.encode()).hexdigest()[:12]
+
+
+def fingerprint(start_flags: dict, start_env: dict, identity=None) -> str:
+    """What a sweep starts from, as the plan sees it: the starting configuration's flags and environment, and the
+    identity the play names (the software the units run, the model)."""
+    doc = json.dumps([start_flags, start_env, identity], sort_keys=True, default=str)
     return hashlib.sha256(doc.encode()).hexdigest()[:12]
 
 
@@ -227,7 +243,10 @@ def rank(results: list[dict]) -> list[dict]:
 
 
 def winner(ranked: list[dict]) -> dict | None:
-    """The fastest measured combination that beats the baseline; None when none does."""
+    """The fastest measured combination that beats the baseline; None when none does, or when the baseline
+    itself was not measured (nothing to beat: never a winner by default)."""
+    if not any(r["name"] == BASELINE and score(r) is not None for r in ranked):
+        return None
     return next(
         (r for r in ranked if r["name"] != BASELINE and score(r) is not None and not r["slower_than_baseline"]), None
     )
@@ -237,13 +256,26 @@ def profile_var(name: str) -> str:
     return TUNED_PREFIX + name
 
 
+def default_name(start: str, sweep: str) -> str:
+    """<start>_tuned_<sweep>, as a variable's name can hold it."""
+    return re.sub(r"[^a-z0-9_]", "_", start.lower()) + "_tuned_" + sweep[:6]
+
+
+def single_stream(best: dict) -> float | None:
+    """The winner's tok/s at concurrency 1, the figure verify's own measure is comparable with; None without."""
+    level = next((lv for lv in (best.get("bench") or {}).get("levels") or [] if lv.get("concurrency") == 1), None)
+    return level.get("output_tokens_per_s") if level else None
+
+
 def profile_file(name: str, profile: dict, best: dict, base: dict | None, how: str) -> str:
-    """A group_vars file defining profile `name`: the winner's flags and env, its measured figure as the
-    baseline verify compares with, and a comment of how it was measured. YAML, deterministic."""
+    """A group_vars file defining profile `name`: the winner's flags and env, its concurrency-1 figure as the
+    baseline verify compares with (none when the sweep measured no concurrency 1), and a comment of how it was
+    measured. YAML, deterministic."""
+    one = single_stream(best)
     doc = {
         profile_var(name): {
             "description": profile.get("description", ""),
-            "baseline": {"output_tokens_per_s": score(best)},
+            **({"baseline": {"output_tokens_per_s": one}} if one is not None else {}),
             "flags": profile.get("flags") or {},
             **({"env": profile["env"]} if profile.get("env") else {}),
         }
@@ -255,6 +287,9 @@ def profile_file(name: str, profile: dict, best: dict, base: dict | None, how: s
         f"# How it was measured: {how}",
         f"# Its figure: {score(best)} output tok/s, accept length {best.get('accept_length')}"
         + (f"; no speculation in the same sweep: {score(base)} tok/s." if base else "."),
+        "# baseline: its tok/s at concurrency 1 (verify measures single requests)"
+        if one is not None
+        else "# No baseline: the sweep measured no concurrency 1, which verify's single requests compare with.",
     ]
     return "\n".join(lines) + "\n" + _yaml(doc, 0) + "\n"
 

@@ -44,8 +44,11 @@ PLAN = {
 class Fake:
     """Answers each step of the sweep: plan, measure (per combination: tok/s or an outcome), put back."""
 
-    def __init__(self, speeds: dict, plan=PLAN, plan_code=exitcodes.OK, interrupt_after: str | None = None):
+    def __init__(
+        self, speeds: dict, plan=PLAN, plan_code=exitcodes.OK, interrupt_after: str | None = None, failed=None
+    ):
         self.speeds, self.plan, self.plan_code, self.interrupt_after = speeds, plan, plan_code, interrupt_after
+        self.failed = failed or {}  # combination: requests of its benchmark that failed
         self.calls: list[tuple] = []
 
     def __call__(self, sweep, playbook, extra, command, after_interrupt=False):
@@ -57,7 +60,8 @@ class Fake:
             if self.plan_code:
                 h.failures.append(events.Failure(self.plan_code, "Plan", "grid key 'x' is set by sglang_instances[0]"))
                 return tracker, {}, self.plan_code
-            return tracker, {"sglang_tune": [{"instance": "main", "plan": self.plan}]}, exitcodes.OK
+            plan = {**self.plan, "profiles": ["eagle3_topk1", "baseline_no_spec"], "fingerprint": "f1"}
+            return tracker, {"sglang_tune": [{"instance": "main", "plan": plan}]}, exitcodes.OK
         if step == "put_back":
             h.instances["main"] = {"instance": "main", "outcome": outcomes.RESTARTED}
             return tracker, {}, exitcodes.OK
@@ -86,7 +90,10 @@ class Fake:
             "itl_median_s": 0.003,
             "itl_p99_s": 0.004,
             "seconds": 1.5,
-            "levels": [],
+            "failed": self.failed.get(name, 0),
+            "levels": [
+                {"concurrency": 1, "output_tokens_per_s": got, "failures": ["HTTP 503"] * self.failed.get(name, 0)}
+            ],
         }
         return tracker, {"sglang_bench": [{"instance": "main", "bench": b, "gpu_model": "NVIDIA H200"}]}, exitcodes.OK
 
@@ -169,10 +176,14 @@ def test_a_sweep_measures_each_valid_combination_ranks_them_and_writes_the_winne
     assert db.execute("SELECT command, exit_code FROM runs").fetchall() == [("tune", 0)]
     db.close()
 
-    again = Fake({})  # every combination is recorded: a re-run measures none
+    written.unlink()  # (the name is taken while its file exists: refused before anything restarts)
+    again = Fake({})  # every combination is recorded: a re-run measures none, and restarts nothing
     assert run(monkeypatch, again, "--json", "--name", "fast") == exitcodes.OK
-    assert [c[0] for c in again.calls] == ["plan", "put_back"]
-    assert doc_of(capsys)["winner"] == "tune_b"
+    assert [c[0] for c in again.calls] == ["plan"]
+    redoc = doc_of(capsys)
+    assert redoc["winner"] == "tune_b" and redoc["put_back"]["cause"] == "nothing was restarted"
+    assert run(monkeypatch, Fake({}), "--json", "--name", "fast") == exitcodes.USAGE  # its file exists now
+    assert "tuned_fast.yml exists already (an earlier sweep's)" in doc_of(capsys)["cause"]
 
 
 def test_an_interrupted_sweep_stops_after_the_running_one_and_puts_the_instance_back(env, monkeypatch, capsys):
@@ -293,8 +304,11 @@ def test_keep_best_puts_the_winner_back_wherever_its_file_went(env, monkeypatch,
         return fake(self, playbook, extra, command, after_interrupt)
 
     monkeypatch.setattr(dtune.Sweep, "playbook", keeping)
-    blocked = tmp_path / "file"
-    blocked.write_text("not a directory")
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dtune, "write_atomic", full_disk)
     argv = [
         "tune",
         "--limit",
@@ -309,14 +323,46 @@ def test_keep_best_puts_the_winner_back_wherever_its_file_went(env, monkeypatch,
         "--name",
         "best",
         "--profile-dir",
-        str(blocked / "sub"),
+        str(tmp_path / "profiles"),
         "--json",
     ]
     assert cli.main(argv) == exitcodes.OK
     doc = doc_of(capsys)
-    assert doc["profile_file"] is None and doc["file_error"].startswith(
-        "the winner's profile file could not be written"
-    )
+    assert doc["profile_file"] is None and doc["file_error"].startswith("the winner's profile file ")
+    assert doc["file_error"].endswith("could not be written: [Errno 28] No space left on device")
     assert seen["sglang_service_instance_profiles"] == {"main": "best"}
     assert seen["sglang_tuned_profile_best"]["baseline"] == {"output_tokens_per_s": 150.0}
     assert doc["put_back"]["profile"] == "best"
+
+
+def test_without_a_measured_baseline_there_is_no_winner(env, monkeypatch, capsys):
+    fake = Fake({tune.BASELINE: outcomes.ROLLED_BACK, "tune_a": 120.0, "tune_b": 150.0, "tune_c": 130.0})
+    assert run(monkeypatch, fake, "--json") == exitcodes.OK
+    doc = doc_of(capsys)
+    assert doc["winner"] is None and doc["baseline_measured"] is False and doc["profile_file"] is None
+    assert not any(r["slower_than_baseline"] for r in doc["ranked"])
+
+
+def test_a_combination_that_said_nothing_of_itself_is_measured_again(env, monkeypatch, capsys):
+    first = Fake({tune.BASELINE: 100.0, "tune_a": outcomes.LOCKED, "tune_b": 1.0, "tune_c": 1.0})
+    assert run(monkeypatch, first, "--json") == exitcodes.NOT_RECOVERED  # locked: the sweep stops there
+    assert doc_of(capsys)["stopped"].startswith("tune_a: locked: ")
+    second = Fake({"tune_a": 120.0, "tune_b": 150.0, "tune_c": 130.0}, failed={"tune_c": 1})
+    assert run(monkeypatch, second, "--json") == exitcodes.OK
+    doc = doc_of(capsys)
+    assert [c[1] for c in second.calls if c[0] == "measure"] == ["tune_a", "tune_b", "tune_c"]
+    c = next(r for r in doc["ranked"] if r["name"] == "tune_c")
+    assert c["outcome"] == "failed" and c["cause"] == "the benchmark: 1 request(s) failed: HTTP 503"
+    assert doc["winner"] == "tune_b"
+
+
+def test_a_name_the_profiles_have_or_a_secret_grid_key_is_refused(env, monkeypatch, capsys):
+    fake = Fake({})
+    assert run(monkeypatch, fake, "--json", "--name", "baseline_no_spec") == exitcodes.USAGE
+    assert [c[0] for c in fake.calls] == ["plan"]
+    assert "a profile of that name exists already" in doc_of(capsys)["cause"]
+    for key in ("HF_TOKEN", "api_key", "sglang_service_api_key"):
+        assert run(monkeypatch, fake, "--grid", f"{key}=a,b") == exitcodes.USAGE
+        assert f"grid key {key!r} names a secret" in capsys.readouterr().err
+    assert run(monkeypatch, fake, "--profile-dir", "/proc/1/x") == exitcodes.USAGE
+    assert "--profile-dir /proc/1/x: not a directory this user can write" in capsys.readouterr().err
