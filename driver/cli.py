@@ -50,6 +50,9 @@ PLAYBOOKS = {
     ),
 }
 
+# tune's steps (plan, measure) are one playbook's; its put-back is restart's (driver/tune.py).
+TUNE_PLAYBOOK = "playbooks/tune.yml"
+
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(exitcodes.MEANING.items()))
 
 

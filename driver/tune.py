@@ -3,7 +3,7 @@
 One instance on one host (--limit, --instance), from a starting profile (--profile) and a grid (--grid, or
 --grid-file). In order:
 
-1. plan (playbooks/tune.yml, step plan): the combinations, SGLang's refusals and the combinations that would
+1. plan (cli.TUNE_PLAYBOOK, step plan): the combinations, SGLang's refusals and the combinations that would
    start the same server dropped with their reason, every other one checked by the installed SGLang's parser;
    nothing running is touched, and an invalid combination is dropped before any restart;
 2. per combination not yet in the ledger for this sweep (a re-run resumes), the baseline (no speculation)
@@ -28,12 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-from driver import exitcodes
+from driver import cli, exitcodes
 from driver.events import NOT_BEGUN
 from module_utils.sglang_deploy import outcomes, tune
 
-PLAYBOOK = "playbooks/tune.yml"
-RESTART = "playbooks/restart.yml"
+PLAYBOOK = cli.TUNE_PLAYBOOK
+RESTART = cli.PLAYBOOKS["restart"][0]
 MEASURED, FAILED = "measured", "failed"
 # A combination that failed so still leaves the instance serving (or untouched): the sweep goes on.
 GOES_ON = (outcomes.RESTARTED, outcomes.ROLLED_BACK, outcomes.INVALID_CONFIG)
@@ -369,7 +369,8 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
     # Named by what it starts from too: a changed profile, software or model is another sweep, never resumed.
     sweep.id = tune.sweep_id(sweep.host, sweep.instance, sweep.start, sweep.grid, sweep.bench, plan.get("fingerprint"))
     name = args.name or tune.default_name(sweep.start, sweep.id)
-    target = (args.profile_dir or inventory_dir(checked.source) / "group_vars" / "sglang_nodes") / f"tuned_{name}.yml"
+    target = args.profile_dir or inventory_dir(checked.source) / tune.PROFILE_DIR
+    target = target / tune.profile_file_name(name)
     refusal = None
     if name in (plan.get("profiles") or []):
         refusal = f"--name {name}: a profile of that name exists already; a sweep never replaces one (choose another)"

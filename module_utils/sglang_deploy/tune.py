@@ -256,6 +256,14 @@ def profile_var(name: str) -> str:
     return TUNED_PREFIX + name
 
 
+# Where the winner's file goes, under the inventory's directory: group_vars of the group every playbook runs on.
+PROFILE_DIR = "group_vars/sglang_nodes"
+
+
+def profile_file_name(name: str) -> str:
+    return f"tuned_{name}.yml"
+
+
 def default_name(start: str, sweep: str) -> str:
     """<start>_tuned_<sweep>, as a variable's name can hold it."""
     return re.sub(r"[^a-z0-9_]", "_", start.lower()) + "_tuned_" + sweep[:6]
