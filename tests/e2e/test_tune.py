@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 
 import pytest
 
@@ -44,10 +43,9 @@ def drive(deployed, tmp_path_factory):
 
 
 def sweep_rows(ledger) -> list[dict]:
-    db = sqlite3.connect(ledger)
-    db.row_factory = sqlite3.Row
-    rows = [dict(r) for r in db.execute("SELECT * FROM tune_results ORDER BY measured_at")]
-    db.close()
+    book = Ledger(ledger)  # made with its tables when no sweep ran yet (the tests run in any order)
+    rows = [dict(r) for r in book.db.execute("SELECT * FROM tune_results ORDER BY measured_at")]
+    book.close()
     return rows
 
 
