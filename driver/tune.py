@@ -483,14 +483,16 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
 
 
 def write_atomic(path: Path, text: str) -> Path:
-    """path with text, whole or not at all (a temporary file beside it, then renamed)."""
+    """path with text, whole or not at all: known_good's atomic write (a temporary file beside it, fsynced, then
+    renamed), in a directory made first; its temporary file never left behind."""
+    from module_utils.sglang_deploy.known_good import TMP_SUFFIX
+    from module_utils.sglang_deploy.known_good import write_atomic as atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic(str(path), text, 0o644)  # a profile or a plot: nothing secret in it
     finally:
-        tmp.unlink(missing_ok=True)
+        Path(f"{path}{TMP_SUFFIX}").unlink(missing_ok=True)
     return path
 
 

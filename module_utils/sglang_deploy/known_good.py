@@ -50,9 +50,12 @@ def read_files(paths: list[str]) -> dict[str, str]:
     return files
 
 
+TMP_SUFFIX = ".sglang-deploy.tmp"  # write_atomic's temporary file, beside the file it becomes
+
+
 def write_atomic(path: str, content: str, mode: int) -> None:
     """Write to a temporary file beside it, then rename: a reader sees the old or the new file, never half."""
-    tmp = f"{path}.sglang-deploy.tmp"
+    tmp = f"{path}{TMP_SUFFIX}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(content)

@@ -107,22 +107,23 @@ def env(tmp_path, monkeypatch, ledger_path):
     return tmp_path, inv, ledger_path
 
 
+# A tune of `main` on HOST from eagle3_topk1 (the fake's plan answers for any grid).
+ARGV = [
+    "tune",
+    "--limit",
+    HOST,
+    "--instance",
+    "main",
+    "--profile",
+    "eagle3_topk1",
+    "--grid",
+    "speculative_num_steps=1,3",
+]
+
+
 def run(monkeypatch, fake, *extra):
     monkeypatch.setattr(dtune.Sweep, "playbook", lambda self, *a, **k: fake(self, *a, **k))
-    code = cli.main(
-        [
-            "tune",
-            "--limit",
-            HOST,
-            "--instance",
-            "main",
-            "--profile",
-            "eagle3_topk1",
-            "--grid",
-            "speculative_num_steps=1,3,5,9",
-            *extra,
-        ]
-    )
+    code = cli.main([*ARGV, *extra])
     return code
 
 
@@ -309,23 +310,7 @@ def test_keep_best_puts_the_winner_back_wherever_its_file_went(env, monkeypatch,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(dtune, "write_atomic", full_disk)
-    argv = [
-        "tune",
-        "--limit",
-        HOST,
-        "--instance",
-        "main",
-        "--profile",
-        "p",
-        "--grid",
-        "a=1",
-        "--keep-best",
-        "--name",
-        "best",
-        "--profile-dir",
-        str(tmp_path / "profiles"),
-        "--json",
-    ]
+    argv = [*ARGV, "--keep-best", "--name", "best", "--profile-dir", str(tmp_path / "profiles"), "--json"]
     assert cli.main(argv) == exitcodes.OK
     doc = doc_of(capsys)
     assert doc["profile_file"] is None and doc["file_error"].startswith("the winner's profile file ")
