@@ -42,11 +42,12 @@ def drive(deployed, tmp_path_factory):
     back_to_deployed(the_lab, node, NODE)
 
 
-def sweep_rows(ledger) -> list[dict]:
-    book = Ledger(ledger)  # made with its tables when no sweep ran yet (the tests run in any order)
+def sweep_rows(ledger, sweep: str | None = None) -> list[dict]:
+    """The ledger's tune rows, of one sweep when given (the tests run in any order and share the ledger)."""
+    book = Ledger(ledger)  # made with its tables when no sweep ran yet
     rows = [dict(r) for r in book.db.execute("SELECT * FROM tune_results ORDER BY measured_at")]
     book.close()
-    return rows
+    return [r for r in rows if sweep is None or r["sweep"] == sweep]
 
 
 def running_profile(run) -> str | None:
@@ -73,6 +74,7 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
         "--profile-dir",
         str(profiles),
     ]
+    earlier = {r["sweep"] for r in sweep_rows(ledger)}  # the other case's sweep, when it ran first
     proc = run(*args, json_out=False, popen=True)
     lines: list[str] = []
 
@@ -86,14 +88,16 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, "".join(lines) + out + err
-    first = sweep_rows(ledger)
+    first = [r for r in sweep_rows(ledger) if r["sweep"] not in earlier]
+    assert len({r["sweep"] for r in first}) == 1, first
     assert 3 <= len(first) <= 4, first  # the one running at the Ctrl-C ends as its restart does, or never begins
     assert all(r["outcome"] == "measured" for r in first), first
     assert running_profile(run) == START  # put back after the interrupt
 
     code, doc, proc = run(*args)
     assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = sweep_rows(ledger)
+    assert doc["sweep"] == first[0]["sweep"], doc["sweep"]  # the same sweep, resumed
+    rows = sweep_rows(ledger, doc["sweep"])
     assert len(rows) == 6 and len({r["combination"] for r in rows}) == 6
     assert [r["combination"] for r in rows[: len(first)]] == [r["combination"] for r in first]  # measured once
     ranked = doc["ranked"]
@@ -141,7 +145,7 @@ def test_a_combination_that_crashes_on_its_first_decode_is_recorded_failed_and_t
         str(profiles),
     )
     assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [r for r in sweep_rows(ledger) if r["sweep"] == doc["sweep"]]
+    rows = sweep_rows(ledger, doc["sweep"])
     assert rows[0]["combination"] == "tune_no_spec" and rows[0]["outcome"] == "measured" and len(rows) == 3, rows
     crashed = [r for r in rows if "crash-first-decode" in r["label"]]
     assert [r["outcome"] for r in crashed] == ["failed"] and crashed[0]["cause"].startswith("rolled_back"), rows
