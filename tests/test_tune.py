@@ -219,9 +219,15 @@ def test_the_standin_model_has_its_known_optimum_over_the_planned_grid():
 
 
 def test_the_benchmark_ranks_the_standins_combinations_as_its_model_does():
+    # A measurement, so only what the model puts clear of the noise is held: the winner leads the next by
+    # over 20%, and a flag "slower than no speculation" only where the model is over 15% off 1.0 either way
+    # ((1, 4, 4) at x1.06 and (3, 1, 4) at x1.12 are within what a loaded 2-core CI machine's timing blurs).
+    # At 100 tok/s a request is 0.3 s of modelled time, so tens of milliseconds of scheduling do not decide
+    # it (at 250 tok/s CI once measured (1, 1, 2), x1.17, under the baseline).
+    model = lab_standin().throughput_model
     results = []
     for spec in [None, *DISTINCT]:
-        srv, base = standin_server(spec)
+        srv, base = standin_server(spec, tokens_per_s=100.0)
         try:
             b = bench.run(base, [1], requests=3, max_new_tokens=32, warmup=1)
         finally:
@@ -232,9 +238,10 @@ def test_the_benchmark_ranks_the_standins_combinations_as_its_model_does():
         results.append({"name": name, "label": str(spec), **b})
     ranked = tune.rank(results)
     assert ranked[0]["name"] == "tune_(3, 4, 4)" and ranked[0]["rank"] == 1
-    assert [r["name"] for r in ranked if r["slower_than_baseline"]] == ["tune_(3, 4, 8)"]
     assert tune.winner(ranked)["name"] == "tune_(3, 4, 4)"
-    model = lab_standin().throughput_model
+    clear = {f"tune_{spec}": model(*spec)[1] < 1.0 for spec in DISTINCT if abs(model(*spec)[1] - 1.0) > 0.15}
+    assert clear == {"tune_(1, 1, 2)": False, "tune_(3, 4, 4)": False, "tune_(3, 4, 8)": True}
+    assert {r["name"]: r["slower_than_baseline"] for r in ranked if r["name"] in clear} == clear
     for r in results[1:]:
         spec = tuple(int(x) for x in r["label"].strip("()").split(", "))
         assert r["accept_length"] == pytest.approx(model(*spec)[0], abs=0.15)

@@ -5,8 +5,9 @@ one tar.gz for the run on the controller, named in the --json result and the led
 bundle the host took before the rollback. The hang's holds a py-spy dump of every rank showing where
 it hangs; the crash's holds the traceback. No secret (the instance's API key) in either.
 
-lab-node2's `main` (8 GPUs) is verified first, then restarted with the faults; at the end `main` is
-stopped and disabled and its known-good records removed: the node as deployed, never verified.
+lab-node2's `main` (8 GPUs) is verified first, then restarted with the faults; at the end the node is
+put back as deployed, never verified (back_to_deployed: main stopped, no known-good record, no secrets
+file, its configuration rendered again from group_vars), and its evidence removed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tarfile
 
 import pytest
 
-from support.e2e import driver_runner, podman_exec
+from support.e2e import back_to_deployed, driver_runner, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -60,8 +61,8 @@ def verified(deployed, tmp_path_factory):
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     assert doc["evidence"] is None  # nothing failed: no bundle
     yield run, ledger
-    podman_exec(node, "systemctl", "disable", "--now", "sglang-main.service")
-    podman_exec(node, "rm", "-rf", "/var/lib/sglang/known-good/main", "/var/lib/sglang/evidence/main")
+    podman_exec(node, "rm", "-rf", "/var/lib/sglang/evidence/main")
+    back_to_deployed(the_lab, node, NODE)  # the API key's secrets file and the 8-GPU unit too
 
 
 def failed_restart(verified, **env: str) -> tuple[dict, dict[str, bytes]]:
