@@ -8,8 +8,9 @@ One instance on one host (--limit, --instance), from a starting profile (--profi
    nothing running is touched, and an invalid combination is dropped before any restart;
 2. per combination not yet in the ledger for this sweep (a re-run resumes), the baseline (no speculation)
    first: the safe restart on it (lock, GPU gate, fail-fast, verify; a failure rolls back to the known-good
-   and is recorded as failed, and the sweep goes on), then the fixed benchmark (sglang_bench); each one is
-   recorded at once;
+   and is recorded as failed, and the sweep goes on), then the fixed benchmark, in the restart's own module
+   call under its lock (sglang_server's bench); each one is recorded at once. Every step runs the software
+   generation the plan named (sglang_software), so the steps do not name it again;
 3. the instance back on its own profile (or the winner, --keep-best), by the safe restart;
 4. the ranking (combinations slower than no speculation marked), the winner written as a new profile file
    (never over the operator's), a plot (--svg).
@@ -104,6 +105,7 @@ class Sweep:
         self.evidence = None  # the last step's crash evidence bundle, if it fetched any
         self.touched = False  # a measure step ran: the instance may be on a combination
         self.back: tuple[int, str] | None = None  # the put-back step's (exit code, cause), once it ran
+        self.software: dict | None = None  # the software generation the plan rendered with (sglang_software)
 
     def say(self, line: str) -> None:
         if not self.args.json:
@@ -178,10 +180,11 @@ class Sweep:
             "sglang_tune": {"instance": self.instance, "profile": self.start, "sweep": self.id, "bench": self.bench},
             tune.profile_var(name): combo["profile"],
             "sglang_service_instance_profiles": {self.instance: name},
+            **({"sglang_software": self.software} if self.software else {}),
         }
         t0 = time.monotonic()
         self.touched = True
-        tracker, results, code = self.playbook(PLAYBOOK, extra, "restart")
+        tracker, _, code = self.playbook(PLAYBOOK, extra, "restart")
         h = tracker.hosts.get(self.host)
         server = (h.instances.get(self.instance) if h else None) or {}  # the restart's result (events.record_instance)
         if server.get("outcome") in (None, NOT_BEGUN) and self.interrupts.interrupted:
@@ -190,8 +193,7 @@ class Sweep:
                 "outcome": NOT_BEGUN,
                 "label": combo["label"],
             }  # not recorded: re-run measures it
-        bench_res = (results.get("sglang_bench") or [{}])[-1]
-        b = bench_res.get("bench") or {}
+        b = server.get("bench") or {}
         kg = server.get("known_good") or {}
         whole = bool(b.get("output_tokens_per_s")) and not b.get("failed")  # every request answered in full
         measured = code == exitcodes.OK and server.get("outcome") == outcomes.RESTARTED and whole
@@ -210,7 +212,7 @@ class Sweep:
             "exit_code": code,
             "config_hash": kg.get("config_hash"),
             "software": kg.get("software"),
-            "gpu_model": bench_res.get("gpu_model"),
+            "gpu_model": server.get("gpu_model"),
             "running_profile": (server.get("verify") or {}).get("running_profile"),
             "bench": b or None,
         }
@@ -242,6 +244,8 @@ class Sweep:
 def failure_of(server: dict, tracker, b: dict, bundle) -> str:
     """Why a combination has no measurement: its restart's outcome and cause, or what its benchmark lost."""
     if server.get("outcome") == outcomes.RESTARTED and not cause_of(tracker):
+        if server.get("bench_error"):
+            return server["bench_error"]
         lost = [f for lv in b.get("levels") or [] for f in lv.get("failures") or []] + (b.get("warmup_failures") or [])
         return f"the benchmark: {b.get('failed', '?')} request(s) failed" + (f": {lost[0]}" if lost else "")
     text = f"{server.get('outcome') or 'no restart'}: {cause_of(tracker) or 'no result'}"
@@ -368,6 +372,7 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
         return code, {"cause": cause}
     # Named by what it starts from too: a changed profile, software or model is another sweep, never resumed.
     sweep.id = tune.sweep_id(sweep.host, sweep.instance, sweep.start, sweep.grid, sweep.bench, plan.get("fingerprint"))
+    sweep.software = plan.get("software")
     name = args.name or tune.default_name(sweep.start, sweep.id)
     target = args.profile_dir or inventory_dir(checked.source) / tune.PROFILE_DIR
     target = target / tune.profile_file_name(name)

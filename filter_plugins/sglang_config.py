@@ -294,10 +294,13 @@ def with_tuned(profiles: dict, host_vars) -> dict:
     return out
 
 
-def tune_plan(instances, name, profiles, profile, common_flags=None, common_env=None, grid=None, identity=None):
+def tune_plan(
+    instances, name, profiles, profile, common_flags=None, common_env=None, grid=None, identity=None, software=None
+):
     """The sweep over `profile` for instance `name` (sglang_deploy.tune.plan): {index, combinations: [{name,
     label, values, notes, profile}], dropped: [{values, reason}], profiles (every name known), fingerprint (of
-    what the sweep starts from: its flags, environment and `identity`, the software and model), the baseline
+    what the sweep starts from: its flags, environment and `identity`, the software and model), software (the
+    generation the plan rendered with, `sglang_software`: every measure step of the sweep runs it), the baseline
     first."""
     names = [str(i.get("name")) for i in instances or []]
     if name not in names:
@@ -332,6 +335,7 @@ def tune_plan(instances, name, profiles, profile, common_flags=None, common_env=
         "dropped": dropped,
         "profiles": sorted(profiles),
         "fingerprint": fingerprint(start_flags, start_env, identity),
+        "software": software,
     }
 
 

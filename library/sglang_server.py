@@ -90,6 +90,10 @@ options:
         I(progress_every), else the job and its progress (C(sglang_job)), which sglang_job then waits on.
       - Set by the action plugin (action_plugins/sglang_server.py) when the driver asks for live progress.
   progress_every: {type: float, default: 2.0, description: With I(detach), the least seconds between two progress answers.}
+  bench:
+    type: dict
+    description: restart - autotune's benchmark (sglang_deploy.bench.OPTIONS), run once verified and recorded, under the lock; not downtime.
+    suboptions: {concurrency: {type: list, elements: int, default: [1]}, requests: {type: int, default: 8}, max_new_tokens: {type: int, default: 64}, warmup: {type: int, default: 2}, timeout: {type: float, default: 120}}
 author: sglang-deploy
 """
 
@@ -105,13 +109,17 @@ known_good: {description: The generation recorded (generation, config_hash, prof
 lock: {description: "holder: operation, pid, command, controller, since.", type: dict, returned: locked}
 steps: {description: "With detach, each model-load step of each start: phase, step, detail, seconds.", type: list, returned: detach}
 sglang_job: {description: "With detach, the job still running: its directory (progress and seq say how far).", type: str, returned: detach}
+bench: {description: "With I(bench): sglang_deploy.bench.run's result; null when it could not run (bench_error).", type: dict, returned: restarted}
+gpu_model: {description: "With I(bench), the GPUs' model as the preflight's nvidia-smi names them.", type: str, returned: restarted}
 """
+
+from dataclasses import fields
 
 from ansible.module_utils import sglang_deploy
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.parameters import remove_values
+from ansible.module_utils.sglang_deploy import bench, outcomes
 from ansible.module_utils.sglang_deploy import job as jobs
-from ansible.module_utils.sglang_deploy import outcomes
 from ansible.module_utils.sglang_deploy.checks import Thresholds
 from ansible.module_utils.sglang_deploy.instance import Instance
 from ansible.module_utils.sglang_deploy.restart import (
@@ -125,36 +133,10 @@ from ansible.module_utils.sglang_deploy.restart import (
     verify,
 )
 
-THRESHOLDS = (
-    "prompt",
-    "max_new_tokens",
-    "accept_length_min",
-    "load_requests",
-    "load_max_new_tokens",
-    "baseline_tokens_per_s",
-    "no_spec_tokens_per_s",
-    "regression_threshold",
-    "regression_action",
-)
-SETTINGS = (
-    "ready_timeout",
-    "gpu_timeout",
-    "gpu_interval",
-    "max_used_mib",
-    "stop_policy",
-    "rollback",
-    "patch_manifest",
-    "known_good_keep",
-    "controller",
-    "command",
-    "expected_config_hash",
-    "phase",
-    "group_ok",
-    "group_why",
-    "evidence",
-    "evidence_budget_s",
-    "min_shm_mib",
-)
+# The module's parameters that are the state machine's settings as they are (the rest it builds itself).
+THRESHOLDS = [f.name for f in fields(Thresholds)]
+BUILT = ("rendered", "secrets", "validate_instances", "bench", "check_mode", "thresholds")
+SETTINGS = [f.name for f in fields(Settings) if f.name not in BUILT]
 ACTIONS = {"restart": restart, "rollback": rollback, "verify": verify, "status": status}
 
 
@@ -197,6 +179,7 @@ def main() -> None:
             min_shm_mib=dict(type="int", default=0),
             detach=dict(type="bool", default=False),
             progress_every=dict(type="float", default=2.0),
+            bench=dict(type="dict", options=bench.OPTIONS),
         ),
         supports_check_mode=True,
     )
@@ -205,6 +188,11 @@ def main() -> None:
         module.fail_json(
             msg=f"gpu_interval is {p['gpu_interval']}: poll at least every 0.25 s", outcome=outcomes.INVALID_CONFIG
         )
+    try:
+        if p["bench"] is not None:
+            bench.check(**p["bench"])
+    except ValueError as exc:
+        module.fail_json(msg=f"bench: {exc}: nothing was restarted", outcome=outcomes.INVALID_CONFIG)
     try:
         inst = Instance.from_params({**p["instance"], "service_user": p["service_user"], "state_dir": p["state_dir"]})
     except (TypeError, ValueError) as exc:
@@ -221,6 +209,7 @@ def main() -> None:
         secrets=p["secrets_content"] if rendered is not None else None,
         validate_instances=p["validate_instances"] if p["action"] == "restart" else None,
         thresholds=Thresholds(**{k: p[k] for k in THRESHOLDS}),
+        bench=p["bench"] if p["action"] == "restart" else None,
         **{k: p[k] for k in SETTINGS},
     )
     machine = Machine(inst, settings)

@@ -57,7 +57,8 @@ from ansible.module_utils.sglang_deploy.validate import ValidateError, validate_
 
 
 def checked(plan: dict, records: list, result: dict) -> dict:
-    """The plan with each combination's verdict from validate_host's result (problems name their profile)."""
+    """The plan (all of it: its fingerprint, profiles and software name the sweep) with each combination's verdict
+    from validate_host's result (problems name their profile)."""
     by_profile: dict = {}
     for p in result.get("problems") or []:
         by_profile.setdefault(p.get("profile"), []).append(f"{p.get('key')}: {p.get('message')}")
@@ -66,7 +67,7 @@ def checked(plan: dict, records: list, result: dict) -> dict:
     for c, r in zip(plan["combinations"], records, strict=True):
         problems = host + by_profile.get(r.get("profile"), [])
         combos.append({**c, "valid": not problems, "problems": problems})
-    return {"combinations": combos, "dropped": plan.get("dropped") or []}
+    return {**plan, "combinations": combos, "dropped": plan.get("dropped") or []}
 
 
 def main():

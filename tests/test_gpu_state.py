@@ -54,6 +54,16 @@ def test_real_capture_gpus_and_processes():
     ]
 
 
+def test_the_model_of_an_instances_gpus_is_read_from_the_real_capture():
+    gpus_out = vector(TWO_GPUS_BUSY, "nvidia-smi --query-gpu=index,uuid,name,pci.bus_id")
+    rows = [r.split(", ") for r in gpus_out.splitlines()]
+    snap = {"gpus": gpu.parse_gpus("\n".join(", ".join([r[0], r[1], r[2], r[4], r[5]]) for r in rows))}
+    assert gpu.model_of(snap, [0, 1]) == gpu.model_of(snap, [1]) == "NVIDIA H200"
+    assert gpu.model_of(snap, [7]) is None and gpu.model_of({"gpus": []}, [0]) is None
+    mixed = {"gpus": [{"index": 0, "name": "NVIDIA H200"}, {"index": 1, "name": "NVIDIA H100 80GB HBM3"}]}
+    assert gpu.model_of(mixed, [0, 1]) == "NVIDIA H100 80GB HBM3, NVIDIA H200"
+
+
 def test_header_and_units_are_understood():
     with_units = vector(TWO_GPUS_BUSY, "nvidia-smi --query-compute-apps=", "--format=csv")
     gpus = [{"index": 0, "uuid": UUIDS_2GPU[0]}, {"index": 1, "uuid": UUIDS_2GPU[1]}]

@@ -2514,3 +2514,85 @@ def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_t
     steps = m.progress.finish()
     assert [s["step"] for s in steps] == [progress.WEIGHTS, progress.DRAFT_WEIGHTS, progress.GRAPHS]
     assert all(s["seconds"] >= 0.5 for s in steps), steps  # one read at most every 0.5 s of the fake clock
+
+
+# ---------------------------------------------------------------------------- autotune's benchmark in the restart
+
+BENCH = {"concurrency": [1, 4], "requests": 3, "max_new_tokens": 16, "warmup": 1, "timeout": 7.0}
+
+
+def benching(w: World, then=None) -> tuple[Machine, list[dict]]:
+    """A machine with Settings.bench whose benchmark port records what it saw (the lock, the known-good records,
+    the unit), advances the fake clock by 30 s, then does `then` (raise) or answers."""
+    m = w.machine(bench=BENCH)
+    calls: list[dict] = []
+
+    def bench(base, concurrency, requests, max_new_tokens, warmup, api_key=None, timeout=120.0):
+        calls.append(
+            {
+                "args": (base, concurrency, requests, max_new_tokens, warmup, api_key, timeout),
+                "locked": not w.lock_free(),
+                "generations": len(w.generations()),
+                "unit": (w.host.unit.active, w.host.unit.sub),
+            }
+        )
+        w.host.t += 30.0
+        if then is not None:
+            then()
+        return {"output_tokens_per_s": 123.4, "accept_length": 2.5, "failed": 0, "levels": [], "seconds": 30.0}
+
+    m.ports.bench = bench
+    return m, calls
+
+
+def test_a_restart_with_a_benchmark_measures_after_the_record_under_its_lock_and_not_in_the_downtime(
+    tmp_path, handlers
+):
+    w = build(tmp_path, api_key=True)
+    before = len(w.generations())
+    m, calls = benching(w)
+    res = restart.restart(m)
+    assert res["outcome"] == REST and res["known_good"]["generation"]
+    assert res["bench"]["output_tokens_per_s"] == 123.4 and "bench_error" not in res
+    assert res["gpu_model"] == "NVIDIA H200"  # from the preflight's snapshot: no nvidia-smi of its own
+    (call,) = calls
+    assert call["args"] == (w.inst.base, [1, 4], 3, 16, 1, KEY, 7.0)  # the instance's port, with its API key
+    assert call["locked"], "the benchmark runs under the restart's lock: nothing restarts it in between"
+    assert call["generations"] == before + 1, "after the record: the restart is known-good before it is measured"
+    assert call["unit"] == ("active", "running")
+    assert res["downtime_s"] < 30.0, res["downtime_s"]  # the benchmark is not downtime
+    assert w.lock_free()
+    serving(w, "new")
+
+
+def test_a_benchmark_that_cannot_run_leaves_the_restart_standing_with_the_cause(world, handlers):
+    def reset():
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    m, calls = benching(world, reset)
+    res = restart.restart(m)
+    assert res["outcome"] == REST and len(calls) == 1
+    assert res["bench"] is None
+    assert res["bench_error"] == "the benchmark could not run: ConnectionResetError(104, 'Connection reset by peer')"
+    assert world.lock_free()
+    serving(world, "new")
+
+
+def test_a_sigterm_during_the_benchmark_is_restarted_with_a_note(world, handlers):
+    m, _ = benching(world, world.host.sigterm)
+    res = restart.restart(m)
+    assert res["outcome"] == REST and "bench" not in res
+    assert res["note"].startswith("after the outcome: ")
+    assert world.lock_free()
+    serving(world, "new")
+
+
+def test_no_benchmark_after_a_failed_restart_nor_in_check_mode(world, handlers):
+    world.host.behave("new", crash_at_start=True)
+    m, calls = benching(world)
+    res = restart.restart(m)
+    assert res["outcome"] == R and calls == [] and "bench" not in res
+    m, calls = benching(world)
+    m.s.check_mode = True
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.WOULD_RESTART and calls == [] and "bench" not in res

@@ -176,6 +176,25 @@ def test_arguments_refused_before_anything_runs(tmp_path, node):
     assert rc == 1 and "action" in out["msg"] and "outcome" not in out
 
 
+def test_a_benchmark_that_cannot_run_is_refused_before_the_restart_and_none_runs_in_check_mode(tmp_path, node):
+    """bench (autotune's, run by the restart under its lock): a load that cannot run is refused naming it, before
+    the lock or anything else; in check mode the refusals run and nothing is measured."""
+    record, _, locks, log, seen = node
+    rc, out = server_module(tmp_path, node, action="restart", bench={"requests": 0})
+    assert rc == 1 and out["outcome"] == outcomes.INVALID_CONFIG, out
+    assert out["msg"] == (
+        "bench: concurrency levels, requests and max_new_tokens must be at least 1, warmup at least 0, timeout above "
+        "0 (concurrency [1], requests 0, max_new_tokens 64, warmup 2, timeout 120.0): nothing was restarted"
+    )
+    assert not (locks / "m.lock").exists() and not log.exists() and seen == []
+    for path, text in ((record["unit_path"], "[Service]\n"), (record["env_path"], "A=1\n")):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    rc, out = server_module(tmp_path, node, check_mode=True, action="restart", bench={"requests": 2})
+    assert rc == 0 and out["outcome"] == outcomes.WOULD_RESTART and "bench" not in out, out
+    assert not log.exists() and seen == []
+
+
 def test_a_restart_stages_the_rendered_configuration_given_to_it(tmp_path, node):
     """unit_content and env_content: the restart stages them under its lock (here in check mode: nothing written)."""
     record = node[0]

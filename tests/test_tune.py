@@ -1,8 +1,8 @@
 """Autotune's logic without a lab (issue 15): the grid, the plan (SGLang 0.5.23's refusals and redundancies), the
 lab stand-in's throughput model and its known optimum measured through the real benchmark (bench.py against the
 stand-in's HTTP server on a loopback port), the ranking, the winner's profile file, the plot, tuned profiles in
-the render, the ledger's sweep records, and library/sglang_bench.py and library/sglang_tune.py run as Ansible
-runs them."""
+the render, the ledger's sweep records, and library/sglang_tune.py run as Ansible runs it. The benchmark inside
+the safe restart (restart.measure, under its lock): test_restart_machine.py and test_server_module.py."""
 
 from __future__ import annotations
 
@@ -386,33 +386,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sglang_bench_measures_the_instance_on_its_port_with_its_key(tmp_path):
-    srv, _ = standin_server((3, 4, 4), api_key="k3y-value")
-    port = srv.server_address[1]
-    record = instance_record(tmp_path, name="main", port=port)
-    (tmp_path / "etc" / "secrets").mkdir(parents=True)
-    (tmp_path / "etc" / "secrets" / "main.env").write_text('SGLANG_API_KEY="k3y-value"\n')
-    try:
-        args = {"instance": record, "concurrency": [1, 2], "requests": 2, "max_new_tokens": 8, "warmup": 1}
-        rc, out = run_module("sglang_bench", args, tmp_path)
-    finally:
-        srv.shutdown()
-        srv.server_close()
-    assert rc == 0, out
-    assert out["instance"] == "main" and out["changed"] is False
-    assert [lv["concurrency"] for lv in out["bench"]["levels"]] == [1, 2] and out["bench"]["failed"] == 0
-    assert out["bench"]["output_tokens_per_s"] > 0 and out["bench"]["accept_length"] > 2
-    assert "k3y-value" not in json.dumps(out)
-    rc, out = run_module(
-        "sglang_bench", {**args, "instance": instance_record(tmp_path, name="main", port=free_port())}, tmp_path
-    )
-    assert rc == 1 and out["msg"].startswith("main: no request succeeded at concurrency [1, 2]: http://127.0.0.1:")
-    rc, out = run_module("sglang_bench", {**args, "instance": {**record, "name": "Bad/Name"}}, tmp_path)
-    assert rc == 1 and out["msg"].startswith("Bad/Name: cannot benchmark: instance name 'Bad/Name'")
-    rc, out = run_module("sglang_bench", args, tmp_path, check_mode=True)
-    assert rc == 0 and out["msg"] == "check mode: nothing measured"
-
-
 FAKE_PARSER = """
 import functools
 import ansible.module_utils.sglang_deploy.validate as v
@@ -438,8 +411,12 @@ def tune_record(tmp_path, profile: str, argv_extra: list[str]) -> dict:
 
 def test_sglang_tune_checks_every_combination_and_marks_the_refused(tmp_path):
     plan = {
+        "index": 0,
         "combinations": [{"name": tune.BASELINE}, {"name": "tune_a"}, {"name": "tune_b"}],
         "dropped": [{"values": {"x": 1}, "reason": "r"}],
+        "profiles": ["eagle3_topk1", "no_spec"],
+        "fingerprint": "0123abcd",
+        "software": {"generation": "g1", "venv": "/opt/ml-env.d/g1"},
     }
     records = [
         tune_record(tmp_path, tune.BASELINE, []),
@@ -458,6 +435,11 @@ def test_sglang_tune_checks_every_combination_and_marks_the_refused(tmp_path):
         "--speculative-num-stepz is not a flag of the installed SGLang" in out["plan"]["combinations"][2]["problems"][0]
     )
     assert out["plan"]["dropped"] == plan["dropped"] and out["msg"] == "2 of 3 combination(s) valid, 1 dropped"
+    # The rest of the plan comes back whole: the driver names the sweep by its fingerprint, refuses a --name among
+    # its profiles, and runs every measure step on its software.
+    assert {k: out["plan"][k] for k in ("index", "profiles", "fingerprint", "software")} == {
+        k: plan[k] for k in ("index", "profiles", "fingerprint", "software")
+    }
     bad_base = {**args, "records": [records[2], records[1], records[0]]}
     rc, out = run_module("sglang_tune", bad_base, tmp_path, prelude=FAKE_PARSER)
     assert rc == 1 and out["msg"].startswith("main: the baseline (no speculation) is refused: ")

@@ -6,7 +6,7 @@ output tok/s (the tokens of the measured requests over the level's wall time), a
 over their verify steps, SGLang's meta_info.spec_verify_ct; 1.0 without speculation), TTFT and inter-token
 latency (median and p99; ITL per token, a streamed event's gap spread over the tokens it brought), and
 the requests that failed. SGLang's own bench_serving needs the model's tokenizer and a dataset; this load
-runs with what a host has (library/sglang_bench.py is the adapter).
+runs with what a host has. The safe restart runs it (sglang_deploy.restart.measure, Settings.bench).
 """
 
 from __future__ import annotations
@@ -118,6 +118,33 @@ def level(
     }
 
 
+# The load's settings as an Ansible argument spec (sglang_server's bench option; restart.Settings.bench holds them).
+OPTIONS = {
+    "concurrency": {"type": "list", "elements": "int", "default": [1]},
+    "requests": {"type": "int", "default": 8},
+    "max_new_tokens": {"type": "int", "default": 64},
+    "warmup": {"type": "int", "default": 2},
+    "timeout": {"type": "float", "default": 120.0},
+}
+
+
+def check(concurrency: list[int], requests: int, max_new_tokens: int, warmup: int = 0, timeout: float = 1.0) -> None:
+    """ValueError unless the load is one that can run: before anything is restarted for it."""
+    if (
+        not concurrency
+        or any(c < 1 for c in concurrency)
+        or requests < 1
+        or max_new_tokens < 1
+        or warmup < 0
+        or not timeout > 0
+    ):
+        raise ValueError(
+            "concurrency levels, requests and max_new_tokens must be at least 1, warmup at least 0, timeout above 0 "
+            f"(concurrency {concurrency}, requests {requests}, max_new_tokens {max_new_tokens}, warmup {warmup}, "
+            f"timeout {timeout})"
+        )
+
+
 def run(
     base: str,
     concurrency: list[int],
@@ -129,8 +156,7 @@ def run(
     request=one,
 ) -> dict:
     """Warm-up, then every level. The first level's figures are the result's own (what a sweep ranks by)."""
-    if not concurrency or any(c < 1 for c in concurrency) or requests < 1 or max_new_tokens < 1:
-        raise ValueError("concurrency levels, requests and max_new_tokens must be at least 1")
+    check(concurrency, requests, max_new_tokens, warmup, timeout)
     t0 = time.monotonic()
     warm_failed = []
     for n in range(warmup):

@@ -180,6 +180,13 @@ def snapshot(describe_processes: bool = True, timeout: float = 30.0) -> dict:
     return {"gpus": gpus, "processes": apps}
 
 
+def model_of(snap: dict, gpus: list[int]) -> str | None:
+    """The model of these GPUs as nvidia-smi names them ("NVIDIA H200"; several joined by ", "), from a snapshot;
+    None when it names none of them."""
+    names = sorted({g["name"] for g in snap.get("gpus") or [] if g.get("index") in gpus and g.get("name")})
+    return ", ".join(names) or None
+
+
 def offenders(snap: dict, wanted: set[int], max_used_mib: int) -> tuple[list[dict], list[dict]]:
     """(processes on the wanted GPUs, wanted GPUs over the memory threshold).
 

@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import bench as benchmark
 from . import evidence, gpu, outcomes, procinfo, unit
 from . import progress as load_progress
 from . import stage as staging
@@ -95,6 +96,10 @@ class Settings:
     # before the rollback restarts the unit; at most evidence_budget_s.
     evidence: bool = True
     evidence_budget_s: float = 10.0
+    # Autotune's benchmark (sglang_deploy.bench.run's concurrency, requests, max_new_tokens, warmup, timeout): run
+    # after a verified restart's record, in this call and under its lock, so that no other operation restarts the
+    # instance between the restart and its measurement (and no second module call per combination). None: none.
+    bench: dict | None = None
     check_mode: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
 
@@ -118,6 +123,7 @@ class Ports:
     stage: Callable = staging.stage
     validate: Callable = validate_host
     evidence: Callable = evidence.for_failure
+    bench: Callable = benchmark.run
 
 
 class LoadFollower:
@@ -166,6 +172,8 @@ class Machine:
         self.verified: dict | None = None
         self.target: dict | None = None  # the known-good generation a rollback puts back
         self.touched_at: float | None = None  # when the first phase past the refusals began: the downtime's start
+        self.served_at: float | None = None  # when a benchmark after the record began: the downtime's end
+        self.gpu_model: str | None = None  # the instance's GPUs' model, from the preflight's nvidia-smi snapshot
         # Where a detached restart reports its phase and model-load step as it goes (sglang_deploy.progress).
         self.progress: load_progress.Reporter | None = None
 
@@ -229,6 +237,7 @@ class Machine:
         except gpu.NvidiaSmiError as exc:
             raise Failure(outcomes.PREFLIGHT, f"{exc}. Nothing was stopped.", checked=True) from None
         i = self.inst
+        self.gpu_model = gpu.model_of(snap, i.gpus)
         foreign = [
             p
             for p in snap["processes"]
@@ -664,6 +673,8 @@ def restart(m: Machine) -> dict:
         failed = m.run_steps(RESTART, res["phases"])
         if failed is None:
             finish_restarted(m, res)
+            if m.s.bench is not None:
+                measure(m, res)
         else:
             res["failure"] = failed[1].as_dict()
             res["verify"] = failed[1].details.get("verify")
@@ -682,7 +693,8 @@ def end(m: Machine, res: dict) -> None:
     ignore_sigterm()
     # The server's downtime: from the first phase that touches it (the stop; promote for a multi-node start) to
     # the end. The lock, the validation, the staging and the preflight run while the old server still serves.
-    res["downtime_s"] = round(m.ports.clock() - m.touched_at, 3) if m.touched_at is not None else 0.0
+    served = m.served_at if m.served_at is not None else m.ports.clock()
+    res["downtime_s"] = round(served - m.touched_at, 3) if m.touched_at is not None else 0.0
     if m.lock:
         m.lock.release()
     res["msg"] = message(m, res)
@@ -738,6 +750,30 @@ def finish_restarted(m: Machine, res: dict) -> None:
         res["known_good"] = res["phases"][-1]["detail"]
     else:
         res["known_good"] = {"recorded": False, "why": failed[1].cause}
+
+
+def measure(m: Machine, res: dict) -> None:
+    """Autotune's benchmark of the restarted, verified, recorded instance, still under the lock: res["bench"]
+    (sglang_deploy.bench.run's result) and res["gpu_model"]; a benchmark that cannot run leaves the restart as it
+    is (restarted) with bench None and bench_error its cause. SIGTERM and SIGINT go on to escaped(): restarted,
+    with a note."""
+    m.served_at = m.ports.clock()
+    b = m.s.bench
+    try:
+        res["bench"] = m.ports.bench(
+            m.inst.base,
+            b["concurrency"],
+            b["requests"],
+            b["max_new_tokens"],
+            b["warmup"],
+            api_key=m.inst.api_key(),
+            timeout=b["timeout"],
+        )
+    except Terminated:
+        raise
+    except Exception as exc:  # contained: the restart stands, the combination has no measurement
+        res["bench"], res["bench_error"] = None, f"the benchmark could not run: {exc!r}"[:600]
+    res["gpu_model"] = m.gpu_model
 
 
 EVIDENCE_PHASES = (outcomes.START, outcomes.GENERATE, outcomes.VERIFY)

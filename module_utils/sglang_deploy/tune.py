@@ -9,7 +9,7 @@ measurements and marks those slower than the baseline; ``profile_file`` writes t
 profile; ``svg`` draws tok/s against accept length.
 
 No Ansible and no I/O here: filter_plugins/sglang_config.py plans inside the play, driver/tune.py runs the
-sweep, library/sglang_bench.py measures (module_utils/sglang_deploy/bench.py).
+sweep, the safe restart measures (module_utils/sglang_deploy/bench.py, run by restart.measure under its lock).
 """
 
 from __future__ import annotations

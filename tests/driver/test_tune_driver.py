@@ -13,6 +13,7 @@ from driver import tune as dtune
 from module_utils.sglang_deploy import outcomes, tune
 
 HOST = "gpu-node-01"
+SOFTWARE = {"generation": "0123456789abcdef", "venv": "/opt/ml-env.d/0123456789abcdef", "sglang_version": "0.5.23"}
 
 
 def combo(name: str, label: str, valid: bool = True, problems=()) -> dict:
@@ -45,22 +46,36 @@ class Fake:
     """Answers each step of the sweep: plan, measure (per combination: tok/s or an outcome), put back."""
 
     def __init__(
-        self, speeds: dict, plan=PLAN, plan_code=exitcodes.OK, interrupt_after: str | None = None, failed=None
+        self,
+        speeds: dict,
+        plan=PLAN,
+        plan_code=exitcodes.OK,
+        interrupt_after: str | None = None,
+        failed=None,
+        bench_errors=None,
     ):
         self.speeds, self.plan, self.plan_code, self.interrupt_after = speeds, plan, plan_code, interrupt_after
         self.failed = failed or {}  # combination: requests of its benchmark that failed
+        self.bench_errors = bench_errors or {}  # combination: why its benchmark could not run (restarted all the same)
         self.calls: list[tuple] = []
+        self.software: list = []  # each step's sglang_software (extra vars): the plan's on every measure step
 
     def __call__(self, sweep, playbook, extra, command, after_interrupt=False):
         tracker = events.Tracker(command)
         h = tracker.host(HOST)
         step = extra.get("sglang_tune_step") or "put_back"
         self.calls.append((step, (extra.get("sglang_service_instance_profiles") or {}).get("main"), after_interrupt))
+        self.software.append(extra.get("sglang_software"))
         if step == "plan":
             if self.plan_code:
                 h.failures.append(events.Failure(self.plan_code, "Plan", "grid key 'x' is set by sglang_instances[0]"))
                 return tracker, {}, self.plan_code
-            plan = {**self.plan, "profiles": ["eagle3_topk1", "baseline_no_spec"], "fingerprint": "f1"}
+            plan = {
+                **self.plan,
+                "profiles": ["eagle3_topk1", "baseline_no_spec"],
+                "fingerprint": "f1",
+                "software": SOFTWARE,
+            }
             return tracker, {"sglang_tune": [{"instance": "main", "plan": plan}]}, exitcodes.OK
         if step == "put_back":
             h.instances["main"] = {"instance": "main", "outcome": outcomes.RESTARTED}
@@ -75,13 +90,6 @@ class Fake:
             h.instances["main"] = {"instance": "main", "outcome": got, "phases": phases}
             h.failures.append(events.Failure(exitcodes.OUTCOME_CODES.get(got, 1), "Restart", f"{name} crashed"))
             return tracker, {}, exitcodes.OUTCOME_CODES.get(got, exitcodes.FAILED)
-        h.instances["main"] = {
-            "instance": "main",
-            "outcome": outcomes.RESTARTED,
-            "phases": phases,
-            "known_good": kg,
-            "verify": {"running_profile": name},
-        }
         b = {
             "output_tokens_per_s": got,
             "accept_length": 2.0,
@@ -95,7 +103,19 @@ class Fake:
                 {"concurrency": 1, "output_tokens_per_s": got, "failures": ["HTTP 503"] * self.failed.get(name, 0)}
             ],
         }
-        return tracker, {"sglang_bench": [{"instance": "main", "bench": b, "gpu_model": "NVIDIA H200"}]}, exitcodes.OK
+        # The benchmark is in the restart's own result (sglang_server's bench, under its lock).
+        h.instances["main"] = {
+            "instance": "main",
+            "outcome": outcomes.RESTARTED,
+            "phases": phases,
+            "known_good": kg,
+            "verify": {"running_profile": name},
+            "bench": b,
+            "gpu_model": "NVIDIA H200",
+        }
+        if name in self.bench_errors:
+            h.instances["main"].update(bench=None, bench_error=self.bench_errors[name])
+        return tracker, {}, exitcodes.OK
 
 
 @pytest.fixture
@@ -145,6 +165,8 @@ def test_a_sweep_measures_each_valid_combination_ranks_them_and_writes_the_winne
         ("measure", "tune_c"),
         ("put_back", None),
     ]
+    # Every measure step runs the software the plan named (no step names it again); the put-back names its own.
+    assert fake.software == [None, SOFTWARE, SOFTWARE, SOFTWARE, SOFTWARE, None]
     assert [(r["name"], r["rank"], r["slower_than_baseline"]) for r in doc["ranked"]] == [
         ("tune_b", 1, False),
         (tune.BASELINE, 2, False),
@@ -351,3 +373,16 @@ def test_a_name_the_profiles_have_or_a_secret_grid_key_is_refused(env, monkeypat
         assert f"grid key {key!r} names a secret" in capsys.readouterr().err
     assert run(monkeypatch, fake, "--profile-dir", "/proc/1/x") == exitcodes.USAGE
     assert "--profile-dir /proc/1/x: not a directory this user can write" in capsys.readouterr().err
+
+
+def test_a_benchmark_that_could_not_run_is_a_failed_combination_and_the_sweep_goes_on(env, monkeypatch, capsys):
+    """The restart stood (restarted, verified); its benchmark in the same call could not run: no measurement, the
+    cause recorded, and the next combination measured."""
+    why = "the benchmark could not run: ConnectionResetError(104, 'Connection reset by peer')"
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": 90.0, "tune_b": 150.0, "tune_c": 120.0}, bench_errors={"tune_a": why})
+    assert run(monkeypatch, fake, "--json", "--name", "resets") == exitcodes.OK
+    doc = doc_of(capsys)
+    by_name = {r["name"]: r for r in doc["ranked"]}
+    assert by_name["tune_a"]["outcome"] == "failed" and by_name["tune_a"]["cause"] == why
+    assert by_name["tune_a"]["rank"] is None and doc["winner"] == "tune_b"
+    assert [c[:2] for c in fake.calls][-2:] == [("measure", "tune_c"), ("put_back", None)]

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from support.e2e import ansible, changed_tasks, podman_exec, recap
+from support.e2e import ansible, back_to_deployed, changed_tasks, podman_exec, recap
 
 pytestmark = pytest.mark.lab
 
@@ -18,22 +18,7 @@ def node1(deployed):
     """lab-node1 deployed and never restarted, whatever ran on it before: this module reads that state."""
     the_lab, hosts = deployed
     node = hosts[0]["container"]
-    podman_exec(
-        node,
-        "sh",
-        "-c",
-        "systemctl disable --now sglang-main.service; "
-        "rm -rf /var/lib/sglang/known-good/main /etc/sglang/pending /etc/sglang/secrets/main.env",
-    )
-    ansible(
-        "ansible-playbook",
-        "playbooks/deploy.yml",
-        "--limit",
-        "lab-node1",
-        "--tags",
-        "sglang_service_configure",
-        inventory=the_lab.inventory,
-    )
+    back_to_deployed(the_lab, node, "lab-node1")
     return the_lab, node
 
 
