@@ -31,6 +31,7 @@ from pathlib import Path
 
 from driver import cli, exitcodes
 from driver.events import NOT_BEGUN
+from module_utils.sglang_deploy import bench as benchmark
 from module_utils.sglang_deploy import outcomes, tune
 
 PLAYBOOK = cli.TUNE_PLAYBOOK
@@ -187,11 +188,14 @@ class Sweep:
         tracker, _, code = self.playbook(PLAYBOOK, extra, "restart")
         h = tracker.hosts.get(self.host)
         server = (h.instances.get(self.instance) if h else None) or {}  # the restart's result (events.record_instance)
-        if server.get("outcome") in (None, NOT_BEGUN) and self.interrupts.interrupted:
+        # Nothing said of the combination: a Ctrl-C before its restart began, or its benchmark cut short by a SIGTERM.
+        cut = server.get("bench_error") == benchmark.INTERRUPTED
+        if cut or (server.get("outcome") in (None, NOT_BEGUN) and self.interrupts.interrupted):
             return {
                 "combination": name,
                 "outcome": NOT_BEGUN,
                 "label": combo["label"],
+                **({"cause": f"{server['bench_error']}: not recorded, a re-run measures it"} if cut else {}),
             }  # not recorded: re-run measures it
         b = server.get("bench") or {}
         kg = server.get("known_good") or {}
@@ -414,6 +418,7 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
             break
         row = sweep.measure(c)
         if row["outcome"] == NOT_BEGUN:
+            stopped = f"{c['name']}: {row['cause']}" if row.get("cause") else None
             break
         sweep.say(line_of(n - len(todo) + todo.index(c) + 1, n, row))
         if row["outcome"] == FAILED and row["restart_outcome"] not in GOES_ON:

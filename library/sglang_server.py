@@ -121,7 +121,7 @@ from ansible.module_utils.common.parameters import remove_values
 from ansible.module_utils.sglang_deploy import bench, outcomes
 from ansible.module_utils.sglang_deploy import job as jobs
 from ansible.module_utils.sglang_deploy.checks import Thresholds
-from ansible.module_utils.sglang_deploy.instance import Instance
+from ansible.module_utils.sglang_deploy.instance import Instance, parse_env
 from ansible.module_utils.sglang_deploy.restart import (
     MULTINODE_PHASES,
     Machine,
@@ -191,6 +191,8 @@ def main() -> None:
     try:
         if p["bench"] is not None:
             bench.check(**p["bench"])
+            if p["phase"] != "all":
+                raise ValueError(f"not in a multi-node restart's phase {p['phase']} (one node's restart only)")
     except ValueError as exc:
         module.fail_json(msg=f"bench: {exc}: nothing was restarted", outcome=outcomes.INVALID_CONFIG)
     try:
@@ -199,7 +201,8 @@ def main() -> None:
         module.fail_json(msg=f"instance: not a rendered instance record ({exc})", outcome=outcomes.INVALID_CONFIG)
     # SGLang logs its server_args (the API key included) and a journal tail goes into failures: Ansible strips
     # every secret value from whatever this module returns.
-    module.no_log_values.update(inst.secret_values())
+    module.no_log_values.update(inst.secret_values())  # and this run's, which the restart stages (a rotated key)
+    module.no_log_values.update(v for v in parse_env(p["secrets_content"] or "").values() if v)
     rendered = None
     if p["unit_content"] is not None and p["env_content"] is not None:
         rendered = {inst.unit_path: p["unit_content"], inst.env_path: p["env_content"]}

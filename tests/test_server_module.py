@@ -116,6 +116,19 @@ def test_every_value_of_the_secrets_file_is_stripped_from_whatever_the_module_re
     assert KEY not in json.dumps(out)
 
 
+def test_a_rotated_key_the_call_stages_is_stripped_too(tmp_path, node, monkeypatch):
+    """The secrets file on the host still holds the old key; this run's secrets_content the new one, which the
+    restart stages and SGLang then logs. Ansible would mask only the whole secrets_content text: the module strips
+    each of its values."""
+    new = "sk-rotated-key-never-shown-2"
+    monkeypatch.setitem(GENERATED, "text", f" the new key is {new}.")
+    rc, out = server_module(
+        tmp_path, node, action="verify", load_requests=0, secrets_content=f'SGLANG_API_KEY="{new}"\n'
+    )
+    assert rc == 0 and out["outcome"] == outcomes.VERIFIED, out
+    assert new not in json.dumps(out) and "the new key is ********." in json.dumps(out)
+
+
 def test_a_failed_verification_fails_the_task_with_the_failed_checks(tmp_path, node):
     log = node[3]
     systemctl_shim(log.parent / "bin", {"ActiveState": "active", "SubState": "running", "MainPID": 0}, log)
@@ -187,6 +200,12 @@ def test_a_benchmark_that_cannot_run_is_refused_before_the_restart_and_none_runs
         "0 (concurrency [1], requests 0, max_new_tokens 64, warmup 2, timeout 120.0): nothing was restarted"
     )
     assert not (locks / "m.lock").exists() and not log.exists() and seen == []
+    rc, out = server_module(tmp_path, node, action="restart", bench={}, phase="start")
+    assert rc == 1 and out["outcome"] == outcomes.INVALID_CONFIG, out
+    assert out["msg"] == (
+        "bench: not in a multi-node restart's phase start (one node's restart only): nothing was restarted"
+    )
+    assert not log.exists() and seen == []
     for path, text in ((record["unit_path"], "[Service]\n"), (record["env_path"], "A=1\n")):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)

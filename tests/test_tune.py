@@ -253,10 +253,14 @@ def test_the_benchmark_ranks_the_standins_combinations_as_its_model_does():
 def test_the_benchmark_counts_what_fails_and_takes_the_api_key():
     srv, base = standin_server((3, 4, 4), api_key="s3cret")
     try:
+        # The first failure (the warm-up's 401) ends it: no level begins, each counts its requests as skipped.
         refused = bench.run(base, [1, 2], requests=2, max_new_tokens=8, warmup=1)
-        assert (
-            refused["failed"] == 5 and refused["levels"][0]["ok"] == 0 and "401" in refused["levels"][0]["failures"][0]
-        )
+        assert refused["failed"] == 1 and "401" in refused["warmup_failures"][0]
+        assert [(lv["ok"], lv["failed"], lv["skipped"]) for lv in refused["levels"]] == [(0, 0, 2), (0, 0, 2)]
+        assert refused["output_tokens_per_s"] is None and refused["accept_length"] is None
+        refused = bench.run(base, [1, 2], requests=2, max_new_tokens=8, warmup=0)
+        assert [(lv["ok"], lv["failed"], lv["skipped"]) for lv in refused["levels"]] == [(0, 1, 1), (0, 0, 2)]
+        assert "401" in refused["levels"][0]["failures"][0]
         ok = bench.run(base, [2], requests=4, max_new_tokens=8, warmup=0, api_key="s3cret")
         assert ok["failed"] == 0 and ok["levels"][0]["concurrency"] == 2 and ok["output_tokens_per_s"] > 0
     finally:
@@ -264,6 +268,27 @@ def test_the_benchmark_counts_what_fails_and_takes_the_api_key():
         srv.server_close()
     with pytest.raises(ValueError, match="at least 1"):
         bench.run(base, [0], requests=1, max_new_tokens=1)
+
+
+def test_the_benchmark_begins_no_request_after_the_first_failure_at_any_concurrency():
+    """A server that fails is not asked again (the restart running the benchmark holds the lock): at
+    concurrency 4 the requests in flight end, no other begins, the next level is not run."""
+    calls, lock = [], threading.Lock()
+
+    def request(base, prompt, max_new_tokens, api_key, timeout):
+        with lock:
+            calls.append(prompt)
+            n = len(calls)
+        if n == 6:
+            raise bench.HttpError(f"{base}/generate: timed out after {timeout} s")
+        return {"tokens": max_new_tokens, "verify_ct": None, "ttft_s": 0.01, "itl_s": [0.001], "seconds": 0.01}
+
+    out = bench.run("http://127.0.0.1:9", [4, 8], requests=40, max_new_tokens=4, warmup=2, request=request)
+    first, second = out["levels"]
+    assert out["failed"] == 1 and first["failed"] == 1 and "timed out" in first["failures"][0]
+    assert len(calls) <= 2 + 4 + 4  # the warm-ups, the ones before the failure, at most the 4 in flight with it
+    assert first["ok"] + first["failed"] + first["skipped"] == 40 and first["skipped"] >= 40 - 8
+    assert (second["ok"], second["failed"], second["skipped"]) == (0, 0, 40)
 
 
 # ------------------------------------------------------------------ ranking, the profile file, the plot

@@ -69,16 +69,24 @@ def one(base: str, prompt: str, max_new_tokens: int, api_key: str | None, timeou
 
 
 def level(
-    base: str, concurrency: int, requests: int, max_new_tokens: int, api_key=None, timeout=120.0, request=one
+    base: str,
+    concurrency: int,
+    requests: int,
+    max_new_tokens: int,
+    api_key=None,
+    timeout=120.0,
+    request=one,
+    stop: threading.Event | None = None,
 ) -> dict:
-    """`requests` requests, `concurrency` at a time: the level's figures."""
+    """`requests` requests, `concurrency` at a time: the level's figures. With `stop`: set at the first failed
+    request, after which no request begins (the rest are counted as skipped)."""
     results, failures, lock = [], [], threading.Lock()
     todo = iter(range(requests))
 
     def worker() -> None:
         while True:
             with lock:
-                n = next(todo, None)
+                n = None if stop is not None and stop.is_set() else next(todo, None)
             if n is None:
                 return
             try:
@@ -86,6 +94,8 @@ def level(
             except HttpError as exc:
                 with lock:
                     failures.append(str(exc)[:300])
+                if stop is not None:
+                    stop.set()
                 continue
             with lock:
                 results.append(r)
@@ -107,9 +117,12 @@ def level(
         "requests": requests,
         "ok": len(results),
         "failed": len(failures),
+        "skipped": requests - len(results) - len(failures),
         "failures": failures[:5],
         "output_tokens_per_s": round(tokens / wall, 2) if results and wall > 0 else None,
-        "accept_length": round(tokens / sum(steps), 3) if steps and len(steps) == len(results) else 1.0,
+        "accept_length": (round(tokens / sum(steps), 3) if steps and len(steps) == len(results) else 1.0)
+        if results
+        else None,
         "ttft_median_s": r4(statistics.median(ttft)) if ttft else None,
         "ttft_p99_s": r4(percentile(ttft, 99)),
         "itl_median_s": r4(statistics.median(itl)) if itl else None,
@@ -117,6 +130,10 @@ def level(
         "seconds": round(wall, 3),
     }
 
+
+# bench_error of a benchmark a SIGTERM cut short (restart.measure): it says nothing of the combination, so a re-run of
+# the sweep measures it again (driver/tune.py).
+INTERRUPTED = "the benchmark was interrupted (SIGTERM)"
 
 # The load's settings as an Ansible argument spec (sglang_server's bench option; restart.Settings.bench holds them).
 OPTIONS = {
@@ -155,16 +172,23 @@ def run(
     timeout: float = 120.0,
     request=one,
 ) -> dict:
-    """Warm-up, then every level. The first level's figures are the result's own (what a sweep ranks by)."""
+    """Warm-up, then every level. The first level's figures are the result's own (what a sweep ranks by).
+
+    The first failed request ends it: a partial benchmark is no measurement, and the restart that runs it holds the
+    instance's lock (restart.measure), so a failing server is not asked again and again, each time up to
+    `timeout`. What did not run is counted as skipped."""
     check(concurrency, requests, max_new_tokens, warmup, timeout)
     t0 = time.monotonic()
+    stop = threading.Event()
     warm_failed = []
     for n in range(warmup):
         try:
             request(base, f"sglang-deploy tune warm-up {n}", max_new_tokens, api_key, timeout)
         except HttpError as exc:
             warm_failed.append(str(exc)[:300])
-    levels = [level(base, c, requests, max_new_tokens, api_key, timeout, request) for c in concurrency]
+            stop.set()
+            break
+    levels = [level(base, c, requests, max_new_tokens, api_key, timeout, request, stop) for c in concurrency]
     first = levels[0]
     keys = ("output_tokens_per_s", "accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")
     return {

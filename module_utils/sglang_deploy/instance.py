@@ -95,13 +95,18 @@ class Instance:
 
 
 def read_env_file(path: str) -> dict[str, str]:
-    """NAME="value" assignments as the role writes them (env_file_line) and systemd reads them: a quoted value
-    may span lines (a multi-line secret), its quotes and backslash escapes undone; # and ; lines are comments."""
+    """The assignments of an environment file (parse_env); {} when it cannot be read."""
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError:
         return {}
+    return parse_env(text)
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """NAME="value" assignments as the role writes them (env_file_line) and systemd reads them: a quoted value
+    may span lines (a multi-line secret), its quotes and backslash escapes undone; # and ; lines are comments."""
     out: dict[str, str] = {}
     i, n = 0, len(text)
     while i < n:

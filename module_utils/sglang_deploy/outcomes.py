@@ -49,6 +49,7 @@ START = "start"  # systemctl start, then wait until ready (fail fast)
 GENERATE = "generate"  # a real generation with a fixed prompt
 VERIFY = "verify"
 RECORD = "record"  # what started and verified becomes a known-good generation
+BENCH = "bench"  # autotune's benchmark after the record, under the lock (restart.measure): not a phase of its own
 ROLLBACK_PREFIX = "rollback-"
 
 RESTART_PHASES = (LOCK, VALIDATE, STAGE, PREFLIGHT, STOP, GPUS, PROMOTE, START, GENERATE, VERIFY, RECORD)

@@ -756,9 +756,12 @@ def measure(m: Machine, res: dict) -> None:
     """Autotune's benchmark of the restarted, verified, recorded instance, still under the lock: res["bench"]
     (sglang_deploy.bench.run's result) and res["gpu_model"]; a benchmark that cannot run leaves the restart as it
     is (restarted) with bench None and bench_error its cause. SIGTERM and SIGINT go on to escaped(): restarted,
-    with a note."""
+    with a note. The benchmark stops at its first failed request (bench.run), so a failing server holds the lock
+    for at most the warm-up and one request's timeout per concurrent request."""
     m.served_at = m.ports.clock()
     b = m.s.bench
+    if m.progress:  # the live table says what the instance's time goes to, not the record
+        m.progress.phase(outcomes.BENCH)
     try:
         res["bench"] = m.ports.bench(
             m.inst.base,
@@ -770,6 +773,7 @@ def measure(m: Machine, res: dict) -> None:
             timeout=b["timeout"],
         )
     except Terminated:
+        res["bench"], res["bench_error"] = None, benchmark.INTERRUPTED
         raise
     except Exception as exc:  # contained: the restart stands, the combination has no measurement
         res["bench"], res["bench_error"] = None, f"the benchmark could not run: {exc!r}"[:600]

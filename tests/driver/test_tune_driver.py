@@ -10,6 +10,7 @@ import pytest
 
 from driver import cli, events, exitcodes, inventory
 from driver import tune as dtune
+from module_utils.sglang_deploy import bench as benchmark
 from module_utils.sglang_deploy import outcomes, tune
 
 HOST = "gpu-node-01"
@@ -386,3 +387,28 @@ def test_a_benchmark_that_could_not_run_is_a_failed_combination_and_the_sweep_go
     assert by_name["tune_a"]["outcome"] == "failed" and by_name["tune_a"]["cause"] == why
     assert by_name["tune_a"]["rank"] is None and doc["winner"] == "tune_b"
     assert [c[:2] for c in fake.calls][-2:] == [("measure", "tune_c"), ("put_back", None)]
+
+
+def test_a_benchmark_cut_short_by_a_sigterm_is_not_recorded_and_stops_the_sweep(env, monkeypatch, capsys):
+    """Its restart stood, its benchmark was cut short (bench.INTERRUPTED): nothing said of the combination, so
+    it is not in the ledger, the sweep stops there saying why, the instance is put back, and a re-run measures it
+    and what came after it."""
+    _, _, ledger_path = env
+    speeds = {tune.BASELINE: 100.0, "tune_a": 90.0, "tune_b": 150.0, "tune_c": 120.0}
+    fake = Fake(speeds, bench_errors={"tune_a": benchmark.INTERRUPTED})
+    code = run(monkeypatch, fake, "--json", "--name", "cut")
+    doc = doc_of(capsys)
+    assert code != exitcodes.OK and doc["complete"] is False
+    assert doc["stopped"] == f"tune_a: {benchmark.INTERRUPTED}: not recorded, a re-run measures it"
+    assert [c[:2] for c in fake.calls] == [
+        ("plan", None),
+        ("measure", tune.BASELINE),
+        ("measure", "tune_a"),
+        ("put_back", None),
+    ]
+    db = sqlite3.connect(ledger_path)
+    assert db.execute("SELECT combination FROM tune_results").fetchall() == [(tune.BASELINE,)]
+    db.close()
+    again = Fake(speeds)
+    assert run(monkeypatch, again, "--json", "--name", "cut2") == exitcodes.OK
+    assert [c[1] for c in again.calls if c[0] == "measure"] == ["tune_a", "tune_b", "tune_c"]
