@@ -310,6 +310,7 @@ class Host:
             systemctl=self.systemctl,
             show=self.show,
             journal=self.journal,
+            journal_since=self.journal_since,
             snapshot=self.snapshot,
             wait_clean=self.wait_clean,
             cmdline=self.cmdline,
@@ -403,6 +404,12 @@ class Host:
         self.after(kind)
         return lines
 
+    def journal_since(self, invocation: str, cursor: str | None = None, lines: int = 2000):
+        """The server's own lines of one invocation (not systemd's, "<unit>: ..."), from the line after cursor."""
+        own = [x for x in self.journals[invocation] if not x.startswith(f"{UNIT}: ")]
+        start = int(cursor or 0)
+        return own[start : start + lines], str(start + len(own[start : start + lines]))
+
     def cmdline(self, pid: int) -> list[str]:
         kind = self.enter("cmdline", ("cmdline", pid))
         out = list(self.unit.argv) if pid and pid == self.unit.pid else []
@@ -475,6 +482,7 @@ class Host:
             return
         u.pid = next(self.pids)
         u.active, u.sub = "active", "running"
+        self.journals[u.invocation].append("server_args=ServerArgs(...)")  # SGLang's first line of its own
         if self.inst.serves_http:
             u.server = FakeServer(self, self.inst.port, b, flag_value(u.argv, "--api-key") or b.require_key)
 
@@ -2597,3 +2605,38 @@ def test_no_benchmark_after_a_failed_restart_nor_in_check_mode(world, handlers):
     m.s.check_mode = True
     res = restart.restart(m)
     assert res["outcome"] == outcomes.WOULD_RESTART and calls == [] and "bench" not in res
+
+
+def test_a_rank_above_0_slow_to_get_going_is_judged_from_its_first_line_not_from_its_start(tmp_path, handlers):
+    """Rank 1 (no HTTP to ask) is up once its process runs its own code and still runs 2 s on. Its Python takes 3 s
+    to write a first line (a busy host) and it dies 0.5 s after: counted from the unit's start it would have passed
+    the 2 s before it died; counted from its first line, the start phase sees it die."""
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    restart.restart(w.machine(phase="stop"))
+    show, h = w.host.show, w.host
+    seen: dict[str, float] = {}
+
+    def slow_show(unit_name):
+        props = show(unit_name)
+        u = h.unit
+        if u.active == "active" and u.invocation not in seen:
+            seen[u.invocation] = h.t
+            h.journals[u.invocation].clear()  # no line of its own yet
+        t0 = seen.get(u.invocation)
+        own = [x for x in h.journals[u.invocation] if not x.startswith(f"{UNIT}: ")]
+        if t0 is not None and not own and h.t - t0 >= 3.0:
+            h.journals[u.invocation].append("server_args=ServerArgs(...)")
+            seen[u.invocation + "/line"] = h.t
+        line_at = seen.get(u.invocation + "/line")
+        if line_at is not None and u.active == "active" and h.t - line_at >= 0.5:
+            h.crash(["RuntimeError: CUDA error: out of memory while loading draft model weights"])
+            return show(unit_name)
+        return props
+
+    w.host.show = slow_show
+    m = w.machine(phase="start", ready_timeout=20.0)
+    m.ports.show = slow_show
+    res = restart.restart(m)
+    assert res["outcome"] == N and res["failure"]["phase"] == "start", res
+    assert "out of memory while loading draft model weights" in res["failure"]["cause"]
+    stopped(w)

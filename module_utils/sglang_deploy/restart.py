@@ -332,8 +332,12 @@ class Machine:
             if props.get("InvocationID") != before and unit.has_failed(props):
                 raise self.failure_from_journal(outcomes.START, props, f"{i.unit} exited while starting")
             if props["ActiveState"] == "active" and not i.serves_http:
-                running_since = running_since or p.clock()  # a rank above 0: running, and still running 2 s on
-                if p.clock() - running_since >= 2.0:
+                # A rank above 0 (no HTTP to ask): its process runs its own code, a line of its own in the journal,
+                # and still runs 2 s on. Counted from the unit's start instead, a process slow to get going (Python
+                # on a busy host) outlasts the 2 s before it even reaches what kills it.
+                if running_since is None and self.logged(props.get("InvocationID")):
+                    running_since = p.clock()
+                if running_since is not None and p.clock() - running_since >= 2.0:
                     if watch is not None:
                         watch.poll(props.get("InvocationID"), last=True)
                     self.argv = p.cmdline(props["MainPID"])
@@ -366,6 +370,13 @@ class Machine:
                 p.sleep(0.01)
             elif not props.get("MainPID"):
                 p.sleep(0.1)
+
+    def logged(self, invocation: str | None) -> bool:
+        """The invocation's process has written a line of its own to the journal (not systemd's about it)."""
+        if not invocation:
+            return False
+        lines, _ = self.ports.journal_since(invocation, None, 1)
+        return bool(lines)
 
     def generation(self) -> dict:
         i, t, p = self.inst, self.s.thresholds, self.ports

@@ -7,7 +7,6 @@ is recorded as failed and the sweep goes on. At the end `main` is back to deploy
 
 from __future__ import annotations
 
-import json
 import signal
 
 import pytest
@@ -42,12 +41,15 @@ def drive(deployed, tmp_path_factory):
     back_to_deployed(the_lab, node, NODE)
 
 
-def sweep_rows(ledger, sweep: str | None = None) -> list[dict]:
-    """The ledger's tune rows, of one sweep when given (the tests run in any order and share the ledger)."""
+def sweeps(ledger) -> dict[str, list[dict]]:
+    """{sweep id: its rows, as the ledger reads them (Ledger.tune_results)}: the tests run in any order and share
+    the ledger, so each reads its own sweep's."""
     book = Ledger(ledger)  # made with its tables when no sweep ran yet
-    rows = [dict(r) for r in book.db.execute("SELECT * FROM tune_results ORDER BY measured_at")]
-    book.close()
-    return [r for r in rows if sweep is None or r["sweep"] == sweep]
+    try:
+        ids = [r[0] for r in book.db.execute("SELECT DISTINCT sweep FROM tune_results")]
+        return {s: book.tune_results(s) for s in ids}
+    finally:
+        book.close()
 
 
 def running_profile(run) -> str | None:
@@ -74,7 +76,7 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
         "--profile-dir",
         str(profiles),
     ]
-    earlier = {r["sweep"] for r in sweep_rows(ledger)}  # the other case's sweep, when it ran first
+    earlier = set(sweeps(ledger))  # the other case's sweep, when it ran first
     proc = run(*args, json_out=False, popen=True)
     lines: list[str] = []
 
@@ -88,8 +90,9 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, "".join(lines) + out + err
-    first = [r for r in sweep_rows(ledger) if r["sweep"] not in earlier]
-    assert len({r["sweep"] for r in first}) == 1, first
+    new = {s: rows for s, rows in sweeps(ledger).items() if s not in earlier}
+    assert len(new) == 1, new
+    (first,) = new.values()
     assert 3 <= len(first) <= 4, first  # the one running at the Ctrl-C ends as its restart does, or never begins
     assert all(r["outcome"] == "measured" for r in first), first
     assert running_profile(run) == START  # put back after the interrupt
@@ -97,7 +100,7 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
     code, doc, proc = run(*args)
     assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert doc["sweep"] == first[0]["sweep"], doc["sweep"]  # the same sweep, resumed
-    rows = sweep_rows(ledger, doc["sweep"])
+    rows = sweeps(ledger)[doc["sweep"]]
     assert len(rows) == 6 and len({r["combination"] for r in rows}) == 6
     assert [r["combination"] for r in rows[: len(first)]] == [r["combination"] for r in first]  # measured once
     ranked = doc["ranked"]
@@ -109,7 +112,7 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
         "8 draft tokens, more than the draft tree holds",
     }, doc["dropped"]
     assert all(r["config_hash"] and r["gpu_model"] == "NVIDIA H200" for r in rows), rows
-    assert all(json.loads(r["software"])["sglang_version"] == "0.5.23" for r in rows)
+    assert all(r["software"]["sglang_version"] == "0.5.23" for r in rows)
     assert doc["winner"] == ranked[0]["name"] and doc["put_back"]["exit_code"] == 0
     written = profiles / "tuned_lab_best.yml"
     assert doc["profile_file"] == str(written) and written.exists()
@@ -127,7 +130,7 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
 
 def test_a_combination_that_crashes_on_its_first_decode_is_recorded_failed_and_the_sweep_goes_on(drive):
     run, ledger, _, profiles = drive
-    before = {r["combination"] for r in sweep_rows(ledger)}
+    before = {r["combination"] for rows in sweeps(ledger).values() for r in rows}
     code, doc, proc = run(
         "tune",
         "--instance",
@@ -145,7 +148,7 @@ def test_a_combination_that_crashes_on_its_first_decode_is_recorded_failed_and_t
         str(profiles),
     )
     assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = sweep_rows(ledger, doc["sweep"])
+    rows = sweeps(ledger)[doc["sweep"]]
     assert rows[0]["combination"] == "tune_no_spec" and rows[0]["outcome"] == "measured" and len(rows) == 3, rows
     crashed = [r for r in rows if "crash-first-decode" in r["label"]]
     assert [r["outcome"] for r in crashed] == ["failed"] and crashed[0]["cause"].startswith("rolled_back"), rows
