@@ -12,7 +12,8 @@ description:
     router on its loopback (the role's router listens on 0.0.0.0, but a fleet's firewall may keep its port to
     the host). The worker is named by the URL the router lists it under (C(http://<host>:<port>)).
   - I(action=remove) removes the worker by the UUID the router lists it with (0.3.2 refuses a URL) and waits
-    until it is no longer listed. Removal neither waits for nor cuts its in-flight requests.
+    until it is no longer listed. Removal neither waits for nor cuts its in-flight requests; with I(drain), the
+    same call then drains it as I(action=drain) does (one module call of a rollout's step, not two).
   - I(action=drain) waits until the worker's C(sglang:num_running_reqs) (its /metrics) is 0, or I(drain_timeout);
     never fails (the safe restart's stop waits for requests still running, as SGLang's SIGTERM handler does).
   - I(action=add) adds the worker (C(POST /workers)) and waits until the router lists it as healthy; fails at
@@ -42,9 +43,15 @@ options:
     type: float
     default: 60
   drain_timeout:
-    description: Seconds I(action=drain) waits for the worker's running requests to finish.
+    description: Seconds I(action=drain) (or I(action=remove) with I(drain)) waits for the worker's running
+      requests to finish.
     type: float
     default: 120
+  drain:
+    description: With I(action=remove), drain the worker once the router no longer lists it (also when it was
+      not listed).
+    type: bool
+    default: false
   prompt:
     description: With I(action=measure), the prompt.
     type: str
@@ -78,9 +85,9 @@ tokens_per_s:
   type: float
   returned: measure
 drain:
-  description: With action=drain, {drained, seconds, running, why}.
+  description: With action=drain (or remove with drain), {drained, seconds, running, why}.
   type: dict
-  returned: drain
+  returned: drain, remove with drain
 workers:
   description: What the router lists afterwards, each {url, id, healthy}.
   type: list
@@ -112,17 +119,16 @@ def act(module: AnsibleModule) -> dict:
         seconds = router.wait_healthy(url, p["timeout"])
         return {"changed": False, "worker_url": url, "seconds": seconds, "workers": router.membership()}
     if action == "remove":
-        if listed is None or module.check_mode:
+        if module.check_mode:
             return {"changed": listed is not None, "worker_url": url, "worker_id": (listed or {}).get("id")}
-        wid = router.remove(url)
-        seconds = router.wait_gone(url, p["timeout"])
-        return {
-            "changed": True,
-            "worker_url": url,
-            "worker_id": wid,
-            "seconds": seconds,
-            "workers": router.membership(),
-        }
+        out = {"changed": False, "worker_url": url, "worker_id": None}
+        if listed is not None:
+            wid = router.remove(url)
+            out = {"changed": True, "worker_url": url, "worker_id": wid, "seconds": router.wait_gone(url, p["timeout"])}
+            out["workers"] = router.membership()
+        if p["drain"]:  # the worker's /metrics: api_key is the router's here, not the worker's
+            out["drain"] = drain(url, p["drain_timeout"])
+        return out
     # add
     if module.check_mode:
         return {"changed": listed is None, "worker_url": url, "worker_id": (listed or {}).get("id")}
@@ -149,6 +155,7 @@ def main():
             worker_url=dict(type="str"),
             timeout=dict(type="float", default=60.0),
             drain_timeout=dict(type="float", default=120.0),
+            drain=dict(type="bool", default=False),
             prompt=dict(type="str", default="The capital of France is"),
             requests=dict(type="int", default=4),
             max_new_tokens=dict(type="int", default=64),

@@ -161,6 +161,27 @@ def test_drain_waits_for_running_requests_and_never_fails(tmp_path):
     assert out["drain"]["why"] == "drain timeout (0.3 s): 1 running requests"
 
 
+def test_remove_with_drain_takes_it_out_then_drains_it_in_one_call(tmp_path, router):
+    fake, url, seen = router
+    with running_worker([1.0, 0.0, 0.0]) as (worker, scraped):
+        wid = fake.listed(worker)
+        rc, out = worker_module(
+            tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker, drain=True, drain_timeout=10
+        )
+        assert rc == 0 and out["changed"] is True and out["worker_id"] == wid, out
+        assert ("DELETE", f"/workers/{wid}") in seen and worker not in fake.workers
+        assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running requests"
+        assert len(scraped) == 3  # drained after the removal: 1 running, then 0 twice
+        # Not listed (already out): nothing removed, still drained; without drain, no scrape.
+        rc, out = worker_module(
+            tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker, drain=True, drain_timeout=10
+        )
+        assert rc == 0 and out["changed"] is False and out["drain"]["drained"] is True
+        n = len(scraped)
+        rc, out = worker_module(tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker)
+        assert rc == 0 and "drain" not in out and len(scraped) == n
+
+
 def test_drain_in_check_mode_reads_nothing(tmp_path):
     with running_worker([1.0]) as (url, seen):
         rc, out = worker_module(tmp_path, check_mode=True, action="drain", worker_url=url)

@@ -143,6 +143,8 @@ ARGV = [
 
 
 def run(monkeypatch, fake, *extra):
+    # The ranked table as wide as its cells: rich takes 80 columns where it finds a terminal (as under xdist).
+    monkeypatch.setenv("COLUMNS", "200")
     monkeypatch.setattr(dtune.Sweep, "playbook", lambda self, *a, **k: fake(self, *a, **k))
     code = cli.main([*ARGV, *extra])
     return code
