@@ -119,8 +119,9 @@ def act(module: AnsibleModule) -> dict:
         seconds = router.wait_healthy(url, p["timeout"])
         return {"changed": False, "worker_url": url, "seconds": seconds, "workers": router.membership()}
     if action == "remove":
-        if module.check_mode:
-            return {"changed": listed is not None, "worker_url": url, "worker_id": (listed or {}).get("id")}
+        if module.check_mode:  # nothing removed, nothing read (as action=drain in check mode)
+            out = {"changed": listed is not None, "worker_url": url, "worker_id": (listed or {}).get("id")}
+            return {**out, "drain": {"drained": None, "why": "check mode"}} if p["drain"] else out
         out = {"changed": False, "worker_url": url, "worker_id": None}
         if listed is not None:
             wid = router.remove(url)

@@ -91,6 +91,11 @@ def test_remove_in_check_mode_says_what_it_would_do_and_sends_nothing(tmp_path, 
     rc, out = worker_module(tmp_path, check_mode=True, action="remove", router_url=url, api_key=KEY, worker_url=W1)
     assert rc == 0 and out["changed"] is True and out["worker_id"] == wid
     assert [m for m, _ in seen] == ["GET"] and W1 in fake.workers
+    rc, out = worker_module(
+        tmp_path, check_mode=True, action="remove", router_url=url, api_key=KEY, worker_url=W1, drain=True
+    )
+    assert rc == 0 and out["drain"] == {"drained": None, "why": "check mode"}
+    assert [m for m, _ in seen] == ["GET", "GET"] and W1 in fake.workers
 
 
 def test_add_waits_until_healthy_and_is_idempotent(tmp_path, router):
