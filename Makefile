@@ -83,14 +83,19 @@ test: lint ## every test: lint, then pytest's lab tests beside (unit tests, then
 	@$(BIN)/python -m coverage report --format=total | sed 's/^/line coverage, both streams: /; s/$$/ %/'
 	@$(MAKE) --no-print-directory coverage-floor
 
+# Each stream ends with its recap (the random order's seed, each failed or erroring test), so the last lines of
+# a failed CI run name what to run again: pytest --randomly-seed=N <the test>.
+RECAP = grep -E '^(lab  |rest )\| (Using --randomly-seed=|(FAILED|ERROR) )' $(1) | sed 's/^\(.....\)| /\1| recap: /' || true
+
 test-lab: image
-	@SECONDS=0; COVERAGE_FILE=$(CURDIR)/.coverage.lab $(BIN)/python -m pytest -m lab --cov --cov-report= \
-		$(PYTEST_ARGS) 2>&1 | sed -u 's/^/lab  | /' || rc=$$?; echo "lab  | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
+	@mkdir -p .lab-tests; SECONDS=0; COVERAGE_FILE=$(CURDIR)/.coverage.lab $(BIN)/python -m pytest -m lab --cov --cov-report= \
+		$(PYTEST_ARGS) 2>&1 | sed -u 's/^/lab  | /' | tee .lab-tests/lab-stream.log || rc=$$?; \
+		$(call RECAP,.lab-tests/lab-stream.log); echo "lab  | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
 
 test-rest: image
-	@SECONDS=0; { COVERAGE_FILE=$(CURDIR)/.coverage.unit $(BIN)/python -m pytest -m "not lab" --cov --cov-report= \
-		$(PYTEST_ARGS) && $(MOLECULE) test --all; } 2>&1 | sed -u 's/^/rest | /' || rc=$$?; \
-		echo "rest | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
+	@mkdir -p .lab-tests; SECONDS=0; { COVERAGE_FILE=$(CURDIR)/.coverage.unit $(BIN)/python -m pytest -m "not lab" --cov --cov-report= \
+		$(PYTEST_ARGS) && $(MOLECULE) test --all; } 2>&1 | sed -u 's/^/rest | /' | tee .lab-tests/rest-stream.log || rc=$$?; \
+		$(call RECAP,.lab-tests/rest-stream.log); echo "rest | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
 
 upgrade-check: setup ## does the patch series apply to SGLANG_CANDIDATE? (fetches its wheel, changes nothing)
 	@test -n "$(SGLANG_CANDIDATE)" || { echo "usage: make upgrade-check SGLANG_CANDIDATE=X.Y.Z" >&2; exit 2; }

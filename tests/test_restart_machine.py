@@ -75,6 +75,13 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------- the fake SGLang server
 
 
+# The unit's ExecStartPre gate writes this under the invocation before the server's process runs (another _PID).
+GATE_LINE = "sglang-gpu-gate: GPUs [0, 1] clean after 0.02s"
+PRE_EXEC_LINE = (
+    "ProtectHostname=yes is configured, but UTS namespace setup is prohibited (container manager?), ignoring"
+)
+
+
 @dataclass
 class Behaviour:
     """How a started server behaves (per profile)."""
@@ -404,8 +411,11 @@ class Host:
         self.after(kind)
         return lines
 
-    def journal_since(self, invocation: str, cursor: str | None = None, lines: int = 2000):
-        """The server's own lines of one invocation (not systemd's, "<unit>: ..."), from the line after cursor."""
+    def journal_since(self, invocation: str, cursor: str | None = None, lines: int = 2000, pid: int | None = None):
+        """The server's own lines of one invocation (not systemd's, "<unit>: ..."), from the line after cursor; with
+        pid, the main process's only (the ExecStartPre gate's line is its own process's)."""
+        if pid is not None:  # the main process's: systemd's line from it before its exec, its own; not the gate's
+            return [x for x in self.journals[invocation] if x != GATE_LINE and pid == self.unit.pid][-lines:], None
         own = [x for x in self.journals[invocation] if not x.startswith(f"{UNIT}: ")]
         start = int(cursor or 0)
         return own[start : start + lines], str(start + len(own[start : start + lines]))
@@ -477,6 +487,9 @@ class Host:
         profile = flag_value(u.argv, "--served-model-name") or "?"
         b = b or self.behaviours.get(profile) or Behaviour()
         self.starts.append(profile)
+        # ExecStartPre's line, in the same invocation; then systemd's from the main process before its exec (podman
+        # gives no UTS namespace), under the main process's _PID.
+        self.journals[u.invocation] += [GATE_LINE, f"{UNIT}: {PRE_EXEC_LINE}"]
         if b.crash_at_start:
             self.crash(CRASH_AT_START)
             return
@@ -1932,6 +1945,29 @@ def test_a_rank_above_0_is_not_confirmed_while_rank_0_does_not_serve(tmp_path, h
     assert w.live() == w.files["good"] and len(w.generations()) == 1, "nothing recorded; the known-good files back"
 
 
+def test_a_rank_above_0_started_again_behind_our_back_is_not_confirmed(tmp_path, handlers):
+    """Rank 1 passed its start phase, then died; Restart=on-failure started it again and its restart count was
+    reset (reset-failed, an operator's start): the process the confirm phase finds is not the one the start phase
+    saw. Not confirmed: contained for the group's rollback, nothing recorded."""
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    w.inst.dist_init_addr = "127.0.0.2:5000"
+    rank0 = rank0_serving(w.inst.port)
+    try:
+        restart.restart(w.machine(phase="stop"))
+        assert restart.restart(w.machine(phase="start"))["outcome"] == outcomes.STARTED
+        seen = w.host.unit.invocation
+        w.host.crash(["RuntimeError: CUDA error: an illegal memory access was encountered"])
+        w.host.launch()  # started again: a new invocation, NRestarts 0
+        assert w.host.unit.invocation != seen and w.host.unit.restarts == 0
+        res = restart.restart(w.machine(phase="confirm"))
+        assert res["outcome"] == N and res["failure"]["phase"] == "verify", res
+        assert res["failure"]["cause"].startswith(f"{UNIT} is not the process its start phase saw (invocation {seen}")
+        stopped(w)
+        assert w.live() == w.files["good"] and len(w.generations()) == 1, "nothing recorded; the known-good files back"
+    finally:
+        rank0.shutdown()
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_multinode_start_failure_is_contained_on_the_node_for_the_group_rollback(tmp_path, rank, handlers):
     w = build(tmp_path, nnodes=2, node_rank=rank)
@@ -2610,7 +2646,9 @@ def test_no_benchmark_after_a_failed_restart_nor_in_check_mode(world, handlers):
 def test_a_rank_above_0_slow_to_get_going_is_judged_from_its_first_line_not_from_its_start(tmp_path, handlers):
     """Rank 1 (no HTTP to ask) is up once its process runs its own code and still runs 2 s on. Its Python takes 3 s
     to write a first line (a busy host) and it dies 0.5 s after: counted from the unit's start it would have passed
-    the 2 s before it died; counted from its first line, the start phase sees it die."""
+    the 2 s before it died; counted from its first line, the start phase sees it die. The ExecStartPre gate's line,
+    in the same invocation's journal from the unit's start, is not the process's own (CI, 2026-12-01: a crashing
+    rank 1 was reported started, then restarted, its crash looping)."""
     w = build(tmp_path, nnodes=2, node_rank=1)
     restart.restart(w.machine(phase="stop"))
     show, h = w.host.show, w.host
@@ -2621,9 +2659,9 @@ def test_a_rank_above_0_slow_to_get_going_is_judged_from_its_first_line_not_from
         u = h.unit
         if u.active == "active" and u.invocation not in seen:
             seen[u.invocation] = h.t
-            h.journals[u.invocation].clear()  # no line of its own yet
+            h.journals[u.invocation][:] = [GATE_LINE, f"{UNIT}: {PRE_EXEC_LINE}"]  # none of its own yet
         t0 = seen.get(u.invocation)
-        own = [x for x in h.journals[u.invocation] if not x.startswith(f"{UNIT}: ")]
+        own = [x for x in h.journals[u.invocation] if not x.startswith((f"{UNIT}: ", GATE_LINE))]
         if t0 is not None and not own and h.t - t0 >= 3.0:
             h.journals[u.invocation].append("server_args=ServerArgs(...)")
             seen[u.invocation + "/line"] = h.t

@@ -168,6 +168,7 @@ class Machine:
         self.store = Store(inst, settings.known_good_keep)
         self.lock: InstanceLock | None = None
         self.started: dict | None = None  # the live configuration as it was started
+        self.invocation: str | None = None  # the unit's invocation the start phase saw running
         self.argv: list[str] = []  # the main process's argv once ready
         self.verified: dict | None = None
         self.target: dict | None = None  # the known-good generation a rollback puts back
@@ -334,20 +335,21 @@ class Machine:
             if props["ActiveState"] == "active" and not i.serves_http:
                 # A rank above 0 (no HTTP to ask): its process runs its own code, a line of its own in the journal,
                 # and still runs 2 s on. Counted from the unit's start instead, a process slow to get going (Python
-                # on a busy host) outlasts the 2 s before it even reaches what kills it.
-                if running_since is None and self.logged(props.get("InvocationID")):
+                # on a busy host) outlasts the 2 s before it even reaches what kills it. Its own: the main
+                # process's, not the ExecStartPre gate's ("GPUs [..] clean after"), written under the same invocation.
+                if running_since is None and self.logged(props.get("InvocationID"), props.get("MainPID")):
                     running_since = p.clock()
                 if running_since is not None and p.clock() - running_since >= 2.0:
                     if watch is not None:
                         watch.poll(props.get("InvocationID"), last=True)
-                    self.argv = p.cmdline(props["MainPID"])
+                    self.argv, self.invocation = p.cmdline(props["MainPID"]), props.get("InvocationID")
                     if self.s.phase in SAVES_STARTED:
                         self.save_started()  # this node's next call confirms and records it
                     return {"main_pid": props["MainPID"], "running_after_s": round(p.clock() - t0, 3)}
             elif props["ActiveState"] == "active" and healthy(i.base, api_key=i.api_key()):
                 if watch is not None:
                     watch.poll(props.get("InvocationID"), last=True)
-                self.argv = p.cmdline(props["MainPID"])
+                self.argv, self.invocation = p.cmdline(props["MainPID"]), props.get("InvocationID")
                 if self.s.phase in SAVES_STARTED:
                     self.save_started()  # rank 0 records in the record phase, once every rank is confirmed
                 return {"main_pid": props["MainPID"], "ready_after_s": round(p.clock() - t0, 3)}
@@ -371,12 +373,14 @@ class Machine:
             elif not props.get("MainPID"):
                 p.sleep(0.1)
 
-    def logged(self, invocation: str | None) -> bool:
-        """The invocation's process has written a line of its own to the journal (not systemd's about it)."""
-        if not invocation:
+    def logged(self, invocation: str | None, pid: int | None) -> bool:
+        """The invocation's main process has written a line of its own to the journal: not the ExecStartPre gate's
+        (another _PID), not systemd's from the process before its exec ("sglang-a.service: ProtectHostname=yes is
+        configured, but ...", the main process's _PID)."""
+        if not invocation or not pid:
             return False
-        lines, _ = self.ports.journal_since(invocation, None, 1)
-        return bool(lines)
+        lines, _ = self.ports.journal_since(invocation, None, 3, pid=pid)
+        return any(not line.startswith(f"{self.inst.unit}: ") for line in lines)
 
     def generation(self) -> dict:
         i, t, p = self.inst, self.s.thresholds, self.ports
@@ -453,16 +457,26 @@ class Machine:
         with open(self.started_path, encoding="utf-8") as fh:
             saved = json.load(fh)
         self.started, self.argv = saved["started"], saved["argv"]
+        self.invocation = saved.get("invocation")
         return {"started_hash": self.started["config_hash"]}
 
     def confirm(self) -> dict:
-        """A rank above 0, after every node's start phase: rank 0 serves, then this node's own checks."""
+        """A rank above 0, after every node's start phase: rank 0 serves, then this node's own checks, on the very
+        process the start phase saw (one that died and was started again by Restart=on-failure is not confirmed)."""
         out = {**self.rank0_serving(), **self.load_started()}
+        now = self.ports.show(self.inst.unit).get("InvocationID")
+        if self.invocation and now != self.invocation:
+            raise Failure(
+                outcomes.VERIFY,
+                f"{self.inst.unit} is not the process its start phase saw (invocation {self.invocation}, now "
+                f"{now or 'none'}): it exited and systemd started it again",
+            )
         return {**out, **self.verify()}
 
     def save_started(self) -> None:
         os.makedirs(os.path.dirname(self.started_path), mode=0o700, exist_ok=True)
-        write_atomic(self.started_path, json.dumps({"started": self.started, "argv": masked(self.argv)}), 0o600)
+        saved = {"started": self.started, "argv": masked(self.argv), "invocation": self.invocation}
+        write_atomic(self.started_path, json.dumps(saved), 0o600)
 
     @property
     def started_path(self) -> str:

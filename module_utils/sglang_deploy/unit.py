@@ -74,12 +74,17 @@ def journal(unit: str, invocation: str | None = None, lines: int = 80) -> list[s
     return out.stdout.splitlines()
 
 
-def journal_since(invocation: str, cursor: str | None = None, lines: int = 2000) -> tuple[list[str], str | None]:
+def journal_since(
+    invocation: str, cursor: str | None = None, lines: int = 2000, pid: int | None = None
+) -> tuple[list[str], str | None]:
     """The server's journal lines of one invocation after `cursor` (all of them, up to `lines`, without one), and
-    the cursor to pass next time: a follower that reads each line once however long the log grows."""
+    the cursor to pass next time: a follower that reads each line once however long the log grows. With `pid`, only
+    the lines that process wrote: the main process's (its children write to its stream, under its _PID), not the
+    ExecStartPre gate's, which runs under the same invocation."""
     # -a: a tqdm bar's line holds its "\r" redraws, which journalctl otherwise shows as "[blob data]"; split at
     # "\n" only (splitlines() would also cut at each "\r").
     args = ["journalctl", "--no-pager", "-a", "-o", "cat", "--show-cursor", f"_SYSTEMD_INVOCATION_ID={invocation}"]
+    args += [f"_PID={pid}"] if pid else []
     args += [f"--after-cursor={cursor}"] if cursor else ["-n", str(lines)]
     out = subprocess.run(args, capture_output=True, text=True, check=False, timeout=10)
     got = out.stdout.rstrip("\n").split("\n") if out.stdout else []
