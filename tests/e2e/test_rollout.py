@@ -146,6 +146,39 @@ def test_a_canary_slower_than_the_fleet_is_rolled_back_and_stops_the_rollout(fle
     assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}
 
 
+def test_a_replica_whose_configuration_is_refused_stops_the_rollout_before_anything_leaves_the_router(fleet):
+    """Every replica is validated at once before the canary: lab-node2's configuration refused by SGLang's parser
+    stops the rollout with nothing touched (the canary lab-node1 not restarted either, both in the router). Within
+    a failure budget of 1 the refused replica is skipped, untouched, and the others roll."""
+    the_lab, containers, _, run = fleet
+    router = containers[ROUTER]
+    new_env = {"LAB_ROLLOUT": str(time.time_ns())}
+    refused = write_inventory(
+        the_lab,
+        "rollout-refused-hosts.yml",
+        {
+            "lab-node1": [{**RO, "env": new_env}],
+            "lab-node2": [{**RO, "env": new_env, "flags": {"mem_fraction_static": "most"}}],
+        },
+    )
+    pids = {n: main_pid(containers[n]) for n in NODES}
+    code, _, proc = run("rollout", "-e", GATE, inventory=refused)
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert code == 3, out  # exitcodes.INVALID_CONFIG: nothing running was touched
+    assert "mem_fraction_static" in out, out
+    assert {n: main_pid(containers[n]) for n in NODES} == pids  # not even the canary
+    assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}
+
+    code, doc, proc = run("rollout", "-e", GATE, "--max-fail", "1", inventory=refused)
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert code == 3, out
+    assert rows_by_host(doc)["lab-node1"]["result"] == "restarted", out
+    assert main_pid(containers["lab-node1"]) != pids["lab-node1"]
+    assert main_pid(containers["lab-node2"]) == pids["lab-node2"]  # refused: skipped, untouched
+    assert "mem_fraction_static" not in podman_exec(containers["lab-node2"], "cat", "/etc/sglang/ro.env")
+    assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}
+
+
 def router_add(container: str, worker: str) -> None:
     code = (
         "import json, urllib.request as u; u.urlopen(u.Request("
