@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import bench, checks, gpu, http, known_good, lock, outcomes, restart, stage
+from sglang_deploy import bench, checks, gpu, http, known_good, lock, outcomes, restart, stage, unit
 from sglang_deploy.checks import Thresholds, flag_value
 from sglang_deploy.instance import Instance, masked, read_env_file
 from sglang_deploy.known_good import Store
@@ -2678,3 +2678,69 @@ def test_a_rank_above_0_slow_to_get_going_is_judged_from_its_first_line_not_from
     assert res["outcome"] == N and res["failure"]["phase"] == "start", res
     assert "out of memory while loading draft model weights" in res["failure"]["cause"]
     stopped(w)
+
+
+def test_a_rank_above_0_restarted_between_two_polls_is_judged_on_its_new_process(tmp_path, handlers):
+    """Rank 1's first process writes its line, dies 1.5 s on, and a new one (another invocation and pid) is already
+    running at the next poll: its 2 s start over from its own line. It dies 1 s after that line: counted from the
+    first process's line it would have passed at 2 s; counted from its own, the start phase sees it die."""
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    restart.restart(w.machine(phase="stop"))
+    show, h = w.host.show, w.host
+    lines: dict[str, float] = {}
+
+    def flaky_show(unit_name):
+        u = h.unit
+        if u.active == "active" and u.invocation not in lines:
+            lines[u.invocation] = h.t  # its line (the fake's launch wrote it) seen now
+        born = lines.get(u.invocation)
+        if born is not None and u.active == "active":
+            if len(lines) == 1 and h.t - born >= 1.5:
+                h.crash(["RuntimeError: CUDA error: an illegal memory access was encountered"])
+                h.launch()  # Restart=on-failure, between two polls: active again, another process
+            elif len(lines) == 2 and h.t - born >= 1.0:
+                h.crash(["RuntimeError: CUDA error: out of memory while loading draft model weights"])
+        return show(unit_name)
+
+    w.host.show = flaky_show
+    m = w.machine(phase="start", ready_timeout=20.0)
+    m.ports.show = flaky_show
+    res = restart.restart(m)
+    assert res["outcome"] == N and res["failure"]["phase"] == "start", res
+    assert "out of memory while loading draft model weights" in res["failure"]["cause"]
+    stopped(w)
+
+
+def test_a_rank_above_0_whose_journal_cannot_be_read_yet_is_asked_again(tmp_path, handlers):
+    """journalctl timing out (a busy host) is not yet a line of its own: the next poll asks again, and the rank is
+    started 2 s after the first answer that shows one."""
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    restart.restart(w.machine(phase="stop"))
+    m = w.machine(phase="start", ready_timeout=20.0)
+    real, failures = m.ports.journal_since, iter(range(3))
+
+    def slow_journal(invocation, cursor=None, lines=2000, pid=None):
+        if pid is not None and next(failures, None) is not None:
+            raise subprocess.TimeoutExpired(["journalctl"], 10)
+        return real(invocation, cursor, lines, pid=pid)
+
+    m.ports = replace(m.ports, journal_since=slow_journal)
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.STARTED, res
+    assert next(failures, None) is None, "every timed-out read was retried"
+    assert res["phases"][-1]["detail"]["running_after_s"] >= 2.0
+
+
+def test_journal_since_asks_journalctl_for_one_invocation_and_with_pid_one_process(monkeypatch):
+    seen: list[list[str]] = []
+
+    def run(args, **kw):
+        seen.append(args)
+        return subprocess.CompletedProcess(args, 0, "server_args=ServerArgs(...)\n-- cursor: s=abc\n", "")
+
+    monkeypatch.setattr(unit.subprocess, "run", run)
+    assert unit.journal_since("inv1", None, 3, pid=4242) == (["server_args=ServerArgs(...)"], "s=abc")
+    assert unit.journal_since("inv1", "s=abc") == (["server_args=ServerArgs(...)"], "s=abc")
+    first, second = seen
+    assert "_SYSTEMD_INVOCATION_ID=inv1" in first and "_PID=4242" in first and first[-2:] == ["-n", "3"]
+    assert not any(a.startswith("_PID=") for a in second) and "--after-cursor=s=abc" in second

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -337,9 +338,13 @@ class Machine:
                 # and still runs 2 s on. Counted from the unit's start instead, a process slow to get going (Python
                 # on a busy host) outlasts the 2 s before it even reaches what kills it. Its own: the main
                 # process's, not the ExecStartPre gate's ("GPUs [..] clean after"), written under the same invocation.
-                if running_since is None and self.logged(props.get("InvocationID"), props.get("MainPID")):
-                    running_since = p.clock()
-                if running_since is not None and p.clock() - running_since >= 2.0:
+                # The 2 s are the one process's: a new one (died, started again between two polls) starts them over.
+                process = (props.get("InvocationID"), props.get("MainPID"))
+                if running_since is not None and running_since[1] != process:
+                    running_since = None
+                if running_since is None and self.logged(*process):
+                    running_since = (p.clock(), process)
+                if running_since is not None and p.clock() - running_since[0] >= 2.0:
                     if watch is not None:
                         watch.poll(props.get("InvocationID"), last=True)
                     self.argv, self.invocation = p.cmdline(props["MainPID"]), props.get("InvocationID")
@@ -379,7 +384,10 @@ class Machine:
         configured, but ...", the main process's _PID)."""
         if not invocation or not pid:
             return False
-        lines, _ = self.ports.journal_since(invocation, None, 3, pid=pid)
+        try:
+            lines, _ = self.ports.journal_since(invocation, None, 3, pid=pid)
+        except (OSError, subprocess.SubprocessError):  # journalctl slow or missing: not yet; the next poll asks again
+            return False
         return any(not line.startswith(f"{self.inst.unit}: ") for line in lines)
 
     def generation(self) -> dict:
