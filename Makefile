@@ -85,7 +85,7 @@ test: lint ## every test: lint, then pytest's lab tests beside (unit tests, then
 
 # Each stream ends with its recap (the random order's seed, each failed or erroring test), so the last lines of
 # a failed CI run name what to run again: pytest --randomly-seed=N <the test>.
-RECAP = grep -E '^(lab  |rest )\| (Using --randomly-seed=|(FAILED|ERROR) )' $(1) | sed 's/^\(.....\)| /\1| recap: /' || true
+RECAP = grep -E '^(lab  |rest )\| (Using --randomly-seed=|(FAILED|ERROR) tests/)' $(1) | sed 's/^\(.....\)| /\1| recap: /' || true
 
 test-lab: image
 	@mkdir -p .lab-tests; SECONDS=0; COVERAGE_FILE=$(CURDIR)/.coverage.lab $(BIN)/python -m pytest -m lab --cov --cov-report= \
