@@ -2643,6 +2643,17 @@ def test_no_benchmark_after_a_failed_restart_nor_in_check_mode(world, handlers):
     assert res["outcome"] == outcomes.WOULD_RESTART and calls == [] and "bench" not in res
 
 
+def rank_start_sees_it_die(w, show) -> None:
+    """Rank 1's start phase, the unit as `show` has it: it fails there on the draft model's OOM, and is contained."""
+    w.host.show = show
+    m = w.machine(phase="start", ready_timeout=20.0)
+    m.ports.show = show
+    res = restart.restart(m)
+    assert res["outcome"] == N and res["failure"]["phase"] == "start", res
+    assert "out of memory while loading draft model weights" in res["failure"]["cause"]
+    stopped(w)
+
+
 def test_a_rank_above_0_slow_to_get_going_is_judged_from_its_first_line_not_from_its_start(tmp_path, handlers):
     """Rank 1 (no HTTP to ask) is up once its process runs its own code and still runs 2 s on. Its Python takes 3 s
     to write a first line (a busy host) and it dies 0.5 s after: counted from the unit's start it would have passed
@@ -2671,13 +2682,7 @@ def test_a_rank_above_0_slow_to_get_going_is_judged_from_its_first_line_not_from
             return show(unit_name)
         return props
 
-    w.host.show = slow_show
-    m = w.machine(phase="start", ready_timeout=20.0)
-    m.ports.show = slow_show
-    res = restart.restart(m)
-    assert res["outcome"] == N and res["failure"]["phase"] == "start", res
-    assert "out of memory while loading draft model weights" in res["failure"]["cause"]
-    stopped(w)
+    rank_start_sees_it_die(w, slow_show)
 
 
 def test_a_rank_above_0_restarted_between_two_polls_is_judged_on_its_new_process(tmp_path, handlers):
@@ -2702,13 +2707,7 @@ def test_a_rank_above_0_restarted_between_two_polls_is_judged_on_its_new_process
                 h.crash(["RuntimeError: CUDA error: out of memory while loading draft model weights"])
         return show(unit_name)
 
-    w.host.show = flaky_show
-    m = w.machine(phase="start", ready_timeout=20.0)
-    m.ports.show = flaky_show
-    res = restart.restart(m)
-    assert res["outcome"] == N and res["failure"]["phase"] == "start", res
-    assert "out of memory while loading draft model weights" in res["failure"]["cause"]
-    stopped(w)
+    rank_start_sees_it_die(w, flaky_show)
 
 
 def test_a_rank_above_0_whose_journal_cannot_be_read_yet_is_asked_again(tmp_path, handlers):
