@@ -12,7 +12,7 @@ through the router. Measured:
 - one restart: `python -m driver restart` of one replica to a new configuration, as the rollout restarts each
   (validated, then started), no load (wall seconds); one to the configuration it already runs (its
   validation cached on the host), for comparison; and one to a new configuration under the rollout's load, sent
-  straight to the other replica (the lab shares this machine's cores, so the load alone slows a restart);
+  straight to the other replica (the lab shares this machine's cores: does the load alone slow a restart?);
 - each run: `python -m driver rollout` of every replica with a new configuration under the load: failed or
   truncated requests (goal 0), p99 latency during the rollout / p99 steady (goal at most 1.5), and the
   rollout's wall time / (replicas x one restart), unloaded and under the same load (goal at most 1.2).
@@ -80,7 +80,7 @@ def driver(ledger: Path, *args: str) -> tuple[int, float, str]:
 
 
 class Load:
-    """bench/loadgen.py on the router's node, through the router, until stopped."""
+    """bench/loadgen.py on the router's node, through the router (or to `url`), until stopped."""
 
     def __init__(self, container: str, seconds: float = 900, url: str = f"http://127.0.0.1:{ROUTER_PORT}"):
         self.container = container
@@ -162,7 +162,7 @@ def main() -> int:
         # and, for comparison, one of the configuration it already runs (its validation cached on the host).
         # And one to a new configuration under the same load as the rollout's, sent straight to the other
         # replica (as during a rollout, the replica restarted gets none): the lab's nodes, router and load share
-        # this machine's cores with the controller, so the load slows a restart here by itself.
+        # this machine's cores with the controller, so this tells whether the load alone slows a restart.
         one, unchanged, loaded = [], [], []
         for _ in range(a.runs):
             inventory, _, _ = write_inventory({"LAB_BENCH": str(time.time_ns())})
