@@ -18,7 +18,8 @@ through the router. Measured:
   rollout's wall time / (replicas x one restart), unloaded and under the same load (goal at most 1.2).
 
 The bench's own inventory is written into the lab's state directory (.lab/bench-rollout.yml, ignored by git), its
-driver runs go to a ledger in a temporary directory; at the end the instance and the router are stopped and
+driver runs go to a ledger in a temporary directory (or --ledger DIR, kept: each run's events.jsonl under
+DIR/runs/ times every task, for a profile); at the end the instance and the router are stopped and
 removed from every node (the nodes stay deployed).
 """
 
@@ -134,6 +135,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steady", type=float, default=30.0, help="seconds of load alone, for its p99")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "rollout-lab.json")
+    ap.add_argument("--ledger", type=Path, help="keep the driver runs' ledger (and their events) in this directory")
     a = ap.parse_args()
     if not LAB_INVENTORY.exists():
         print("no lab: run `make demo` (or make lab-up and deploy.yml) first", file=sys.stderr)
@@ -141,7 +143,9 @@ def main() -> int:
     inventory, names, containers = write_inventory()
     router = names[0]
     scratch = tempfile.TemporaryDirectory(prefix="sgd-bench-rollout-")
-    ledger = Path(scratch.name) / "ledger.sqlite3"
+    if a.ledger:
+        a.ledger.mkdir(parents=True, exist_ok=True)
+    ledger = (a.ledger or Path(scratch.name)) / "ledger.sqlite3"
     try:
         code, _, out = driver(ledger, "restart", "-i", str(inventory))  # every replica serving, known-good
         if code:

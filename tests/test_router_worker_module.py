@@ -155,11 +155,11 @@ def running_worker(script: list):
 
 
 def test_drain_waits_for_running_requests_and_never_fails(tmp_path):
-    with running_worker([2.0, 0.0, 0.0]) as (url, seen):
+    with running_worker([2.0, 0.0, 0.0, 0.0]) as (url, seen):
         rc, out = worker_module(tmp_path, action="drain", worker_url=url, drain_timeout=10)
     assert rc == 0 and out["changed"] is False and out["worker_url"] == url
     assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running requests"
-    assert out["seconds"] == out["drain"]["seconds"] and len(seen) == 3
+    assert out["seconds"] == out["drain"]["seconds"] and len(seen) == 4  # 2 running, then 0 three times
     with running_worker([1.0]) as (url, _):
         rc, out = worker_module(tmp_path, action="drain", worker_url=url, drain_timeout=0.3)
     assert rc == 0 and out["drain"]["drained"] is False
@@ -168,7 +168,7 @@ def test_drain_waits_for_running_requests_and_never_fails(tmp_path):
 
 def test_remove_with_drain_takes_it_out_then_drains_it_in_one_call(tmp_path, router):
     fake, url, seen = router
-    with running_worker([1.0, 0.0, 0.0]) as (worker, scraped):
+    with running_worker([1.0, 0.0, 0.0, 0.0]) as (worker, scraped):
         wid = fake.listed(worker)
         rc, out = worker_module(
             tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker, drain=True, drain_timeout=10
@@ -176,7 +176,7 @@ def test_remove_with_drain_takes_it_out_then_drains_it_in_one_call(tmp_path, rou
         assert rc == 0 and out["changed"] is True and out["worker_id"] == wid, out
         assert ("DELETE", f"/workers/{wid}") in seen and worker not in fake.workers
         assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running requests"
-        assert len(scraped) == 3  # drained after the removal: 1 running, then 0 twice
+        assert len(scraped) == 4  # drained after the removal: 1 running, then 0 three times
         # Not listed (already out): nothing removed, still drained; without drain, no scrape.
         rc, out = worker_module(
             tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker, drain=True, drain_timeout=10

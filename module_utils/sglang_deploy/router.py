@@ -78,7 +78,7 @@ class Router:
         url: str,
         api_key: str | None = None,
         timeout: float = 10.0,
-        poll: float = 0.25,
+        poll: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ):
@@ -213,15 +213,15 @@ def drain(
     worker_url: str,
     timeout: float,
     api_key: str | None = None,
-    poll: float = 0.25,
+    poll: float = 0.1,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    settle: int = 2,
+    settle: int = 3,
 ) -> dict:
     """Wait until the worker has no running requests, or the drain timeout; never raises.
 
-    Drained once ``settle`` consecutive reads (``poll`` apart) say 0: a request the router sent just before the
-    removal took effect may still be on its way to the worker at the first read.
+    Drained once ``settle`` consecutive reads (``poll`` apart: 0.2 s of zeros by default) say 0: a request the
+    router sent just before the removal took effect may still be on its way to the worker at the first read.
 
     {drained: bool, seconds, running (the last value read), why}. A worker that does not answer has
     nothing left to drain (drained, why "not serving"). One whose /metrics lacks the series cannot be
