@@ -232,11 +232,21 @@ def test_a_router_that_does_not_answer_is_an_http_error():
 
 def test_drain_waits_until_no_running_requests(fake_worker):
     script, url = fake_worker
-    script[:] = [3.0, 0.0, 2.0, 0.0, 0.0, 0.0]
+    script[:] = [3.0, 0.0, 2.0, 0.0, 0.0]
     clock = FakeClock()
     out = rt.drain(url, timeout=60, poll=0.5, clock=clock, sleep=clock.sleep)
-    # drained at the third 0 in a row (a request sent just before the removal may be on its way at the first)
-    assert out == {"drained": True, "seconds": 2.5, "running": 0.0, "why": "no running requests"}
+    # drained at the second 0 in a row, 0.5 s after the first (a request sent just before the removal may be
+    # on its way at the first)
+    assert out == {"drained": True, "seconds": 2.0, "running": 0.0, "why": "no running requests"}
+    # Polled faster, the zeros must still last settle_s: 0 at 1.0 and 1.1 is not yet drained, at 1.2 it is.
+    script[:] = [1.0] * 10 + [0.0]
+    clock = FakeClock()
+    out = rt.drain(url, timeout=60, poll=0.1, clock=clock, sleep=clock.sleep)
+    assert out["drained"] is True and out["seconds"] == pytest.approx(1.2), out
+    script[:] = [1.0] * 10 + [0.0]
+    clock = FakeClock()
+    out = rt.drain(url, timeout=60, poll=0.1, clock=clock, sleep=clock.sleep, settle_s=0.5)
+    assert out["drained"] is True and out["seconds"] == pytest.approx(1.5), out
 
 
 def test_drain_stops_at_its_timeout_with_requests_still_running(fake_worker):

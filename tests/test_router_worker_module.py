@@ -159,7 +159,8 @@ def test_drain_waits_for_running_requests_and_never_fails(tmp_path):
         rc, out = worker_module(tmp_path, action="drain", worker_url=url, drain_timeout=10)
     assert rc == 0 and out["changed"] is False and out["worker_url"] == url
     assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running requests"
-    assert out["seconds"] == out["drain"]["seconds"] and len(seen) == 4  # 2 running, then 0 three times
+    # 2 running, then 0 for 0.2 s (two reads at least; more, 0.1 s apart, as the module's timing allows)
+    assert out["seconds"] == out["drain"]["seconds"] >= 0.2 and len(seen) >= 3
     with running_worker([1.0]) as (url, _):
         rc, out = worker_module(tmp_path, action="drain", worker_url=url, drain_timeout=0.3)
     assert rc == 0 and out["drain"]["drained"] is False
@@ -176,7 +177,7 @@ def test_remove_with_drain_takes_it_out_then_drains_it_in_one_call(tmp_path, rou
         assert rc == 0 and out["changed"] is True and out["worker_id"] == wid, out
         assert ("DELETE", f"/workers/{wid}") in seen and worker not in fake.workers
         assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running requests"
-        assert len(scraped) == 4  # drained after the removal: 1 running, then 0 three times
+        assert len(scraped) >= 3  # drained after the removal: 1 running, then 0 for 0.2 s (two reads at least)
         # Not listed (already out): nothing removed, still drained; without drain, no scrape.
         rc, out = worker_module(
             tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker, drain=True, drain_timeout=10

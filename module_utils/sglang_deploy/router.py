@@ -216,12 +216,15 @@ def drain(
     poll: float = 0.1,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    settle: int = 3,
+    settle_s: float = 0.2,
 ) -> dict:
     """Wait until the worker has no running requests, or the drain timeout; never raises.
 
-    Drained once ``settle`` consecutive reads (``poll`` apart: 0.2 s of zeros by default) say 0: a request the
-    router sent just before the removal took effect may still be on its way to the worker at the first read.
+    Drained once the reads (``poll`` apart) have said 0 for ``settle_s`` seconds, two reads at least: a request
+    the router sent just before the removal took effect may still be on its way to the worker at the first read
+    (a LAN's milliseconds). Polling faster finds the first 0 sooner; it does not shorten that window. What no
+    short window covers: SGLang updates the gauge when it logs a batch, so a request it has just taken may not
+    show yet; the stop that follows covers it (SGLang's SIGTERM handler waits for the requests it has).
 
     {drained: bool, seconds, running (the last value read), why}. A worker that does not answer has
     nothing left to drain (drained, why "not serving"). One whose /metrics lacks the series cannot be
@@ -230,7 +233,7 @@ def drain(
     start = clock()
     last: float | None = None
     why = ""
-    zeros = 0
+    first_zero: float | None = None  # when the reads started saying 0 (None: the last read did not)
     while True:
         try:
             last = running_requests(worker_url, api_key=api_key)
@@ -241,9 +244,13 @@ def drain(
                 "running": None,
                 "why": f"not serving: {exc}",
             }
-        zeros = zeros + 1 if last is not None and last <= 0 else 0
-        if zeros >= max(1, settle):
-            return {"drained": True, "seconds": round(clock() - start, 3), "running": 0.0, "why": "no running requests"}
+        now = clock()
+        if last is not None and last <= 0:
+            if first_zero is not None and now - first_zero >= settle_s - 1e-6:  # (a float clock's sums)
+                return {"drained": True, "seconds": round(now - start, 3), "running": 0.0, "why": "no running requests"}
+            first_zero = now if first_zero is None else first_zero
+        else:
+            first_zero = None
         why = (
             f"{last:g} running requests"
             if last is not None
