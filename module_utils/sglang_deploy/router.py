@@ -245,21 +245,21 @@ def drain(
                 "why": f"not serving: {exc}",
             }
         now = clock()
-        if last is not None and last <= 0:
-            if first_zero is not None and now - first_zero >= settle_s - 1e-6:  # (a float clock's sums)
-                return {"drained": True, "seconds": round(now - start, 3), "running": 0.0, "why": "no running requests"}
-            first_zero = now if first_zero is None else first_zero
-        else:
+        if last is None or last > 0:
             first_zero = None
+        elif first_zero is None:
+            first_zero = now
+        elif now - first_zero >= settle_s - 1e-6:  # (the tolerance: a float clock's sums)
+            return {"drained": True, "seconds": round(now - start, 3), "running": 0.0, "why": "no running requests"}
         why = (
             f"{last:g} running requests"
             if last is not None
             else f"its /metrics has no {RUNNING_METRIC} (SGLang's enable_metrics is off)"
         )
-        if clock() - start >= timeout:
+        if now - start >= timeout:
             return {
                 "drained": False,
-                "seconds": round(clock() - start, 3),
+                "seconds": round(now - start, 3),
                 "running": last,
                 "why": f"drain timeout ({timeout:g} s): {why}",
             }
