@@ -136,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument(
                 "--force-stop",
                 action="store_true",
-                help="also kill other users' processes holding the instance's GPUs (never done otherwise)",
+                help="also kill other users' and other units' processes holding the instance's GPUs (never done otherwise)",
             )
         if name in PROGRESSING:
             sp.add_argument(
@@ -216,21 +216,19 @@ def usage_error(args: argparse.Namespace, message: str) -> int:
 def run_playbook(args: argparse.Namespace, argv: list[str]) -> int:
     """Check the inventory, record the run, run its playbook, record how it ended, show it.
 
-    SIGINT is the driver's own from the start to the end (driver/interrupts.py): no Ctrl-C raises
+    SIGINT and SIGTERM are the driver's own from the start to the end (driver/interrupts.py): no Ctrl-C raises
     KeyboardInterrupt, and the ledger row gets its exit code whatever happens.
     """
-    import signal
-
     from driver.interrupts import Interrupts
 
     interrupts = Interrupts(args.command)
-    previous = signal.signal(signal.SIGINT, interrupts.handler)
+    previous = interrupts.install()
     try:
         return _run_playbook(args, argv, interrupts)
     except KeyboardInterrupt:  # raised by code that installs its own handler: the run was recorded already
         return exitcodes.INTERRUPTED
     finally:
-        signal.signal(signal.SIGINT, previous)
+        Interrupts.restore(previous)
 
 
 def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
@@ -239,7 +237,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
     from driver import inventory
 
     try:
-        inventory.check(args.inventory, args.limit)
+        inventory.check(args.inventory, args.limit, PLAYBOOKS[args.command][0], args.instance, extravars(args))
     except inventory.InventoryError as e:
         return usage_error(args, str(e))
     if interrupts.interrupted:
@@ -274,6 +272,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
     t0 = time.monotonic()
     code = exitcodes.FAILED  # what the row says if the driver itself fails below
     outcome = None
+    put_back: list[str] = []  # an abandoned rollout's put-back, line by line
     try:
         with display.Progress(tracker, quiet=args.json) as progress:
             interrupts.say = progress.say
@@ -289,10 +288,17 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
                 interrupts.abandon()
                 outcome = runner.Outcome(status="canceled", rc=254)
             interrupts.announce()
+            if args.command == "rollout" and interrupts.abandoned and not args.check:
+                from driver import putback
+
+                progress.say("putting back into the router what serves and is out (Ctrl-C again to stop that too)")
+                put_back = putback.run(job, lambda: interrupts.count >= 3, run_dir / "putback.jsonl")
+                for line in put_back:
+                    progress.say(line)
         code = tracker.exit_code(outcome.status, outcome.rc, interrupts.interrupted)
     finally:
-        if interrupts.interrupted:
-            code = exitcodes.INTERRUPTED
+        if interrupts.interrupted:  # also a signal after the runner ended, or the driver's own failure above
+            code = exitcodes.worst([code, exitcodes.INTERRUPTED])
         try:
             import json  # not at start-up: only argparse is (--help answers at once)
 
@@ -319,7 +325,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
             str(record),
         )
         book.close()
-    left = tracker.left_in(abandoned=interrupts.abandoned) if code == exitcodes.INTERRUPTED else None
+    left = tracker.left_in(abandoned=interrupts.abandoned) + put_back if interrupts.interrupted else None
     if args.json:
         display.as_json(tracker, code, run_id, left=left, evidence=str(bundle) if bundle else None)
     else:

@@ -268,9 +268,11 @@ class Tracker:
     # ------------------------------------------------------------------ results
 
     def exit_code(self, runner_status: str | None = None, rc: int | None = None, interrupted: bool = False) -> int:
-        if interrupted or runner_status == "canceled":
-            return exitcodes.INTERRUPTED
+        """The most serious way any host ended; an interruption outranks all but a server left down (6) and a
+        host lost (8) (exitcodes.SEVERITY)."""
         codes = [f.code for h in self.hosts.values() for f in h.failures]
+        if interrupted or runner_status == "canceled":
+            return exitcodes.worst([*codes, exitcodes.INTERRUPTED])
         if codes:
             return exitcodes.worst(codes)
         if rc not in (0, None) or runner_status in ("failed", "timeout"):

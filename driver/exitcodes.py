@@ -18,7 +18,7 @@ NOT_RECOVERED = 6  # the new configuration failed and no known-good one could be
 VERIFY_FAILED = 7  # the running server failed verification
 UNREACHABLE = 8  # a host could not be reached
 LOCKED = 9  # another operation holds the instance's lock; nothing was touched
-INTERRUPTED = 130  # Ctrl-C
+INTERRUPTED = 130  # Ctrl-C or SIGTERM
 
 MEANING = {
     OK: "success",
@@ -31,11 +31,23 @@ MEANING = {
     VERIFY_FAILED: "verification failed",
     UNREACHABLE: "host unreachable",
     LOCKED: "locked: another operation holds the instance's lock (nothing was touched)",
-    INTERRUPTED: "interrupted (Ctrl-C)",
+    INTERRUPTED: "interrupted (Ctrl-C or SIGTERM)",
 }
 
-# When hosts end differently, the most serious decides the exit code.
-SEVERITY = [NOT_RECOVERED, UNREACHABLE, FAILED, ROLLED_BACK, GPUS_NOT_CLEAN, LOCKED, VERIFY_FAILED, INVALID_CONFIG, OK]
+# When hosts end differently, the most serious decides the exit code. An interruption hides no server left
+# down (6) and no host lost (8): those outrank it; what it cut short it explains.
+SEVERITY = [
+    NOT_RECOVERED,
+    UNREACHABLE,
+    INTERRUPTED,
+    FAILED,
+    ROLLED_BACK,
+    GPUS_NOT_CLEAN,
+    LOCKED,
+    VERIFY_FAILED,
+    INVALID_CONFIG,
+    OK,
+]
 
 # Every outcome a module fails with (outcomes.ALL less outcomes.SUCCESS) has a code: its own, or FAILED where
 # only the cause can say what to do (REFUSED: nothing to roll back to, a multi-node rollback).

@@ -1,12 +1,15 @@
-"""Ctrl-C during a run: the first stops what has not begun, the second abandons the run; never a traceback.
+"""Ctrl-C or SIGTERM during a run: the first stops what has not begun, the second abandons the run; never a
+traceback. SIGTERM (a terminal closed, systemd or a CI runner stopping the driver) counts as a Ctrl-C.
 
 The first Ctrl-C creates the run's cancel file (runs/<id>/cancel, passed to ansible-playbook as
 $SGLANG_DEPLOY_CANCEL_FILE, the sglang_service role's sglang_service_cancel_file): the role begins no
 restart or rollback of an instance once it exists (read per loop item, on the controller), so the playbook
 runs to its end with what was in flight finished and reported, and every later restart reported as not
-begun. Commands that restart nothing (deploy, verify, validate, status) have nothing to wait for: their
+begun. A rollout reads it per replica: the replica in flight finishes (drain, restart or rollback, back into
+the router), no further replica begins. Commands that restart nothing (deploy, verify, validate, status) have nothing to wait for: their
 first Ctrl-C abandons at once.
-The second Ctrl-C abandons: ansible-runner kills ansible-playbook's process group.
+The second Ctrl-C abandons: ansible-runner kills ansible-playbook's process group (a rollout then puts back
+into the router what serves and is out: driver/cli.py).
 
 The SIGINT handler only counts and creates the file (no buffered I/O, so it cannot break a write it
 interrupts, and it never raises KeyboardInterrupt); the messages are printed from the main loop (poll).
@@ -15,12 +18,15 @@ interrupts, and it never raises KeyboardInterrupt); the messages are printed fro
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 # Commands whose playbooks honour the cancel file (each instance's restart or rollback begins only without it).
-GRACEFUL = frozenset({"restart", "rollback", "tune"})
+GRACEFUL = frozenset({"restart", "rollback", "tune", "rollout"})
+# The signals that interrupt a run: the operator's Ctrl-C, and SIGTERM from whatever stops the driver.
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 FIRST = "interrupted: no further restart will begin; waiting for those in flight (Ctrl-C again to abandon)"
 AT_ONCE = "interrupted: stopping ansible-playbook ({command} restarts nothing, so nothing is left to wait for)"
@@ -41,10 +47,19 @@ class Interrupts:
         self.cancel_file: Path | None = None
 
     def handler(self, signum, frame) -> None:
-        """The SIGINT handler."""
+        """The SIGINT and SIGTERM handler."""
         self.count += 1
         if self.count == 1:
             self._touch()
+
+    def install(self) -> dict:
+        """This object handles SIGINT and SIGTERM from now on; the handlers it replaced, for restore()."""
+        return {sig: signal.signal(sig, self.handler) for sig in SIGNALS}
+
+    @staticmethod
+    def restore(previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     def arm(self, cancel_file: Path) -> None:
         """The run has its directory: a Ctrl-C from now on (or one already given) creates this cancel file."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -301,7 +300,7 @@ def main(args) -> int:
     from driver.interrupts import Interrupts
 
     try:
-        checked = inventory.check(args.inventory, args.limit)
+        checked = inventory.check(args.inventory, args.limit, cli.TUNE_PLAYBOOK, args.instance, args.extra_vars)
     except inventory.InventoryError as e:
         return usage(args, str(e))
     if len(checked.hosts) != 1:
@@ -320,13 +319,13 @@ def main(args) -> int:
         if where is not None and not writable(Path(where)):
             return usage(args, f"{opt} {where}: not a directory this user can write (checked before anything runs)")
     interrupts = Interrupts("tune")
-    previous = signal.signal(signal.SIGINT, interrupts.handler)
+    previous = interrupts.install()
     try:
         return _sweep(args, Sweep(args, checked.hosts[0], args.instance[0], grid, bench, interrupts), checked)
     except KeyboardInterrupt:
         return exitcodes.INTERRUPTED
     finally:
-        signal.signal(signal.SIGINT, previous)
+        Interrupts.restore(previous)
 
 
 def _sweep(args, sweep: Sweep, checked) -> int:

@@ -37,9 +37,11 @@ options:
     default: 1024
   stop_policy:
     description:
-      - C(none) never stops anything. C(own) stops offenders of I(service_unit) or I(service_user)
-        (SIGTERM, then SIGKILL after I(kill_grace)). C(force) stops any offender: only when the
-        operator asks for it explicitly.
+      - C(none) never stops anything.
+      - C(own) stops offenders of I(service_unit), and those of I(service_user) that no systemd unit owns
+        (outside any unit, or in a login session's scope), never another unit's (SIGTERM, then SIGKILL after
+        I(kill_grace)).
+      - C(force) stops any offender, only when the operator asks for it explicitly.
     type: str
     choices: [none, own, force]
     default: none
@@ -69,8 +71,9 @@ processes:
   returned: success
 wait:
   description:
-    - With wait, the wait and its last verdict (the one the unit's GPU gate gives on the same state):
-      {clean, missing, offenders, busy, unknown_memory, lines, note, refused, stopped, waited_s, polls, message}.
+    - "With wait, the wait and its last verdict (the one the unit's GPU gate gives on the same state):
+      {clean, missing, offenders, busy, unknown_memory, lines, note, refused, stopped, stopped_processes, waited_s,
+      polls, message}; stopped_processes is each stopped process (pid, user, unit, gpus, command, how)."
   type: dict
   returned: when wait
 """

@@ -10,21 +10,31 @@ description:
   - A thin adapter over module_utils/sglang_deploy/job.py. Waits on the host until the job's progress has
     changed past I(seen) and I(min_s) are out, or I(wait_s) are out, and returns it (C(sglang_job), C(progress),
     C(seq)); once the job has ended, returns its result exactly as sglang_server would have (failed unless the
-    outcome is a success) and removes the job's files.
+    outcome is a success), again on every call for it (an answer lost with a dropped connection is asked for
+    again), until a call with I(ack) removes the job's files.
   - Called by the action plugin action_plugins/sglang_server.py, one call per progress change, never per second.
 options:
   job: {type: path, required: true, description: The job's directory (sglang_job in the previous answer).}
   seen: {type: int, default: 0, description: The progress seq the controller has.}
   wait_s: {type: float, default: 30.0, description: The most seconds to wait for a change.}
   min_s: {type: float, default: 2.0, description: The least seconds before a progress answer (the result is at once).}
+  ack:
+    type: bool
+    default: false
+    description:
+      - The controller has the job's result; remove the job's files and answer C(acked) at once. Only an ended job's
+        with its result written (a running worker's, or a killed one's, stay); a job already removed is no error.
 author: sglang-deploy
 """
 
 RETURN = r"""
 sglang_job: {description: The job's directory while it runs., type: str, returned: running}
 progress: {description: "seq, phase, step, detail, last_line, since, steps.", type: dict, returned: running}
-outcome: {description: Once ended, sglang_server's result (outcome, phases, steps, ...)., type: str, returned: ended}
+outcome: {description: "Once ended, sglang_server's result (outcome, phases, steps, ...).", type: str, returned: ended}
+acked: {description: "With ack: the job's directory (changed when its files were removed).", type: str, returned: ack}
 """
+
+import os
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.sglang_deploy import job as jobs
@@ -37,15 +47,18 @@ def main() -> None:
             seen=dict(type="int", default=0),
             wait_s=dict(type="float", default=30.0),
             min_s=dict(type="float", default=2.0),
+            ack=dict(type="bool", default=False),
         ),
         supports_check_mode=False,
     )
     p = module.params
-    if not p["job"].startswith(jobs.JOBS_DIR + "/"):
+    if os.path.dirname(os.path.normpath(p["job"])) != jobs.JOBS_DIR:  # a job's own directory, nothing else (ack)
         module.fail_json(msg=f"job: {p['job']} is not a job directory under {jobs.JOBS_DIR}")
     job = jobs.Job(p["job"])
+    if p["ack"]:
+        module.exit_json(changed=jobs.ack(job), acked=job.dir)
     if jobs.read_json(job.result) is None and job.pid() is None:
-        module.fail_json(msg=f"job: {p['job']} holds no restart (already handed over, or never started)")
+        module.fail_json(msg=f"job: {p['job']} holds no restart (its result already acknowledged, or never started)")
     jobs.answer(module, jobs.wait(job, p["seen"], p["wait_s"], p["min_s"]))
 
 

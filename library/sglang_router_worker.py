@@ -1,31 +1,43 @@
 #!/usr/bin/python
-"""One worker of sglang-router: take it out, drain it, put it back, wait until the router reports it healthy."""
+"""One worker of sglang-router: take it out, drain it, put it back, wait until healthy; inspect what serves."""
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
 module: sglang_router_worker
-short_description: Take an SGLang worker out of sglang-router 0.3.2, drain it, put it back
+short_description: Take an SGLang worker out of sglang-router 0.3.2, drain it, put it back; inspect workers
 description:
-  - Runs where the router's API answers; playbooks/rollout.yml delegates it to the router host and calls the
-    router on its loopback (the role's router listens on 0.0.0.0, but a fleet's firewall may keep its port to
-    the host). The worker is named by the URL the router lists it under (C(http://<host>:<port>)).
-  - I(action=remove) removes the worker by the UUID the router lists it with (0.3.2 refuses a URL) and waits
-    until it is no longer listed. Removal neither waits for nor cuts its in-flight requests; with I(drain), the
-    same call then drains it as I(action=drain) does (one module call of a rollout's step, not two).
-  - I(action=drain) waits until the worker's C(sglang:num_running_reqs) (its /metrics) is 0, or I(drain_timeout);
-    never fails (the safe restart's stop waits for requests still running, as SGLang's SIGTERM handler does).
-  - I(action=add) adds the worker (C(POST /workers)) and waits until the router lists it as healthy; fails at
-    I(timeout). I(action=wait_healthy) only waits. I(action=list) returns what the router lists.
+  - Runs where the router's API answers (playbooks/rollout.yml delegates it to the router host, on its loopback).
+    The worker is named by its URL (C(http://<host>:<port>)); the router may list it under another spelling (an
+    address for a host name, an upper-case scheme or host, the default port written out or not, a trailing
+    slash, IPv6 brackets), the same worker here (names resolved where the module runs, as the router does).
+  - I(action=remove) removes the worker by the UUID the router lists it with (0.3.2 refuses a URL), every record
+    of it when it is registered under two spellings, and waits until it is no longer listed. A worker the
+    router does not list under any spelling FAILS (the message names what the router lists), unless
+    I(missing_ok). Removal neither waits for nor cuts its in-flight requests; with I(drain), the same call then
+    drains it as I(action=drain) does (one module call of a rollout's step, not two).
+  - I(action=drain) waits until the worker's C(sglang:num_running_reqs) + C(sglang:num_queue_reqs) (its
+    /metrics, both series read, summed over their label sets) has said 0 for 0.2 s (two reads at least), or a
+    connection to it is refused (nothing listens, the server is gone). It FAILS when it cannot say so (the drain
+    in the failed result), at once when /metrics answers 404 or lacks either series (SGLang serves them only
+    with C(--enable-metrics)); at I(drain_timeout) when requests still run, or when the reads keep failing
+    otherwise (a 503, a timeout, a reset connection is not evidence that nothing runs).
+  - I(action=add) adds the worker (C(POST /workers)) unless the router lists it under any spelling, and waits
+    until the router lists it as healthy; fails at I(timeout). I(action=wait_healthy) only waits.
+    I(action=list) returns what the router lists.
+  - I(action=inspect) reads, for each of I(worker_urls), whether the router lists it (any spelling), whether
+    the worker itself serves (its GET /health answers 200 within I(timeout)) and whether it can be
+    drained on evidence (its /metrics answers 200 with both series); it changes nothing and runs in check
+    mode too. With I(fail_on_problems) it fails when one is not listed or not drainable.
   - I(action=measure) measures the worker's output tok/s as the safe restart's verify does (I(requests)
     generations of I(max_new_tokens) tokens, one after another); no router is involved.
-  - Logic in module_utils/sglang_deploy/router.py. See docs/rollout.md.
+  - Logic in module_utils/sglang_deploy/router.py. See docs/rollout.md and docs/router.md.
 options:
   action:
     description: What to do.
     type: str
-    choices: [remove, add, drain, wait_healthy, list, measure]
+    choices: [remove, add, drain, wait_healthy, list, inspect, measure]
     required: true
   router_url:
     description: The router's base URL, as seen from where the module runs. Required but for I(action=drain) and
@@ -36,20 +48,37 @@ options:
       I(action=measure), the worker's.
     type: str
   worker_url:
-    description: The worker, as the router lists it. Required but for I(action=list).
+    description: The worker, as the inventory names it (any spelling the router's may differ by, above).
+      Required but for I(action=list) and I(action=inspect).
     type: str
+  worker_urls:
+    description: With I(action=inspect), the workers to inspect, each as I(worker_url). Required with
+      I(action=inspect).
+    type: list
+    elements: str
+  missing_ok:
+    description: With I(action=remove), succeed (C(changed=false), nothing removed) when the router lists the
+      worker under no spelling, where it fails by default.
+    type: bool
+    default: false
+  fail_on_problems:
+    description: With I(action=inspect), fail (msg the problems joined with C(; )) when a worker is not listed or
+      cannot be drained on evidence.
+    type: bool
+    default: false
   timeout:
-    description: Seconds to wait until the router no longer lists a removed worker, or lists an added one healthy.
+    description: Seconds to wait until the router no longer lists a removed worker, or lists an added one healthy;
+      with I(action=inspect), seconds each read of a worker's /health and /metrics may take (5 is plenty).
     type: float
     default: 60
   drain_timeout:
-    description: Seconds I(action=drain) (or I(action=remove) with I(drain)) waits for the worker's running
-      requests to finish.
+    description: Seconds I(action=drain) (or I(action=remove) with I(drain)) waits for the worker's running and
+      queued requests to finish.
     type: float
     default: 120
   drain:
     description: With I(action=remove), drain the worker once the router no longer lists it (also when it was
-      not listed).
+      not listed, with I(missing_ok)).
     type: bool
     default: false
   prompt:
@@ -64,111 +93,148 @@ options:
     description: With I(action=measure), the tokens of each.
     type: int
     default: 64
+notes:
+  - Check mode - I(action=remove) and I(action=add) read the router's list (an unlisted worker fails remove there
+    too) and send nothing; I(action=drain) reads nothing (C(drained=null)); inspect and list run as always.
 author: sglang-deploy
 """
 
 RETURN = r"""
 worker_url:
-  description: The worker acted on.
+  description: The worker acted on, as given.
   type: str
-  returned: always but list
+  returned: remove, add, drain, wait_healthy, measure
 worker_id:
-  description: The UUID the router lists (listed) the worker with; null when it was not listed.
+  description: The UUID the router lists (listed) the worker with (the first, when it is registered twice); null
+    when it was not listed.
   type: str
   returned: remove, add
+worker_ids:
+  description: With action=remove, every UUID removed (or, in check mode, that would be), more than one when the
+    router listed the worker under two spellings; empty when it was not listed (missing_ok).
+  type: list
+  elements: str
+  returned: remove
 seconds:
   description: How long the wait took (until gone, healthy or drained).
   type: float
-  returned: remove, add, drain, wait_healthy
+  returned: remove (when it removed), add, drain, wait_healthy
 tokens_per_s:
   description: With action=measure, the output tok/s.
   type: float
   returned: measure
+requests:
+  description: With action=measure, the generations measured.
+  type: int
+  returned: measure
 drain:
-  description: With action=drain (or remove with drain), {drained, seconds, running, why}.
+  description: With action=drain (or remove with drain), also in the failed result when not drained.
   type: dict
   returned: drain, remove with drain
+  contains:
+    drained:
+      description: Whether the worker has nothing left to run (on evidence); null in check mode.
+      type: bool
+    seconds:
+      description: How long the drain took.
+      type: float
+    running:
+      description: The last sglang:num_running_reqs read (summed over its label sets); null when none was read.
+      type: float
+    queued:
+      description: The last sglang:num_queue_reqs read; null when none was read.
+      type: float
+    why:
+      description: "Why it ended: C(no running or queued requests); C(not serving: connection refused); C(cannot be
+        drained on evidence: ...) (naming --enable-metrics); C(drain timeout (120 s): ...) (the last load read, or
+        the last error); C(check mode)."
+      type: str
 workers:
-  description: What the router lists afterwards, each {url, id, healthy}.
+  description: With action=inspect, one entry per I(worker_urls), in their order; with remove, add, wait_healthy
+    and list, what the router lists afterwards, each {url, id, healthy}.
   type: list
-  returned: remove, add, wait_healthy, list
+  elements: dict
+  returned: remove (when it removed), add, wait_healthy, list, inspect
+  contains:
+    url:
+      description: The worker (inspect, as given; else as the router lists it).
+      type: str
+    id:
+      description: Its UUID (not inspect).
+      type: str
+    healthy:
+      description: Whether the router lists it healthy (not inspect).
+      type: bool
+    listed:
+      description: (inspect) Whether the router lists it under any spelling.
+      type: bool
+    ids:
+      description: (inspect) The UUIDs the router lists it with (more than one when registered twice).
+      type: list
+      elements: str
+    healthy_in_router:
+      description: (inspect) Whether one of its records is healthy in the router; null when not listed.
+      type: bool
+    serving:
+      description: (inspect) Whether its own GET /health answered 200 within I(timeout).
+      type: bool
+    drainable:
+      description: (inspect) Whether its /metrics answered 200 with sglang:num_running_reqs and
+        sglang:num_queue_reqs.
+      type: bool
+    why:
+      description: (inspect) Why it is not serving or not drainable; empty when it is both.
+      type: str
+problems:
+  description: With action=inspect, one sentence per worker not listed and per worker not drainable (each naming
+    the worker); empty when none.
+  type: list
+  elements: str
+  returned: inspect
+msg:
+  description: When the module fails, the action, the worker and why (a remove of an unlisted worker names what
+    the router lists; a drain not drained its why; inspect with fail_on_problems its problems).
+  type: str
+  returned: failure
 """
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.sglang_deploy.http import HttpError
-from ansible.module_utils.sglang_deploy.router import Router, RouterError, drain, measure
+from ansible.module_utils.sglang_deploy.router import ActionFailed, RouterError, act
 
-
-def act(module: AnsibleModule) -> dict:
-    p = module.params
-    url = p["worker_url"]
-    action = p["action"]
-    if action == "measure":
-        out = measure(url, p["prompt"], p["requests"], p["max_new_tokens"], api_key=p["api_key"])
-        return {"changed": False, "worker_url": url, **out}
-    router = Router(p["router_url"], api_key=p["api_key"])
-    if action == "list":
-        return {"changed": False, "workers": router.membership()}
-    if action == "drain":
-        if module.check_mode:
-            return {"changed": False, "worker_url": url, "drain": {"drained": None, "why": "check mode"}}
-        out = drain(url, p["drain_timeout"], api_key=p["api_key"])
-        return {"changed": False, "worker_url": url, "drain": out, "seconds": out["seconds"]}
-    listed = router.find(url)
-    if action == "wait_healthy":
-        seconds = router.wait_healthy(url, p["timeout"])
-        return {"changed": False, "worker_url": url, "seconds": seconds, "workers": router.membership()}
-    if action == "remove":
-        if module.check_mode:  # nothing removed, nothing read (as action=drain in check mode)
-            out = {"changed": listed is not None, "worker_url": url, "worker_id": (listed or {}).get("id")}
-            return {**out, "drain": {"drained": None, "why": "check mode"}} if p["drain"] else out
-        out = {"changed": False, "worker_url": url, "worker_id": None}
-        if listed is not None:
-            wid = router.remove(url)
-            out = {"changed": True, "worker_url": url, "worker_id": wid, "seconds": router.wait_gone(url, p["timeout"])}
-            out["workers"] = router.membership()
-        if p["drain"]:  # the worker's /metrics: api_key is the router's here, not the worker's
-            out["drain"] = drain(url, p["drain_timeout"])
-        return out
-    # add
-    if module.check_mode:
-        return {"changed": listed is None, "worker_url": url, "worker_id": (listed or {}).get("id")}
-    wid = (listed or {}).get("id") or router.add(url)
-    seconds = router.wait_healthy(url, p["timeout"])
-    listed_now = router.find(url) or {}
-    return {
-        "changed": listed is None,
-        "worker_url": url,
-        "worker_id": listed_now.get("id") or wid,
-        "seconds": seconds,
-        "workers": router.membership(),
-    }
+ARGUMENT_SPEC = dict(
+    action=dict(
+        type="str", choices=["remove", "add", "drain", "wait_healthy", "list", "inspect", "measure"], required=True
+    ),
+    router_url=dict(type="str"),
+    api_key=dict(type="str", no_log=True),
+    worker_url=dict(type="str"),
+    worker_urls=dict(type="list", elements="str"),
+    missing_ok=dict(type="bool", default=False),
+    fail_on_problems=dict(type="bool", default=False),
+    timeout=dict(type="float", default=60.0),
+    drain_timeout=dict(type="float", default=120.0),
+    drain=dict(type="bool", default=False),
+    prompt=dict(type="str", default="The capital of France is"),
+    requests=dict(type="int", default=4),
+    max_new_tokens=dict(type="int", default=64),
+)
+REQUIRED_IF = (
+    [("action", a, ["worker_url"]) for a in ("remove", "add", "drain", "wait_healthy", "measure")]
+    + [("action", a, ["router_url"]) for a in ("remove", "add", "wait_healthy", "list", "inspect")]
+    + [("action", "inspect", ["worker_urls"])]
+)
 
 
 def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            action=dict(
-                type="str", choices=["remove", "add", "drain", "wait_healthy", "list", "measure"], required=True
-            ),
-            router_url=dict(type="str"),
-            api_key=dict(type="str", no_log=True),
-            worker_url=dict(type="str"),
-            timeout=dict(type="float", default=60.0),
-            drain_timeout=dict(type="float", default=120.0),
-            drain=dict(type="bool", default=False),
-            prompt=dict(type="str", default="The capital of France is"),
-            requests=dict(type="int", default=4),
-            max_new_tokens=dict(type="int", default=64),
-        ),
-        required_if=[("action", a, ["worker_url"]) for a in ("remove", "add", "drain", "wait_healthy", "measure")]
-        + [("action", a, ["router_url"]) for a in ("remove", "add", "wait_healthy", "list")],
-        supports_check_mode=True,
-    )
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_if=REQUIRED_IF, supports_check_mode=True)
+    what = f"{module.params['action']} {module.params['worker_url'] or ''}".rstrip()
     try:
-        result = act(module)
+        result = act(module.params, module.check_mode)
+    except ActionFailed as exc:  # the result too (the drain, the inspection)
+        module.fail_json(msg=f"{what}: {exc}", **exc.result)
     except (RouterError, HttpError) as exc:
-        module.fail_json(msg=f"{module.params['action']} {module.params['worker_url'] or ''}: {exc}")
+        module.fail_json(msg=f"{what}: {exc}")
     module.exit_json(**result)
 
 

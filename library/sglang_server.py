@@ -15,8 +15,8 @@ description:
     verified (unless I(rollback=false)); when that cannot be done the unit is left stopped.
   - C(rollback) puts the newest known-good generation back and restarts and verifies it.
   - C(verify) checks a running instance; C(status) reports it without load.
-  - Holds the instance's lock (/run/sglang-deploy/locks) for a restart or rollback; a second
-    operation is refused at once (outcome C(locked)), naming the holder.
+  - Holds the instance's lock (/run/sglang-deploy/locks) for a restart or rollback (a multi-node one's, as a lease between
+    its phases too, I(group_token)); a second operation is refused at once (outcome C(locked)), naming the holder.
 options:
   action: {type: str, choices: [restart, verify, status, rollback], required: true}
   instance:
@@ -45,9 +45,7 @@ options:
   patch_manifest: {type: path, description: Used when the unit's virtualenv holds no manifest of its own.}
   controller: {type: str, default: "", description: Who runs the operation (shown to a refused second one).}
   command: {type: str, default: "", description: What the controller runs (shown to a refused second one).}
-  expected_config_hash:
-    type: str
-    description: The hash of the configuration this run staged; a restart refuses to start another (another controller's).
+  expected_config_hash: {type: str, description: "The hash of the configuration this run staged; a restart refuses to start another (another controller's)."}
   phase:
     type: str
     choices: [all, stop, start, confirm, record, rollback_stop, rollback_start, rollback_confirm]
@@ -55,11 +53,10 @@ options:
     description:
       - C(all) for one node; an instance spanning nodes restarts in four tasks over every node (stop, start,
         confirm, record) and, when a rank failed, is rolled back on every node in three (rollback_*).
-  group_ok:
-    type: bool
-    default: true
-    description: The other ranks of a multi-node instance are in step; false, the stop refuses and the last rollback phase contains.
+  group_ok: {type: bool, default: true, description: "The other ranks of a multi-node instance are in step; false, the stop refuses and the last rollback phase contains."}
   group_why: {type: str, default: "", description: Why the group is out of step (a rank failed, a node left the run).}
+  group_token: {type: str, description: "A multi-node restart's run, the same on every node: its phases hold the lock between them as a lease on the node (module_utils/sglang_deploy/lock.py); any other operation is refused (C(locked)) while it is valid. Unset: no lease."}
+  group_lease_s: {type: float, default: 1470, description: "With I(group_token), how long the lease stays valid after each phase (sglang_service_group_lease_s): the stop takes it, the start, confirm and record go on only under it, the record or C(rollback_confirm) removes it."}
   evidence:
     type: bool
     default: true
@@ -100,13 +97,15 @@ author: sglang-deploy
 RETURN = r"""
 outcome: {description: One of module_utils/sglang_deploy/outcomes.py., type: str, returned: always}
 phases: {description: "Each phase run: phase, seconds, ok, detail.", type: list, returned: restart, rollback}
+stopped_processes: {description: "Every process its GPU waits stopped (pid, user, unit, gpus, command, how, phase).", type: list, returned: restart, rollback}
 failure: {description: "phase, cause, journal_tail, traceback, ...", type: dict, returned: on failure}
 rollback: {description: "attempted, why, to_generation, to_profile, outcome, phases, failure.", type: dict, returned: when relevant}
 contained: {description: How a not-recovered instance was left (stop, files, unit_state)., type: dict, returned: not_recovered}
 verify: {description: "checks, running_profile, tokens_per_s, accept_length, ok, warnings, failed_checks.", type: dict, returned: when run}
 evidence: {description: "The crash evidence bundle on the host: path, bytes, items, seconds (or error).", type: dict, returned: a start, generation or verification failed}
 known_good: {description: The generation recorded (generation, config_hash, profile, software)., type: dict, returned: restarted}
-lock: {description: "holder: operation, pid, command, controller, since.", type: dict, returned: locked}
+lock: {description: "holder: operation, pid, command, controller, since (a group's lease: group_lease, its token and expiry).", type: dict, returned: locked}
+group_lease: {description: "With I(group_token): the lease renewed (token, expires, expires_at), ended (ended), or not (error).", type: dict, returned: a multi-node phase}
 steps: {description: "With detach, each model-load step of each start: phase, step, detail, seconds.", type: list, returned: detach}
 sglang_job: {description: "With detach, the job still running: its directory (progress and seq say how far).", type: str, returned: detach}
 bench: {description: "With I(bench): sglang_deploy.bench.run's result; null when it could not run (bench_error).", type: dict, returned: restarted}
@@ -137,7 +136,14 @@ from ansible.module_utils.sglang_deploy.restart import (
 THRESHOLDS = [f.name for f in fields(Thresholds)]
 BUILT = ("rendered", "secrets", "validate_instances", "bench", "check_mode", "thresholds")
 SETTINGS = [f.name for f in fields(Settings) if f.name not in BUILT]
-ACTIONS = {"restart": restart, "rollback": rollback, "verify": verify, "status": status}
+
+
+def with_stopped(action):
+    """The action, its result also listing every process its GPU waits stopped (for the driver to name)."""
+    return lambda m: (res := action(m)) | {"stopped_processes": Machine.stopped_in(res)}
+
+
+ACTIONS = {"restart": with_stopped(restart), "rollback": with_stopped(rollback), "verify": verify, "status": status}
 
 
 def main() -> None:
@@ -170,6 +176,8 @@ def main() -> None:
             phase=dict(type="str", choices=["all", *MULTINODE_PHASES], default="all"),
             group_ok=dict(type="bool", default=True),
             group_why=dict(type="str", default=""),
+            group_token=dict(type="str"),
+            group_lease_s=dict(type="float", default=1470.0),
             evidence=dict(type="bool", default=True),
             evidence_budget_s=dict(type="float", default=10.0),
             unit_content=dict(type="str"),

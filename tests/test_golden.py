@@ -139,3 +139,55 @@ def test_systemd_analyze_verify_would_name_a_device_or_errno_it_ignores(tmp_path
     text = text.replace("SystemCallErrorNumber=EPERM", "SystemCallErrorNumber=EBOGUS")
     complaints = verify_complaints(text, "sglang-mn.service", tmp_path)
     assert len(complaints) == 2 and "EBOGUS" in complaints[1], complaints
+
+
+# SGLang 0.5.23's own stop (sglang/srt/managers/tokenizer_manager.py): TokenizerManager.sigterm_watchdog notices a
+# SIGTERM at its next 5 s poll, drains, then gives its schedulers _SCHEDULER_EXIT_TIMEOUT_SECS (15 s) to release.
+SGLANG_STOP_FLOOR_S = 5 + 15
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_stop_signals_the_main_process_only_and_gives_sglang_its_drain(case):
+    """Issue #29: KillMode=control-group sends SIGTERM to every process of the unit at once; SGLang's schedulers
+    have no SIGTERM handler and die mid-forward, and the server kills itself with every request in flight. mixed:
+    SIGTERM to the main process alone (it drains), SIGKILL to every process left at the end."""
+    lines = unit(case).splitlines()
+    assert [line for line in lines if line.startswith("KillMode=")] == ["KillMode=mixed"]
+    assert "KillSignal=SIGTERM" in lines
+    assert not any(line.startswith(("SendSIGKILL=", "FinalKillSignal=")) for line in lines), "the final SIGKILL stays"
+    (timeout,) = [int(line.split("=", 1)[1]) for line in lines if line.startswith("TimeoutStopSec=")]
+    assert timeout >= SGLANG_STOP_FLOOR_S + 120, "the default gives running requests a rollout's drain budget (120 s)"
+
+
+def stop_timeout_check(tmp_path: Path, **values) -> subprocess.CompletedProcess:
+    """render.yml's stop-timeout assert, the task as the role has it, run on the controller with these values."""
+    tasks = yaml.safe_load((REPO / "roles" / "sglang_service" / "tasks" / "render.yml").read_text())
+    (task,) = [t for t in tasks if "sglang_service_stop_timeout" in t["name"]]
+    play = [{"hosts": "localhost", "connection": "local", "gather_facts": False, "vars": values, "tasks": [task]}]
+    (tmp_path / "check.yml").write_text(yaml.safe_dump(play))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", str(tmp_path / "check.yml")],
+        cwd=REPO,
+        env={**env, "ANSIBLE_PYTHON_INTERPRETER": sys.executable},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "module,timeout,ok",
+    [
+        ("sglang.launch_server", 150, True),
+        ("sglang.launch_server", SGLANG_STOP_FLOOR_S, True),
+        ("sglang.launch_server", SGLANG_STOP_FLOOR_S - 1, False),
+        ("lab_sglang_standin", 5, True),  # the lab's stand-in drains at once (lab/lab.py sets 5)
+        ("lab_sglang_standin", 0, False),  # 0 turns systemd's stop timeout off
+    ],
+)
+def test_a_stop_timeout_too_short_for_sglangs_drain_is_refused_naming_the_variable(tmp_path, module, timeout, ok):
+    proc = stop_timeout_check(tmp_path, sglang_service_launch_module=module, sglang_service_stop_timeout=timeout)
+    assert (proc.returncode == 0) is ok, proc.stdout[-2000:]
+    if not ok:
+        assert f"sglang_service_stop_timeout={timeout} (the unit's TimeoutStopSec) is too short" in proc.stdout

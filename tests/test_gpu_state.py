@@ -248,7 +248,13 @@ def test_other_gpus_do_not_matter(sim):
         assert gpu.wait_clean([0, 1], timeout=0.2, interval=0.05)["clean"]
 
 
-def test_policy_own_stops_the_service_users_process_but_not_others(sim):
+@pytest.fixture
+def unitless(monkeypatch):
+    """The test's processes are strays no unit owns, wherever pytest runs (a CI runner's service is another unit)."""
+    monkeypatch.setattr(procinfo, "unit_of", lambda pid: None)
+
+
+def test_policy_own_stops_the_service_users_process_but_not_others(sim, unitless):
     me = getpass.getuser()
     with holding(sim, ["sleep", "30"], gpu=0, mib=8148) as holder:
         res = gpu.wait_clean([0], timeout=5, interval=0.05, policy="own", service_user="someone-else")
@@ -265,7 +271,7 @@ def ignores_sigterm(pid: int) -> bool:
     return bool(ignored & (1 << (signal.SIGTERM - 1)))
 
 
-def test_policy_own_escalates_to_sigkill(sim):
+def test_policy_own_escalates_to_sigkill(sim, unitless):
     with holding(
         sim,
         [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)"],
@@ -283,6 +289,84 @@ def test_force_stops_anyone(sim):
     with holding(sim, ["sleep", "30"], gpu=0, mib=100) as holder:
         res = gpu.wait_clean([0], timeout=5, interval=0.05, policy="force", kill_grace=2)
         assert res["clean"] and holder.pid in res["stopped"]
+
+
+def test_policy_own_never_stops_another_units_process_of_the_service_user(sim, monkeypatch):
+    """Issue #29: every instance runs as the service user; a process of another instance's unit is not "own"."""
+    me = getpass.getuser()
+    monkeypatch.setattr(procinfo, "unit_of", lambda pid: "sglang-main.service")
+    with holding(sim, ["sleep", "30"], gpu=0, mib=8148) as holder:
+        res = gpu.wait_clean(
+            [0], timeout=0.3, interval=0.05, policy="own", service_unit="sglang-bench.service", service_user=me
+        )
+        assert holder.poll() is None, "still running"
+    assert not res["clean"] and res["stopped"] == {} and res["stopped_processes"] == []
+    assert [p["pid"] for p in res["refused"]] == [holder.pid]
+    assert "unit sglang-main.service" in res["message"] and "never stopped" in res["message"]
+
+
+# A process of the service user as procinfo describes it; cases: (its unit, its user, policy, may it be stopped).
+MINE, SVC = "sglang-bench.service", "sglang"
+STOP_POLICY = [
+    ("this unit", MINE, SVC, "own", True),
+    ("this unit, another user (ExecStartPre=+)", MINE, "root", "own", True),
+    ("another instance's unit", "sglang-main.service", SVC, "own", False),
+    ("another service unit", "jupyter.service", SVC, "own", False),
+    ("a transient scope (systemd-run --scope)", "run-r0123abc.scope", SVC, "own", False),
+    ("a container's scope", "libpod-0123abcd.scope", SVC, "own", False),
+    ("a user manager's service", "app.service", SVC, "own", False),
+    ("no unit: a stray outside any unit", None, SVC, "own", True),
+    ("a login session's scope", "session-4.scope", SVC, "own", True),
+    ("no unit, another user", None, "alice", "own", False),
+    ("a login session, another user", "session-4.scope", "alice", "own", False),
+    ("hidden by /proc: no user, no unit", None, None, "own", False),
+    ("another instance's unit, force", "sglang-main.service", SVC, "force", True),
+    ("another user, force", "session-4.scope", "alice", "force", True),
+    ("this unit, none", MINE, SVC, "none", False),
+    ("no unit, none", None, SVC, "none", False),
+]
+
+
+@pytest.mark.parametrize("unit,user,policy,allowed", [c[1:] for c in STOP_POLICY], ids=[c[0] for c in STOP_POLICY])
+def test_the_stop_policy_decides_by_unit_first_then_user(unit, user, policy, allowed):
+    proc = {"pid": 4242, "gpu": 0, "user": user, "unit": unit}
+    assert gpu.may_stop(proc, policy, MINE, SVC) is allowed
+
+
+def test_what_the_wait_stopped_says_whose_it_was_and_how_it_ended(monkeypatch):
+    """A stray of the service user on two GPUs, stopped once; another unit's process beside it, never."""
+    rows = [
+        {"pid": 71, "gpu": 0, "used_mib": 900, "user": SVC, "unit": None, "cmdline": "python stray.py"},
+        {"pid": 71, "gpu": 1, "used_mib": 900, "user": SVC, "unit": None, "cmdline": "python stray.py"},
+        {"pid": 72, "gpu": 1, "used_mib": 900, "user": SVC, "unit": "sglang-main.service", "cmdline": "python -m x"},
+    ]
+    live = {71, 72}
+
+    def terminate(pids, grace, interval):
+        live.difference_update(pids)
+        return {pid: "SIGKILL" for pid in pids}
+
+    def snap() -> dict:
+        s = snap_of([(0, 900), (1, 1800)])
+        return {**s, "processes": [r for r in rows if r["pid"] in live]}
+
+    monkeypatch.setattr(gpu, "terminate", terminate)
+    ticks = iter(range(100))
+    res = gpu.wait_clean(
+        [0, 1],
+        3,
+        policy="own",
+        service_unit=MINE,
+        service_user=SVC,
+        clock=lambda: next(ticks),
+        sleep=lambda s: None,
+        take_snapshot=snap,
+    )
+    assert not res["clean"] and live == {72}
+    assert res["stopped"] == {71: "SIGKILL"}
+    assert res["stopped_processes"] == [
+        {"pid": 71, "user": SVC, "unit": None, "gpus": [0, 1], "command": "python stray.py", "how": "SIGKILL"}
+    ]
 
 
 def test_a_missing_gpu_is_named(sim):

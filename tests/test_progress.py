@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,7 +86,7 @@ def wait_until(cond, timeout=10.0):
         time.sleep(0.01)
 
 
-def test_a_detached_job_answers_its_progress_then_its_result_and_leaves_nothing(tmp_path):
+def test_a_detached_job_answers_its_progress_then_its_result_and_leaves_nothing_once_acknowledged(tmp_path):
     gate = tmp_path / "go"
 
     def work():
@@ -107,7 +108,9 @@ def test_a_detached_job_answers_its_progress_then_its_result_and_leaves_nothing(
     end = jobs.wait(job, seen=said["seq"], wait_s=10, min_s=5)  # the result at once, whatever min_s
     assert end["done"] and end["ok"] and end["res"]["outcome"] == "restarted"
     assert end["res"]["pid"] == pid and end["res"]["sid"] != os.getsid(0)  # its own session
-    assert not os.path.exists(job.dir)
+    assert jobs.wait(job, seen=said["seq"], wait_s=10, min_s=0) == end  # asked again: the same result
+    assert jobs.ack(job) and not os.path.exists(job.dir)
+    assert not jobs.ack(job)  # acknowledged twice: nothing more to remove
 
 
 def test_a_worker_killed_without_a_result_is_a_failure_naming_it_and_its_files_stay(tmp_path):
@@ -120,7 +123,7 @@ def test_a_worker_killed_without_a_result_is_a_failure_naming_it_and_its_files_s
     end = jobs.wait(job, seen=0, wait_s=10, min_s=10)
     assert end["done"] and not end["ok"]
     assert "ended without a result during start" in end["res"]["msg"] and "driver status" in end["res"]["msg"]
-    assert os.path.isdir(job.dir)
+    assert not jobs.ack(job) and os.path.isdir(job.dir)  # no result: an acknowledgement removes nothing
 
 
 def test_work_that_raises_ends_in_its_error_result(tmp_path):
@@ -212,11 +215,29 @@ def test_start_runs_the_action_detached_with_the_jobs_reporter_and_masks_its_res
         return json.loads(json.dumps(doc).replace("sk-1", "****"))
 
     said = jobs.start(m, action, lambda res: res["outcome"] == "restarted", mask, every=0.5, jobs_dir=str(tmp_path))
+    job = said.get("job")  # none when the result came within `every`: start() removed the job itself
     while not said["done"]:
         said = jobs.wait(jobs.Job(said["job"]), said["seq"], wait_s=10, min_s=0)
     assert said["ok"] and said["res"]["msg"] == "restarted with ****"
     assert [s["step"] for s in said["res"]["steps"]] == [progress.WEIGHTS]
+    if job:
+        assert jobs.ack(jobs.Job(job))
     assert os.listdir(tmp_path) == []
+
+
+def test_start_removes_a_job_whose_result_it_answers_itself(tmp_path):
+    class Inst:
+        name = "main"
+
+    class Machine:
+        inst = Inst()
+        progress = None
+
+    said = jobs.start(
+        Machine(), lambda: {"outcome": "locked"}, lambda res: False, lambda d: d, every=10, jobs_dir=str(tmp_path)
+    )
+    assert said["done"] and said["res"]["outcome"] == "locked"
+    assert os.listdir(tmp_path) == []  # the controller never learns this job: nothing would acknowledge it
 
 
 def test_the_ledger_keeps_the_load_and_capture_seconds_of_the_restart_not_its_rollback():
@@ -245,7 +266,7 @@ def test_the_sglang_job_module_hands_over_a_result_its_progress_or_a_clear_refus
     done = jobs.new("main", str(tmp_path / "jobs"))
     jobs.write_json(done.result, {"ok": True, "res": {"outcome": "restarted", "msg": "main: restarted"}})
     rc, res = job_module(tmp_path, {"job": done.dir})
-    assert rc == 0 and res["outcome"] == "restarted" and not os.path.exists(done.dir)
+    assert rc == 0 and res["outcome"] == "restarted" and os.path.exists(done.dir)  # kept until acknowledged
 
     failed = jobs.new("main", str(tmp_path / "jobs"))
     jobs.write_json(failed.result, {"ok": False, "res": {"outcome": "rolled_back", "msg": "main: rolled back"}})
@@ -262,6 +283,189 @@ def test_the_sglang_job_module_hands_over_a_result_its_progress_or_a_clear_refus
 
     rc, res = job_module(tmp_path, {"job": "/etc"})
     assert rc == 1 and "is not a job directory under" in res["msg"]
+    rc, res = job_module(tmp_path, {"job": f"{tmp_path / 'jobs'}/../../etc", "ack": True})
+    assert rc == 1 and "is not a job directory under" in res["msg"]
     empty = jobs.new("main", str(tmp_path / "jobs"))
     rc, res = job_module(tmp_path, {"job": empty.dir})
     assert rc == 1 and "holds no restart" in res["msg"]
+
+
+def test_a_result_lost_on_the_way_is_handed_over_again_until_acknowledged(tmp_path):
+    """The connection drops exactly while sglang_job hands the result over: the next call still gets it."""
+    job = jobs.new("main", str(tmp_path / "jobs"))
+    jobs.write_json(job.result, {"ok": False, "res": {"outcome": "rolled_back", "msg": "main: rolled back"}})
+    first = job_module(tmp_path, {"job": job.dir, "seen": 4, "min_s": 0})
+    assert first[0] == 1 and first[1]["outcome"] == "rolled_back"  # this answer is lost on the way
+    assert job_module(tmp_path, {"job": job.dir, "seen": 4, "min_s": 0}) == first  # asked again: the same
+    rc, res = job_module(tmp_path, {"job": job.dir, "ack": True})
+    assert rc == 0 and res["changed"] and res["acked"] == job.dir and not os.path.exists(job.dir)
+    rc, res = job_module(tmp_path, {"job": job.dir, "ack": True})
+    assert rc == 0 and not res["changed"]  # acknowledged twice (its answer lost too): no error
+    rc, res = job_module(tmp_path, {"job": job.dir})
+    assert rc == 1 and "holds no restart" in res["msg"]
+
+    running = jobs.new("main", str(tmp_path / "jobs"))
+    with open(running.pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    rc, res = job_module(tmp_path, {"job": running.dir, "ack": True})
+    assert rc == 0 and not res["changed"] and os.path.isdir(running.dir)  # no result yet: nothing removed
+
+
+# The action plugin as Ansible runs it: its ActionModule with the task's args, each module call it makes
+# (_execute_module) answered by the test: sglang_job is the real module run as Ansible runs it (job_module), the
+# connection's failures are Ansible's (AnsibleConnectionFailure, or a result marked unreachable).
+
+
+def action_plugin(tmp_path, monkeypatch, args: dict, answer, clock):
+    """(run, progress file): run() is the plugin's run() for a task with `args` on host gpu-01 under the driver
+    (its progress dir set); answer(module name, module args) answers each module call; clock is the fake
+    controller clock, advanced by the plugin's sleeps (each recorded in clock.sleeps with the progress file then)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from support import REPO
+
+    spec = importlib.util.spec_from_file_location("sglang_server_action", REPO / "action_plugins" / "sglang_server.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    where = tmp_path / "progress"
+    where.mkdir()
+    monkeypatch.setenv(progress.PROGRESS_DIR_ENV, str(where))
+    task = SimpleNamespace(args=args, async_val=0, check_mode=False, action="sglang_server")
+    connection = SimpleNamespace(_shell=SimpleNamespace(tmpdir=str(tmp_path)))
+    plugin = mod.ActionModule(task, connection, SimpleNamespace(check_mode=False), None, None)
+    plugin._execute_module = lambda module_name, module_args, task_vars: answer(module_name, dict(module_args))
+    path = progress.progress_file(str(where), "gpu-01", "main")
+
+    def sleep(s):
+        clock.sleeps.append((s, json.loads(Path(path).read_text())))
+        clock.now += s
+
+    plugin.clock = lambda: clock.now
+    plugin.sleep = sleep
+    return (lambda: plugin.run(task_vars={"inventory_hostname": "gpu-01"})), path
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+        self.sleeps: list[tuple[float, dict]] = []
+
+
+def running_job(tmp_path) -> jobs.Job:
+    """A job whose worker runs (the test's own pid) in phase start, loading weights; seq 2."""
+    job = jobs.new("main", str(tmp_path / "jobs"))
+    with open(job.pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    jobs.write_json(job.progress, {"seq": 2, "phase": "start", "step": progress.WEIGHTS, "detail": "1/2 (50%)"})
+    return job
+
+
+def connection_lost(kind: str) -> dict:
+    """What Ansible's _execute_module does when the SSH connection drops: raises, or (a connection plugin's way)
+    answers a result marked unreachable."""
+    from ansible.errors import AnsibleConnectionFailure
+
+    msg = "Failed to connect to the host via ssh: ssh: connect to host gpu-01 port 22: Connection timed out"
+    if kind == "raise":
+        raise AnsibleConnectionFailure(msg)
+    return {"unreachable": True, "msg": msg, "changed": False}
+
+
+@pytest.mark.parametrize("kind", ["raise", "unreachable"])
+def test_a_poll_lost_to_an_ssh_blip_is_asked_again_and_the_task_gets_the_jobs_real_outcome(tmp_path, monkeypatch, kind):
+    job = running_job(tmp_path)
+    calls = []
+
+    def answer(name, args):
+        calls.append((name, args))
+        if name == "sglang_server":
+            return {"changed": True, "sglang_job": job.dir, "seq": 2, "progress": jobs.read_json(job.progress)}
+        if len(calls) == 2:  # the connection drops; meanwhile the worker goes on, rolls back, writes its result
+            jobs.write_json(job.result, {"ok": False, "res": {"changed": True, "outcome": "rolled_back", "msg": "rb"}})
+            return connection_lost(kind)
+        return job_module(tmp_path, args)[1]
+
+    clock = Clock()
+    run, path = action_plugin(
+        tmp_path, monkeypatch, {"action": "restart", "instance": {"name": "main"}, "reconnect_s": 60}, answer, clock
+    )
+    res = run()
+    assert res["outcome"] == "rolled_back" and res["failed"] and not res.get("unreachable"), res
+    # reconnect_s is the plugin's own: never passed to a module.
+    assert calls[0] == ("sglang_server", {"action": "restart", "instance": {"name": "main"}, "detach": True})
+    asked = [args for name, args in calls[1:] if "ack" not in args]
+    assert [(a["job"], a["seen"]) for a in asked] == [(job.dir, 2), (job.dir, 2)]  # the same job, the same seq
+    # While disconnected the driver's live view says so, the last progress kept.
+    [(slept, doc)] = clock.sleeps
+    assert slept == 2.0 and doc["connection_lost_s"] == 0.0 and "Connection timed out" in doc["connection_error"]
+    assert doc["phase"] == "start" and doc["step"] == progress.WEIGHTS and doc["done"] is False
+    end = json.loads(Path(path).read_text())
+    assert end["done"] and end["outcome"] == "rolled_back" and "connection_lost_s" not in end
+    assert calls[-1] == ("sglang_job", {"job": job.dir, "ack": True}) and not os.path.exists(job.dir)
+
+
+def test_a_result_answer_lost_at_hand_over_is_asked_for_again(tmp_path, monkeypatch):
+    from ansible.errors import AnsibleConnectionFailure
+
+    job = running_job(tmp_path)
+    jobs.write_json(job.result, {"ok": True, "res": {"changed": True, "outcome": "restarted", "msg": "main: ok"}})
+    handed = []
+
+    def answer(name, args):
+        if name == "sglang_server":
+            return {"changed": True, "sglang_job": job.dir, "seq": 2, "progress": jobs.read_json(job.progress)}
+        res = job_module(tmp_path, args)[1]
+        if not handed and not args.get("ack"):
+            handed.append(res)  # the host answered the result; the connection dropped before it arrived
+            raise AnsibleConnectionFailure("Data could not be sent to remote host 'gpu-01'")
+        return res
+
+    clock = Clock()
+    run, _ = action_plugin(tmp_path, monkeypatch, {"action": "restart", "instance": {"name": "main"}}, answer, clock)
+    res = run()
+    assert handed[0]["outcome"] == "restarted" and res["outcome"] == "restarted" and not res.get("failed"), res
+    assert not os.path.exists(job.dir)  # acknowledged once the controller had it
+
+
+def test_a_connection_lost_past_reconnect_s_ends_unreachable_naming_the_job_and_its_phase(tmp_path, monkeypatch):
+    job = running_job(tmp_path)
+    calls = []
+    clock = Clock()
+
+    def answer(name, args):
+        calls.append((name, args))
+        if name == "sglang_server":
+            return {"changed": True, "sglang_job": job.dir, "seq": 2, "progress": jobs.read_json(job.progress)}
+        clock.now += 1.0  # each attempt: a second of SSH timing out
+        return connection_lost("raise")
+
+    run, path = action_plugin(
+        tmp_path, monkeypatch, {"action": "rollback", "instance": {"name": "main"}, "reconnect_s": 30}, answer, clock
+    )
+    res = run()
+    assert res["unreachable"] and not res.get("failed") and res["job"] == job.dir and res["phase"] == "start"
+    assert job.dir in res["msg"] and f"in start, {progress.WEIGHTS} 1/2 (50%)" in res["msg"]
+    assert "goes on on the host" in res["msg"] and res["connection_lost_s"] == 31.0
+    # A bounded backoff, never past the budget: 2, 4, 8, then at most 10 s, the last cut to what is left.
+    assert [s for s, _ in clock.sleeps] == [2.0, 4.0, 8.0, 10.0, 2.0]
+    assert [doc["connection_lost_s"] for _, doc in clock.sleeps] == [0.0, 3.0, 8.0, 17.0, 28.0]
+    end = json.loads(Path(path).read_text())
+    assert end["done"] and end["outcome"] == "unreachable" and end["job"] == job.dir and end["phase"] == "start"
+    assert not any(args.get("ack") for _, args in calls) and os.path.isdir(job.dir)  # the worker runs on
+
+
+def test_reconnect_s_0_gives_up_at_the_first_failed_poll(tmp_path, monkeypatch):
+    job = running_job(tmp_path)
+
+    def answer(name, args):
+        if name == "sglang_server":
+            return {"changed": True, "sglang_job": job.dir, "seq": 2, "progress": jobs.read_json(job.progress)}
+        return connection_lost("unreachable")
+
+    clock = Clock()
+    run, _ = action_plugin(
+        tmp_path, monkeypatch, {"action": "restart", "instance": {"name": "main"}, "reconnect_s": 0}, answer, clock
+    )
+    res = run()
+    assert res["unreachable"] and res["job"] == job.dir and clock.sleeps == []

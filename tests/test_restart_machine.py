@@ -252,6 +252,7 @@ class Host:
         self.journals: dict[str, list[str]] = defaultdict(list)
         self.pids = itertools.count(41000)
         self.foreign = False  # a process of another user on GPU 0
+        self.others: list[dict] = []  # more processes on the GPUs (nvidia-smi's rows, described), until stopped
         self.starts: list[str] = []  # the profile of each start
         self.start_lag = 1
         self.sigterms = 0
@@ -550,6 +551,7 @@ class Host:
                     "process_name": "python",
                 }
             )
+        procs += [dict(p) for p in self.others]
         used = {g: 0 for g in range(4)}
         for p in procs:
             used[p["gpu"]] += p["used_mib"]
@@ -2743,3 +2745,266 @@ def test_journal_since_asks_journalctl_for_one_invocation_and_with_pid_one_proce
     first, second = seen
     assert "_SYSTEMD_INVOCATION_ID=inv1" in first and "_PID=4242" in first and first[-2:] == ["-n", "3"]
     assert not any(a.startswith("_PID=") for a in second) and "--after-cursor=s=abc" in second
+
+
+# ---------------------------------------------------------------------------- another instance on the same GPUs (#29)
+
+
+def on_gpus(pid: int, unit: str | None, gpus=(0, 1)) -> list[dict]:
+    """nvidia-smi's rows of one process of the service user holding `gpus`, described as procinfo would (its unit)."""
+    return [
+        {
+            "gpu": g,
+            "pid": pid,
+            "used_mib": 60000,
+            "user": "sglang",
+            "unit": unit,
+            "cmdline": "python -m sglang.launch_server",
+        }
+        for g in gpus
+    ]
+
+
+@pytest.fixture
+def kills(monkeypatch):
+    """gpu.terminate on the fake host: each pid it is given leaves the GPUs (SIGTERM); the pids, in order."""
+    killed: list[int] = []
+
+    def attach(host: Host) -> list[int]:
+        def terminate(pids, grace, interval):
+            killed.extend(pids)
+            host.others = [p for p in host.others if p["pid"] not in pids]
+            return {pid: "SIGTERM" for pid in pids}
+
+        monkeypatch.setattr(gpu, "terminate", terminate)
+        return killed
+
+    return attach
+
+
+@pytest.mark.parametrize("policy", ["own", "none"])
+def test_another_instances_unit_on_the_gpus_is_refused_before_anything_is_stopped(tmp_path, kills, policy):
+    """Issue #29: every instance runs as the service user; another unit's process is never "own"."""
+    w = build(tmp_path, stop_policy=policy)
+    killed = kills(w.host)
+    w.host.others = on_gpus(52001, "sglang-main.service", gpus=(0, 1, 2)) + on_gpus(52002, "sglang-main.service")
+    res = restart.restart(w.machine())
+    assert res["outcome"] == outcomes.GPUS_NOT_CLEAN and res["failure"]["phase"] == outcomes.PREFLIGHT
+    cause = res["failure"]["cause"]
+    assert cause.startswith(
+        "GPUs [0, 1] are held by another unit: sglang-main.service (sglang instance main): pids 52001, 52002 on GPUs [0, 1]."
+    ), cause
+    assert "Nothing was stopped." in cause and res["downtime_s"] == 0.0
+    assert killed == [] and len(w.host.others) == 5
+    untouched(w)
+
+
+def test_a_unit_not_named_as_an_instance_is_named_as_it_is(tmp_path, kills):
+    w = build(tmp_path)
+    kills(w.host)
+    w.host.others = on_gpus(52001, "jupyter.service", gpus=(1,))
+    res = restart.restart(w.machine())
+    assert res["outcome"] == outcomes.GPUS_NOT_CLEAN
+    assert res["failure"]["cause"].startswith("GPUs [0, 1] are held by another unit: jupyter.service: pids 52001 on")
+    untouched(w)
+
+
+def test_force_still_stops_another_instances_unit_and_says_whose_it_was(tmp_path, kills, handlers):
+    w = build(tmp_path, stop_policy="force")
+    killed = kills(w.host)
+    w.host.others = on_gpus(52001, "sglang-main.service")
+    res = restart.restart(w.machine())
+    assert res["outcome"] == REST, res.get("failure")
+    pre = next(p for p in res["phases"] if p["phase"] == outcomes.PREFLIGHT)
+    assert pre["detail"]["note"] == (
+        "GPUs [0, 1] are held by another unit: sglang-main.service (sglang instance main): pids 52001 on GPUs [0, 1]; "
+        "stop policy 'force' stops them"
+    )
+    gpus = next(p for p in res["phases"] if p["phase"] == outcomes.GPUS)
+    assert killed == [52001] and gpus["detail"]["stopped"] == {52001: "SIGTERM"}
+    assert gpus["detail"]["stopped_processes"] == [
+        {
+            "pid": 52001,
+            "user": "sglang",
+            "unit": "sglang-main.service",
+            "gpus": [0, 1],
+            "command": "python -m sglang.launch_server",
+            "how": "SIGTERM",
+        }
+    ]
+
+
+@pytest.mark.parametrize("unit", [None, "session-4.scope", UNIT], ids=["no-unit", "login-session", "this-unit"])
+def test_own_stops_the_service_users_strays_no_unit_owns_and_this_units_own(tmp_path, kills, handlers, unit):
+    """A stray of the service user outside any unit (or in a login shell's scope), or a leftover of this very unit:
+    the preflight lets it through, the GPU wait after the stop stops it."""
+    w = build(tmp_path)
+    killed = kills(w.host)
+    w.host.others = on_gpus(52001, unit, gpus=(1,))
+    res = restart.restart(w.machine())
+    assert res["outcome"] == REST, res.get("failure")
+    gpus = next(p for p in res["phases"] if p["phase"] == outcomes.GPUS)
+    assert killed == [52001] and [(p["pid"], p["unit"], p["how"]) for p in gpus["detail"]["stopped_processes"]] == [
+        (52001, unit, "SIGTERM")
+    ]
+    serving(w, "new")
+
+
+def test_another_units_process_showing_up_after_the_preflight_is_never_stopped_by_the_gpu_wait(
+    tmp_path, kills, handlers
+):
+    """Between the preflight and the wait another instance takes the GPUs: policy own waits for it, never kills it."""
+    w = build(tmp_path)
+    killed = kills(w.host)
+    w.host.hook("stop", lambda h: h.others.extend(on_gpus(52001, "sglang-main.service", gpus=(0,))))
+    res = restart.restart(w.machine())
+    assert res["failure"]["phase"] == outcomes.GPUS and "unit sglang-main.service" in res["failure"]["cause"]
+    assert "never stopped" in res["failure"]["cause"]
+    assert killed == [] and [p["pid"] for p in w.host.others] == [52001]
+    assert res["outcome"] == outcomes.NOT_RECOVERED  # the rollback's wait finds it too: contained, not killed
+    stopped(w)
+
+
+# ---------------------------------------------------------------------------- a multi-node group's lease (#29)
+
+TOKEN = "mn-20270115T080000Z-0000000000000001"
+
+
+def group(w: World, phase: str, token: str = TOKEN, wall: Callable[[], float] | None = None, **kw) -> dict:
+    """One phase of a multi-node restart run on this node, as restart_multinode.yml calls it: its run's token."""
+    settings = replace(w.settings, phase=phase, group_token=token, group_lease_s=kw.pop("lease_s", 600.0), **kw)
+    ports = w.host.ports() if wall is None else replace(w.host.ports(), wall=wall)
+    return restart.restart(Machine(w.inst, settings, ports))
+
+
+def lease_file(w: World) -> Path:
+    return Path(w.host.lock_dir, f"{w.inst.name}.lease")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_between_a_groups_phases_no_other_operation_gets_the_instance_and_the_record_ends_the_lease(
+    tmp_path, rank, handlers
+):
+    """The bug: each phase is its own module call, so the flock ended with the stop and a deploy, a single restart
+    or another controller could come in before the start. Now the stop leaves the run's lease, which refuses them
+    (locked, the driver's exit 9) and lets the same run's start, confirm and record in; the record removes it."""
+    w = build(tmp_path, nnodes=2, node_rank=rank)
+    w.inst.dist_init_addr = "127.0.0.2:5000"
+    rank0 = rank0_serving(w.inst.port) if rank == 1 else None
+    try:
+        stop = group(w, "stop")
+        assert stop["outcome"] == outcomes.STOPPED and stop["group_lease"]["token"] == TOKEN
+        assert json.loads(lease_file(w).read_text())["token"] == TOKEN and w.lock_free() is False
+        calls = len(w.host.calls)
+        single = restart.restart(w.machine())  # a single-node restart of the same instance name
+        assert single["outcome"] == outcomes.LOCKED and single["changed"] is False
+        assert [p["phase"] for p in single["phases"]] == ["lock"]
+        assert "a multi-node restart's group lease (run " + TOKEN in single["failure"]["cause"]
+        assert single["lock"]["holder"]["group_lease"]["token"] == TOKEN
+        with pytest.raises(lock.Locked, match="group lease"):  # a deploy's sglang_stage takes the same lock
+            InstanceLock("m", "deploy m (stage profile new)", "ctl-b", "driver deploy", w.host.lock_dir).acquire()
+        theirs = group(w, "stop", token="mn-another-controllers-run", controller="ctl-b")
+        assert theirs["outcome"] == outcomes.LOCKED and "from controller ctl-a" in theirs["failure"]["cause"]
+        assert len(w.host.calls) == calls, "none of them touched anything"
+        stopped(w)
+        assert w.pending() == ["m.env", UNIT], "nothing staged in between"
+        assert group(w, "start")["outcome"] == outcomes.STARTED
+        assert group(w, "confirm")["outcome"] == outcomes.VERIFIED
+        assert lease_file(w).exists()
+        record = group(w, "record")
+        assert record["outcome"] == REST and record["group_lease"] == {"token": TOKEN, "ended": True}
+        assert not lease_file(w).exists() and w.lock_free()
+        serving(w, "new")
+    finally:
+        if rank0 is not None:
+            rank0.shutdown()
+
+
+def test_a_groups_phase_renews_the_lease_for_the_gap_to_the_next(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    now = [1_800_000_000.0]
+    stop = group(w, "stop", wall=lambda: now[0], lease_s=300)
+    assert stop["group_lease"]["expires"] == now[0] + 300
+    now[0] += 250
+    start = group(w, "start", wall=lambda: now[0], lease_s=300)
+    assert start["outcome"] == outcomes.STARTED and start["group_lease"]["expires"] == now[0] + 300
+
+
+def test_a_failed_group_keeps_its_lease_until_its_rollback_ends_it(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    group(w, "stop")
+    w.host.behave("new", crash_at_start=True)
+    start = group(w, "start")
+    assert start["outcome"] == N and start["group_lease"]["token"] == TOKEN, "contained here, not the group's end"
+    assert restart.restart(w.machine())["outcome"] == outcomes.LOCKED, "still nobody else before the rollback"
+    assert group(w, "rollback_stop")["outcome"] == outcomes.STOPPED and lease_file(w).exists()
+    assert group(w, "rollback_start")["outcome"] == outcomes.STARTED and lease_file(w).exists()
+    done = group(w, "rollback_confirm")
+    assert done["outcome"] == R and done["group_lease"] == {"token": TOKEN, "ended": True}
+    assert not lease_file(w).exists() and w.lock_free()
+    serving(w, "good")
+
+
+def test_a_group_contained_at_its_rollbacks_end_removes_its_lease(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    group(w, "stop")
+    group(w, "rollback_stop")
+    res = group(w, "rollback_confirm", group_ok=False, group_why="rank 1 on b failed")
+    assert res["outcome"] == N and res["group_lease"]["ended"] is True
+    assert not lease_file(w).exists() and w.lock_free()
+    stopped(w)
+
+
+def test_a_record_that_fails_still_ends_the_lease(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    group(w, "stop")
+    group(w, "start")
+    Path(w.machine().started_path).unlink()  # what the start phase saved is gone: the record cannot load it
+    res = group(w, "record")
+    assert res["outcome"] == N and res["failure"]["phase"] == "record"
+    assert res["group_lease"]["ended"] is True and not lease_file(w).exists() and w.lock_free()
+
+
+def test_an_expired_lease_lets_others_in_and_the_group_goes_no_further_until_its_rollback(tmp_path, handlers):
+    """A controller that died mid-group blocks the instance for the lease's lifetime, no longer. Its run, were it
+    to come back, does not go forward after that: somebody may have come in; its rollback takes the lease again."""
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    now = [1_800_000_000.0]
+    group(w, "stop", wall=lambda: now[0], lease_s=60)
+    now[0] += 61
+    single = restart.restart(Machine(w.inst, w.settings, replace(w.host.ports(), wall=lambda: now[0])))
+    assert single["outcome"] == REST
+    lock_phase = single["phases"][0]
+    assert "expired at 2027-01-15T08:01:00Z, 1 s ago" in lock_phase["detail"]["holder"]["ignored_lease"]
+    serving(w, "new")
+    calls = len(w.host.calls)
+    late = group(w, "start", wall=lambda: now[0], lease_s=60)
+    assert late["outcome"] == outcomes.LOCKED and late["changed"] is False
+    assert "lease on this node expired at 2027-01-15T08:01:00Z, 1 s before this phase" in late["failure"]["cause"]
+    assert len(w.host.calls) == calls and "group_lease" not in late
+    serving(w, "new")
+    assert group(w, "rollback_stop", wall=lambda: now[0])["outcome"] == outcomes.STOPPED  # the lease taken anew
+    assert json.loads(lease_file(w).read_text())["expires"] == now[0] + 600
+
+
+def test_check_mode_reads_the_lease_and_writes_none(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    dry = group(w, "stop", check_mode=True)
+    assert dry["outcome"] == outcomes.WOULD_RESTART and "group_lease" not in dry and not lease_file(w).exists()
+    group(w, "stop")
+    theirs = group(w, "stop", token="mn-another-controllers-run", check_mode=True)
+    assert theirs["outcome"] == outcomes.LOCKED
+
+
+def test_a_single_node_restart_given_a_token_takes_no_lease(tmp_path, handlers):
+    w = build(tmp_path)
+    res = group(w, "all")
+    assert res["outcome"] == REST and "group_lease" not in res and not lease_file(w).exists()
+
+
+def test_status_names_a_groups_lease(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    group(w, "stop")
+    st = restart.status(w.machine())
+    assert st["lock"]["group_lease"]["token"] == TOKEN and st["lock"]["group_lease"]["expired"] is False
+    assert st["lock"]["controller"] == "ctl-a"

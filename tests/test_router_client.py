@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -136,10 +137,26 @@ def fake_router():
     srv.shutdown()
 
 
+def metrics_text(running, queued=0.0) -> str:
+    """SGLang's /metrics with its load gauges: running (None: no such series) over two data-parallel ranks (their
+    sum is the worker's), queued (None: no such series) with 0.5.23's per-priority part written again."""
+    lines = ['sglang:gen_throughput{model_name="m"} 1.0']
+    if running is not None:
+        lines += [f'sglang:num_running_reqs{{model_name="m",dp="0"}} {running}', 'sglang:num_running_reqs{dp="1"} 0']
+    if queued is not None:
+        lines += [
+            f'sglang:num_queue_reqs{{model_name="m",priority=""}} {queued}',
+            f'sglang:num_queue_reqs{{model_name="m",priority="1"}} {queued}',
+        ]
+    return "\n".join(lines) + "\n"
+
+
 @pytest.fixture
 def fake_worker():
-    """A worker whose /metrics reports sglang:num_running_reqs from a script (one value per scrape, the last
-    repeated); None in the script: the series is missing."""
+    """A worker whose /metrics answers from a script, one item per scrape (the last repeated):
+    a number: that many running, 0 queued; (running, queued): both (None: that series missing); None: no
+    sglang:num_running_reqs; ("status", code): that HTTP status; ("slow", s): the answer after s seconds;
+    "reset": the connection reset, no answer. /health answers 200."""
     script: list = [0.0]
 
     class H(BaseHTTPRequestHandler):
@@ -147,16 +164,24 @@ def fake_worker():
             pass
 
         def do_GET(self):
-            value = script.pop(0) if len(script) > 1 else script[0]
-            lines = ['sglang:gen_throughput{model_name="m"} 1.0']
-            if value is not None:
-                # two data-parallel ranks: their sum is the worker's
-                lines += [
-                    f'sglang:num_running_reqs{{model_name="m",dp="0"}} {value}',
-                    'sglang:num_running_reqs{dp="1"} 0',
-                ]
-            data = ("\n".join(lines) + "\n").encode()
-            self.send_response(200)
+            if self.path == "/health":
+                return self.answer(200, b"")
+            item = script.pop(0) if len(script) > 1 else script[0]
+            if item == "reset":
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+                self.connection.close()
+                return
+            if isinstance(item, tuple) and item[0] == "status":
+                return self.answer(item[1], b"{}")
+            if isinstance(item, tuple) and item[0] == "slow":
+                time.sleep(item[1])
+                item = 0.0
+            running, queued = item if isinstance(item, tuple) else (item, 0.0)
+            self.answer(200, metrics_text(running, queued).encode())
+
+        def answer(self, code, data):
+            self.send_response(code)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -164,6 +189,13 @@ def fake_worker():
     srv, url = serve(H)
     yield script, url
     srv.shutdown()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (a connection to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def fast(url: str, key: str | None = "k") -> rt.Router:
@@ -176,31 +208,165 @@ def test_lists_finds_and_removes_by_uuid_never_by_url(fake_router):
     state.add_now("http://10.0.0.2:30000")
     r = fast(url)
     assert [w["url"] for w in r.workers()] == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
-    assert r.find("http://10.0.0.1:30000/")["id"] == wid  # a trailing slash is the same worker
-    assert r.remove("http://10.0.0.1:30000") == wid
+    assert [w["id"] for w in r.find("http://10.0.0.1:30000/")] == [wid]  # a trailing slash is the same worker
+    assert r.remove("http://10.0.0.1:30000") == [wid]
     assert ("DELETE", f"/workers/{wid}") in state.requests
     assert r.wait_gone("http://10.0.0.1:30000", timeout=5) >= 0
     assert [w["url"] for w in r.membership()] == ["http://10.0.0.2:30000"]
-    assert r.remove("http://10.0.0.1:30000") is None  # not listed: nothing to do
+    assert r.remove("http://10.0.0.1:30000", missing_ok=True) == []  # not listed, and the caller says that is fine
+
+
+def test_removing_a_worker_the_router_does_not_list_is_an_error_naming_what_it_lists(fake_router):
+    """Issue #29 (b): a worker "removed" with nothing removed was drained and restarted while the router still
+    sent it requests. The router lists it under no spelling: an error, unless the caller allows it."""
+    state, url = fake_router
+    state.add_now("http://10.0.0.2:30000")
+    r = fast(url)
+    deletes = [m for m, _ in state.requests if m == "DELETE"]
+    with pytest.raises(rt.RouterError) as err:
+        r.remove("http://10.0.0.1:30000")
+    assert str(err.value) == (
+        f"{url} does not list http://10.0.0.1:30000 under any spelling; it lists: http://10.0.0.2:30000"
+    )
+    assert r.remove("http://10.0.0.1:30000", missing_ok=True) == []
+    assert [m for m, _ in state.requests if m == "DELETE"] == deletes  # nothing was deleted
+    state.workers.clear()
+    with pytest.raises(rt.RouterError, match="it lists: no worker"):
+        r.remove("http://10.0.0.1:30000")
+
+
+def test_canonical_spelling_of_a_worker_url():
+    c = rt.canonical
+    assert c("http://gpu-node-01:30000") == "http://gpu-node-01:30000"
+    assert c("HTTP://GPU-Node-01:30000/") == "http://gpu-node-01:30000"  # scheme and host lower-cased, no slash
+    assert c("http://gpu-node-01.example.internal.:30000/some/path") == "http://gpu-node-01.example.internal:30000"
+    assert c("http://gpu-node-01") == c("http://gpu-node-01:80") == "http://gpu-node-01:80"  # default ports
+    assert c("https://gpu-node-01") == "https://gpu-node-01:443"
+    assert c("http://[::1]:30000") == c("http://[0:0:0:0:0:0:0:1]:30000/") == "http://[::1]:30000"
+    assert c("http://[FD00::12]:30001") == "http://[fd00::12]:30001"
+    assert c("http://[::ffff:10.0.0.1]:30000") == "http://10.0.0.1:30000"  # an IPv4-mapped address is IPv4
+    assert c(rt.worker_url("fd00::12", 30001)) == "http://[fd00::12]:30001"
+    for bad in ("gpu-node-01:30000", "http://gpu-node-01:port", "http://:30000", "ftp://gpu-node-01"):
+        with pytest.raises(ValueError):
+            c(bad)
+
+
+def fake_dns(table: dict[str, list[str]], calls: list | None = None):
+    """A getaddrinfo answering from table (host -> addresses); socket.gaierror for any other name."""
+
+    def getaddrinfo(host, port, *a, **kw):
+        if calls is not None:
+            calls.append(host)
+        try:
+            addresses = table[host]
+        except KeyError:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known") from None
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in addresses]
+
+    return getaddrinfo
+
+
+def test_same_worker_under_any_spelling():
+    same = rt.same_worker
+    # the machine's own resolver: localhost is 127.0.0.1 (/etc/hosts)
+    assert socket.getaddrinfo("localhost", None)[0][4][0] in ("127.0.0.1", "::1")
+    assert same("http://localhost:30000", "http://127.0.0.1:30000") or same(
+        "http://localhost:30000", "http://[::1]:30000"
+    )
+    assert same("HTTP://LOCALHOST:30000/", "http://localhost:30000")  # upper case, trailing slash: no resolution
+    assert same("http://10.0.0.1", "http://10.0.0.1:80/")  # the default port written out or not
+    assert same("http://[::1]:30000", "http://[0:0:0:0:0:0:0:1]:30000")
+    assert not same("http://127.0.0.1:30000", "http://127.0.0.2:30000")
+    assert not same("http://127.0.0.1:30000", "http://127.0.0.1:30001")  # another port: another worker
+    assert not same("http://127.0.0.1:443", "https://127.0.0.1:443")  # another scheme: another URL to the router
+    # A name resolved where this runs (the router's host): its addresses against the listed one.
+    dns = rt.Resolver(fake_dns({"gpu-node-01": ["10.0.0.1"], "gpu-node-02": ["fd00::12", "10.0.0.2"]}))
+    assert dns.same("http://gpu-node-01:30000", "http://10.0.0.1:30000")
+    assert dns.same("http://10.0.0.1:30000", "http://GPU-NODE-01:30000/")
+    assert dns.same("http://gpu-node-02:30000", "http://[fd00::12]:30000")  # one of its addresses is enough
+    assert dns.same("http://gpu-node-02:30000", "http://10.0.0.2:30000")
+    assert not dns.same("http://gpu-node-01:30000", "http://10.0.0.2:30000")
+    assert not dns.same("http://gpu-node-01:30000", "http://gpu-node-02:30000")
+    # A name that does not resolve is compared by its canonical name only.
+    assert not dns.same("http://gpu-node-09:30000", "http://10.0.0.9:30000")
+    assert dns.same("http://gpu-node-09:30000", "http://Gpu-Node-09:30000")
+    # A URL that is not one is compared as written (less the trailing slash).
+    assert dns.same("not a url/", "not a url") and not dns.same("not a url", "http://10.0.0.1:30000")
+
+
+def test_each_name_is_resolved_once_per_decision(fake_router):
+    state, url = fake_router
+    for i in range(1, 4):
+        state.add_now(f"http://10.0.0.{i}:30000")
+    calls: list[str] = []
+    r = rt.Router(url, api_key="k", poll=0.01, getaddrinfo=fake_dns({"gpu-node-02": ["10.0.0.2"]}, calls))
+    assert [w["url"] for w in r.find("http://gpu-node-02:30000")] == ["http://10.0.0.2:30000"]
+    assert calls == ["gpu-node-02"]  # once for the three listed (an address is not looked up)
+    calls.clear()
+    assert r.find("http://gpu-node-02:30000") and calls.count("gpu-node-02") == 1  # a new call resolves again
+
+
+def test_the_router_finds_and_removes_a_worker_listed_under_another_spelling(fake_router):
+    """Issue #29 (b): the router lists an address, the inventory a name (or the other way round)."""
+    state, url = fake_router
+    dns = fake_dns({"gpu-node-01": ["10.0.0.1"], "gpu-node-02": ["10.0.0.2"]})
+    by_ip = state.add_now("http://10.0.0.1:30000")
+    by_name = state.add_now("http://GPU-NODE-02:30000/")
+    r = rt.Router(url, api_key="k", poll=0.01, getaddrinfo=dns)
+    assert [w["id"] for w in r.find("http://gpu-node-01:30000")] == [by_ip]
+    assert [w["id"] for w in r.find("http://10.0.0.2:30000")] == [by_name]
+    assert [w["id"] for w in r.find("HTTP://gpu-node-01:30000/")] == [by_ip]
+    assert r.find("http://gpu-node-01:30001") == [] and r.find("http://gpu-node-03:30000") == []
+    assert r.remove("http://gpu-node-01:30000") == [by_ip]
+    assert r.wait_gone("http://gpu-node-01:30000", timeout=5) >= 0
+    assert r.remove("http://10.0.0.2:30000") == [by_name]
+    assert r.wait_gone("http://10.0.0.2:30000", timeout=5) >= 0 and state.workers == {}
+
+
+def test_a_worker_registered_twice_is_removed_wholly_and_never_added_again(fake_router):
+    state, url = fake_router
+    dns = fake_dns({"gpu-node-01": ["10.0.0.1"]})
+    ids = [state.add_now("http://10.0.0.1:30000"), state.add_now("http://gpu-node-01:30000")]
+    other = state.add_now("http://10.0.0.2:30000")
+    r = rt.Router(url, api_key="k", poll=0.01, getaddrinfo=dns)
+    assert [w["id"] for w in r.find("http://gpu-node-01:30000")] == ids
+    assert r.remove("http://gpu-node-01:30000") == ids
+    assert r.wait_gone("http://10.0.0.1:30000", timeout=5) >= 0  # gone under both spellings
+    assert [w["id"] for w in r.workers()] == [other]
+    # add: the worker, listed under one spelling, is not posted again under another
+    assert r.add("http://10.0.0.1:30000") == ("queued", True)
+    r.wait_healthy("http://gpu-node-01:30000", timeout=5)
+    posts = [p for p in state.requests if p[0] == "POST"]
+    wid = r.find("http://10.0.0.1:30000")[0]["id"]
+    assert r.add("http://gpu-node-01:30000/") == (wid, False)
+    assert r.add("HTTP://10.0.0.1:30000") == (wid, False)
+    assert [p for p in state.requests if p[0] == "POST"] == posts and len(state.workers) == 2
+    # what add posts: the scheme lower-cased, no slash (0.3.2 never lists an upper-case scheme, and lists a
+    # trailing slash as one more worker: docs/router.md); the host and port as written (the router role's)
+    assert r.add("HTTP://GPU-node-03:30000/") == ("queued", True)
+    assert "http://GPU-node-03:30000" in [u for _, _, u in state.pending]
+    assert rt.posted("https://[FD00::12]:30001/x") == "https://[FD00::12]:30001"
 
 
 def test_add_then_wait_until_listed_and_healthy(fake_router):
     state, url = fake_router
     r = fast(url)
-    assert r.add("http://10.0.0.3:30000") == "queued"
+    assert r.add("http://10.0.0.3:30000") == ("queued", True)
     seen = []
     orig = r.find
 
-    def spy(u):
-        w = orig(u)
-        seen.append(None if w is None else w["healthy"])
-        return w
+    def spy(u, resolver=None):
+        found = orig(u, resolver)
+        seen.append(found[0]["healthy"] if found else None)
+        return found
 
     r.find = spy
     r.wait_healthy("http://10.0.0.3:30000", timeout=5)
     assert seen[0] is None and False in seen and seen[-1] is True  # not listed, listed unhealthy, healthy
-    # a URL already registered answers with its id
-    assert r.add("http://10.0.0.3:30000") == state.workers["http://10.0.0.3:30000"]["id"]
+    # a worker already registered is not posted again: its id
+    posts = state.requests.count(("POST", "/workers"))
+    assert r.add("http://10.0.0.3:30000") == (state.workers["http://10.0.0.3:30000"]["id"], False)
+    assert state.requests.count(("POST", "/workers")) == posts
 
 
 def test_wait_healthy_times_out_naming_the_last_state(fake_router):
@@ -223,62 +389,200 @@ def test_the_api_key_is_named_when_refused(fake_router):
 
 
 def test_a_router_that_does_not_answer_is_an_http_error():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(http.HttpError):
-        rt.Router(f"http://127.0.0.1:{port}", timeout=2).workers()
+    with pytest.raises(http.HttpError) as err:
+        rt.Router(f"http://127.0.0.1:{closed_port()}", timeout=2).workers()
+    assert isinstance(err.value.cause, ConnectionRefusedError)
+
+
+def fake_drain(url: str, timeout: float, poll: float = 0.5, **kw) -> dict:
+    clock = FakeClock()
+    return rt.drain(url, timeout=timeout, poll=poll, clock=clock, sleep=clock.sleep, **kw)
 
 
 def test_drain_waits_until_no_running_requests(fake_worker):
     script, url = fake_worker
     script[:] = [3.0, 0.0, 2.0, 0.0, 0.0]
-    clock = FakeClock()
-    out = rt.drain(url, timeout=60, poll=0.5, clock=clock, sleep=clock.sleep)
+    out = fake_drain(url, timeout=60)
     # drained at the second 0 in a row, 0.5 s after the first (a request sent just before the removal may be
     # on its way at the first)
-    assert out == {"drained": True, "seconds": 2.0, "running": 0.0, "why": "no running requests"}
+    assert out == {
+        "drained": True,
+        "seconds": 2.0,
+        "running": 0.0,
+        "queued": 0.0,
+        "why": "no running or queued requests",
+    }
     # Polled faster, the zeros must still last settle_s: 0 at 1.0 and 1.1 is not yet drained, at 1.2 it is.
     script[:] = [1.0] * 10 + [0.0]
-    clock = FakeClock()
-    out = rt.drain(url, timeout=60, poll=0.1, clock=clock, sleep=clock.sleep)
+    out = fake_drain(url, timeout=60, poll=0.1)
     assert out["drained"] is True and out["seconds"] == pytest.approx(1.2), out
     script[:] = [1.0] * 10 + [0.0]
-    clock = FakeClock()
-    out = rt.drain(url, timeout=60, poll=0.1, clock=clock, sleep=clock.sleep, settle_s=0.5)
+    out = fake_drain(url, timeout=60, poll=0.1, settle_s=0.5)
     assert out["drained"] is True and out["seconds"] == pytest.approx(1.5), out
+
+
+def test_drain_counts_the_queue_too(fake_worker):
+    """Issue #29 (a): running 0 with requests waiting in the queue is not drained; their sum is watched."""
+    script, url = fake_worker
+    script[:] = [(0.0, 2.0)]
+    out = fake_drain(url, timeout=3, poll=1.0)
+    assert out["drained"] is False and (out["running"], out["queued"]) == (0.0, 2.0)
+    assert out["why"] == "drain timeout (3 s): 0 running, 2 queued"
+    # the queue empties into the running batch, which finishes: drained at the second zero of the sum
+    script[:] = [(0.0, 2.0), (2.0, 0.0), (1.0, 0.0), (0.0, 0.0)]
+    out = fake_drain(url, timeout=60)
+    assert out["drained"] is True and out["seconds"] == 2.0, out
 
 
 def test_drain_stops_at_its_timeout_with_requests_still_running(fake_worker):
     script, url = fake_worker
     script[:] = [2.0]
-    clock = FakeClock()
-    out = rt.drain(url, timeout=3, poll=1.0, clock=clock, sleep=clock.sleep)
-    assert out["drained"] is False and out["running"] == 2.0
-    assert out["why"] == "drain timeout (3 s): 2 running requests" and out["seconds"] == 3.0
+    out = fake_drain(url, timeout=3, poll=1.0)
+    assert out["drained"] is False and out["running"] == 2.0 and out["queued"] == 0.0
+    assert out["why"] == "drain timeout (3 s): 2 running, 0 queued" and out["seconds"] == 3.0
 
 
-def test_drain_without_the_metric_waits_out_the_timeout(fake_worker):
+def test_drain_without_metrics_ends_at_once_not_drained_naming_enable_metrics(fake_worker):
+    """Issue #29 (a): SGLang mounts /metrics only with --enable-metrics (404 without): that is no evidence that
+    nothing runs, and no later read will be either."""
     script, url = fake_worker
-    script[:] = [None]
-    clock = FakeClock()
-    out = rt.drain(url, timeout=2, poll=1.0, clock=clock, sleep=clock.sleep)
-    assert out["drained"] is False and out["running"] is None
-    assert "has no sglang:num_running_reqs (SGLang's enable_metrics is off)" in out["why"]
+    script[:] = [("status", 404)]
+    out = fake_drain(url, timeout=60)
+    assert out["drained"] is False and out["seconds"] == 0.0 and out["running"] is None
+    assert out["why"] == (
+        f"cannot be drained on evidence: {url}/metrics answered HTTP 404 "
+        "(SGLang serves /metrics and its load gauges only with --enable-metrics)"
+    )
+    for item, missing in (
+        (None, "sglang:num_running_reqs"),
+        ((0.0, None), "sglang:num_queue_reqs"),
+        ((None, None), "sglang:num_running_reqs nor sglang:num_queue_reqs"),
+    ):
+        script[:] = [item]
+        out = fake_drain(url, timeout=60)
+        assert out["drained"] is False and out["seconds"] == 0.0, item
+        assert f"/metrics has no {missing} (SGLang serves /metrics" in out["why"] and "--enable-metrics" in out["why"]
 
 
-def test_drain_of_a_worker_that_does_not_answer_is_immediate():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = rt.drain(f"http://127.0.0.1:{port}", timeout=30)
-    assert out["drained"] is True and out["why"].startswith("not serving")
+def test_a_503_is_no_evidence_the_zeros_after_it_are(fake_worker):
+    """A server busy under load (or shutting down) may answer 503: polled on, drained only after the zeros."""
+    script, url = fake_worker
+    script[:] = [("status", 503), ("status", 503), 0.0, ("status", 503), 0.0, 0.0]
+    out = fake_drain(url, timeout=60)
+    # the 503 between the first zeros starts the window again: zeros at 2.0 and 2.5
+    assert out["drained"] is True and out["seconds"] == 2.5, out
+    script[:] = [("status", 503)]
+    out = fake_drain(url, timeout=2, poll=1.0)
+    assert out["drained"] is False and out["seconds"] == 2.0 and out["running"] is None
+    assert out["why"] == f"drain timeout (2 s): last read: {url}/metrics answered HTTP 503"
+    script[:] = [1.0, ("status", 500)]
+    out = fake_drain(url, timeout=2, poll=1.0)
+    assert out["drained"] is False and out["running"] == 1.0 and "HTTP 500" in out["why"]  # the last load read
+
+
+def test_read_timeouts_and_resets_are_no_evidence(fake_worker):
+    script, url = fake_worker
+    script[:] = [("slow", 0.5)]
+    out = fake_drain(url, timeout=2, poll=1.0, read_timeout=0.1)
+    assert out["drained"] is False and out["seconds"] == 2.0
+    assert out["why"].startswith("drain timeout (2 s): last read: no answer in time"), out
+    script[:] = ["reset"]
+    out = fake_drain(url, timeout=2, poll=1.0)
+    assert out["drained"] is False and out["why"].startswith("drain timeout (2 s): last read:"), out
+    assert "refused" not in out["why"]
+    script[:] = ["reset", ("slow", 0.2), 0.0, 0.0]
+    out = fake_drain(url, timeout=60, read_timeout=0.1)
+    assert out["drained"] is True and out["seconds"] == 1.5, out  # after them, the zeros
+
+
+def test_a_refused_connection_is_drained_nothing_listens():
+    """Nothing listens on the worker's port (its server process is gone): nothing runs there."""
+    out = rt.drain(f"http://127.0.0.1:{closed_port()}", timeout=30)
+    assert out == {
+        "drained": True,
+        "seconds": out["seconds"],
+        "running": None,
+        "queued": None,
+        "why": "not serving: connection refused",
+    }
+    assert out["seconds"] < 5
+
+
+def test_read_load_says_what_kind_of_answer():
+    with pytest.raises(http.HttpError) as err:
+        http.request(f"http://127.0.0.1:{closed_port()}/metrics", timeout=2)
+    assert rt.refused(err.value)
+    assert not rt.refused(http.HttpError("x")) and not rt.refused(http.HttpError("x", cause=TimeoutError()))
+    assert rt.read_load(f"http://127.0.0.1:{closed_port()}")["state"] == "nothing_listens"
 
 
 def test_metric_sum_adds_every_label_set():
     text = 'x{a="1"} 2\nx{a="2"} 3.5\nx_total 9\n# x 4\n'
     assert rt.metric_sum(text, "x") == 5.5
     assert rt.metric_sum(text, "y") is None
+    # 0.5.23's queue gauges: the total under priority="", each priority's part again under its own
+    text = 'q{m="a",priority=""} 3\nq{m="a",priority="1"} 2\nq{m="a",priority="2"} 1\nq{m="b"} 1\n'
+    assert rt.metric_sum(text, "q") == 4.0
+
+
+def test_inspect_reads_the_router_and_each_worker(fake_router, fake_worker):
+    state, url = fake_router
+    script, good = fake_worker
+    script[:] = [(1.0, 2.0)]
+
+    def handler(code):
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                self.send_response(code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        return serve(H)
+
+    no_metrics_srv, no_metrics = handler(200)  # /health 200, /metrics 200 without the gauges
+    busy_srv, busy = handler(503)
+    gone = f"http://127.0.0.1:{closed_port()}"
+    try:
+        wid = state.add_now(good.replace("127.0.0.1", "localhost"))  # listed under another spelling
+        dup = [state.add_now(no_metrics), state.add_now(no_metrics + "/")]
+        state.add_now(gone, healthy=False)
+        out = rt.inspect(fast(url), [good, no_metrics, busy, gone], timeout=2)
+    finally:
+        no_metrics_srv.shutdown()
+        busy_srv.shutdown()
+    w = {x["url"]: x for x in out["workers"]}
+    assert [x["url"] for x in out["workers"]] == [good, no_metrics, busy, gone]
+    assert w[good] == {
+        "url": good,
+        "listed": True,
+        "ids": [wid],
+        "healthy_in_router": True,
+        "serving": True,
+        "drainable": True,
+        "why": "",
+    }
+    assert w[no_metrics]["ids"] == dup and w[no_metrics]["serving"] is True and w[no_metrics]["drainable"] is False
+    assert w[no_metrics]["why"].startswith(f"not drainable: {no_metrics}/metrics has no sglang:num_running_reqs")
+    assert w[busy]["listed"] is False and w[busy]["healthy_in_router"] is None and w[busy]["ids"] == []
+    assert (w[busy]["serving"], w[busy]["drainable"]) == (False, False)
+    assert (
+        w[busy]["why"]
+        == f"not serving: {busy}/health answered HTTP 503; not drainable: {busy}/metrics answered HTTP 503"
+    )
+    assert w[gone]["listed"] is True and w[gone]["healthy_in_router"] is False
+    assert w[gone]["why"] == "not serving: connection refused; not drainable: connection refused"
+    lists = ", ".join(x["url"] for x in fast(url).workers())
+    assert out["problems"] == [
+        f"{no_metrics}: cannot be drained on evidence: {no_metrics}/metrics has no sglang:num_running_reqs nor "
+        "sglang:num_queue_reqs (SGLang serves /metrics and its load gauges only with --enable-metrics)",
+        f"{busy}: not listed by the router {url} (it lists: {lists})",
+        f"{busy}: cannot be drained on evidence: {busy}/metrics answered HTTP 503",
+        f"{gone}: cannot be drained on evidence: connection refused",
+    ]
+    assert [m for m, _ in state.requests] == ["GET", "GET"]  # it only read the router
 
 
 # --------------------------------------------------------------------------- the real sglang-router
@@ -288,7 +592,8 @@ WHEELHOUSE = Path.home() / ".cache" / "sglang-deploy" / "wheelhouse"
 
 # The lab stand-in's HTTP server (lab/standin/lab_sglang_standin.py: State, Handler) on a loopback port, stdlib
 # only (no SGLang parser, no simulated GPUs): it counts its running requests into sglang:num_running_reqs and
-# streams as SGLang does.
+# streams as SGLang does. Started as SGLang with --enable-metrics (the drain reads /metrics); a stand-in that
+# does not report sglang:num_queue_reqs yet gets it here, 0 (it queues nothing: every request runs at once).
 STANDIN = r"""
 import argparse, sys
 from http.server import ThreadingHTTPServer
@@ -296,7 +601,12 @@ import lab_sglang_standin as s
 
 port, key, tps = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 args = argparse.Namespace(model_path="/srv/models/lab-target", served_model_name=None, api_key=key,
-                          speculative_algorithm=None)
+                          speculative_algorithm=None, enable_metrics=True)
+metrics = s.State.metrics
+def with_queue(self):
+    text = metrics(self)
+    return text if "sglang:num_queue_reqs" in text else text + 'sglang:num_queue_reqs{model_name="lab"} 0.0\n'
+s.State.metrics = with_queue
 state = s.State(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": tps}, args))
 state.ready = True
 srv = ThreadingHTTPServer(("127.0.0.1", port), type("H", (s.Handler,), {"state": state}))
@@ -410,13 +720,13 @@ def test_real_router_remove_drain_add(real_router):
         t.start()
     wait_until(lambda: rt.running_requests(w1) == 1, 10, "a request running on w1")
 
-    wid = r.remove(w1)
-    assert wid and r.wait_gone(w1, timeout=5) < 5
+    ids = r.remove(w1)
+    assert len(ids) == 1 and r.wait_gone(w1, timeout=5) < 5
     assert {w["url"] for w in r.membership()} == {w2}
     assert rt.running_requests(w1) == 1  # removal neither waited for nor cut the request in flight
 
     out = rt.drain(w1, timeout=30, poll=0.1)
-    assert out["drained"] and out["running"] == 0.0 and out["seconds"] >= 1.0, out
+    assert out["drained"] and out["running"] == 0.0 and out["queued"] == 0.0 and out["seconds"] >= 1.0, out
     for t in threads:
         t.join(30)
     assert len(results) == 2 and all(isinstance(x, dict) and x["completion_tokens"] == 60 for x in results), results
@@ -424,11 +734,45 @@ def test_real_router_remove_drain_add(real_router):
     # While out: requests go to w2 only.
     before = rt.running_requests(w1)
     assert http.generate(r.url, "only w2", 4, api_key=key)["completion_tokens"] == 4
-    assert before == 0 and r.remove(w1) is None
+    assert before == 0 and r.remove(w1, missing_ok=True) == []
+    with pytest.raises(rt.RouterError, match=f"does not list {w1} under any spelling; it lists: {w2}"):
+        r.remove(w1)
 
-    r.add(w1)
+    assert r.add(w1)[1] is True
     assert r.wait_healthy(w1, timeout=30) < 30
     assert {w["url"]: w["healthy"] for w in r.membership()} == {w1: True, w2: True}
+
+
+def test_real_router_a_worker_registered_by_address_is_found_and_removed_by_name(real_router):
+    """Issue #29 (b) against the real router: registered as 127.0.0.1, named localhost (or LOCALHOST, with a
+    slash); posted a second time under the name, the router lists it twice, and both are removed."""
+    r, (w1, w2), _ = real_router
+    assert socket.getaddrinfo("localhost", None, proto=socket.IPPROTO_TCP)[0][4][0] == "127.0.0.1"  # /etc/hosts
+    by_name = w1.replace("127.0.0.1", "localhost")
+    [listed] = r.find(by_name)
+    assert listed["url"] == w1 and r.find(w1.replace("http://127.0.0.1", "HTTP://LOCALHOST") + "/") == [listed]
+    try:
+        assert r.remove(by_name) == [listed["id"]]
+        assert r.wait_gone(by_name, timeout=5) < 5 and {w["url"] for w in r.membership()} == {w2}
+
+        # The router itself takes a second spelling as a second worker: the client's add does not post it ...
+        assert r.add(w1)[1] is True and r.wait_healthy(w1, timeout=30) < 30
+        assert r.add(by_name) == (r.find(w1)[0]["id"], False)
+        # ... but one posted behind its back is listed twice (a duplicate registration): both are removed.
+        code, doc = r._call("POST", "/workers", {"url": by_name})
+        assert code == 202, doc
+        wait_until(lambda: len(r.find(w1)) == 2, 10, f"the router lists {w1} twice")
+        assert {w["url"] for w in r.membership()} == {w1, by_name, w2}
+        assert len(r.remove(w1)) == 2 and r.wait_gone(by_name, timeout=5) < 5
+        assert {w["url"] for w in r.membership()} == {w2}
+    finally:
+        if not r.find(w1):
+            r.add(w1)
+        r.wait_healthy(w1, timeout=30)
+        for w in r.workers():
+            if w["url"] == by_name:  # (an assertion above failed with the duplicate listed)
+                r._call("DELETE", f"/workers/{w['id']}")
+    wait_until(lambda: {w["url"]: w["healthy"] for w in r.membership()} == {w1: True, w2: True}, 10, "as before")
 
 
 def test_real_router_refuses_the_client_without_its_key(real_router):
@@ -482,7 +826,7 @@ def test_loadgen_counts_a_stream_cut_short_as_truncated():
 def test_the_standin_drains_on_sigterm_and_refuses_new_requests(tmp_path):
     """SGLang's SIGTERM handler (what the stand-in does): no new requests (503), the running ones finish."""
     s = lab_standin()
-    args = type("A", (), {"model_path": "m", "served_model_name": None, "api_key": None})()
+    args = type("A", (), {"model_path": "m", "served_model_name": None, "api_key": None, "enable_metrics": True})()
     args.speculative_algorithm = None
     state = s.State(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": "20"}, args))
     state.ready = True

@@ -79,10 +79,55 @@ def test_remove_by_uuid_then_nothing_to_remove(tmp_path, router):
     fake.listed(W2)
     rc, out = worker_module(tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=W1 + "/", timeout=5)
     assert rc == 0 and out["changed"] is True and out["worker_id"] == wid and out["worker_url"] == W1 + "/"
-    assert ("DELETE", f"/workers/{wid}") in seen
+    assert out["worker_ids"] == [wid] and ("DELETE", f"/workers/{wid}") in seen
     assert [w["url"] for w in out["workers"]] == [W2] and out["seconds"] >= 0
-    rc, out = worker_module(tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=W1)
-    assert rc == 0 and out["changed"] is False and out["worker_id"] is None
+    rc, out = worker_module(tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=W1, missing_ok=True)
+    assert rc == 0 and out["changed"] is False and out["worker_id"] is None and out["worker_ids"] == []
+
+
+def test_remove_of_a_worker_the_router_does_not_list_fails_unless_missing_ok(tmp_path, router):
+    """Issue #29 (b): nothing removed must not pass for removed (the drain and restart would follow while the
+    router still sends the worker requests)."""
+    fake, url, seen = router
+    fake.listed(W2)
+    for check_mode in (False, True):
+        rc, out = worker_module(
+            tmp_path, check_mode=check_mode, action="remove", router_url=url, api_key=KEY, worker_url=W1, drain=True
+        )
+        assert rc == 1 and out["failed"] is True, out
+        assert out["msg"] == f"remove {W1}: {url} does not list {W1} under any spelling; it lists: {W2}"
+        assert "drain" not in out
+    assert {m for m, _ in seen} == {"GET"}  # nothing deleted, nothing drained
+    rc, out = worker_module(
+        tmp_path, check_mode=True, action="remove", router_url=url, api_key=KEY, worker_url=W1, missing_ok=True
+    )
+    assert rc == 0 and out["changed"] is False and out["worker_ids"] == []
+
+
+def test_a_worker_listed_under_another_spelling_or_twice_is_removed_wholly(tmp_path, router):
+    """The router lists 127.0.0.1 (and, registered twice, localhost too); the inventory says LOCALHOST."""
+    fake, url, seen = router
+    port = 30000
+    ids = [fake.listed(f"http://127.0.0.1:{port}"), fake.listed(f"http://localhost:{port}/")]
+    other = fake.listed(W2)
+    name = f"HTTP://LOCALHOST:{port}/"
+    rc, out = worker_module(tmp_path, check_mode=True, action="remove", router_url=url, api_key=KEY, worker_url=name)
+    assert rc == 0 and out["changed"] is True and out["worker_ids"] == ids and out["worker_id"] == ids[0]
+    rc, out = worker_module(tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=name, timeout=5)
+    assert rc == 0 and out["changed"] is True and out["worker_ids"] == ids, out
+    assert [p for p in seen if p[0] == "DELETE"] == [("DELETE", f"/workers/{i}") for i in ids]
+    assert out["workers"] == [{"url": W2, "id": other, "healthy": True}]
+    # add: not posted again under another spelling once listed under one
+    rc, out = worker_module(tmp_path, action="add", router_url=url, api_key=KEY, worker_url=f"http://localhost:{port}")
+    assert rc == 0 and out["changed"] is True
+    posts = seen.count(("POST", "/workers"))
+    rc, out = worker_module(tmp_path, action="add", router_url=url, api_key=KEY, worker_url=name)
+    assert rc == 0 and out["changed"] is False and out["worker_id"] == fake.workers[f"http://localhost:{port}"]["id"]
+    rc, out = worker_module(
+        tmp_path, check_mode=True, action="add", router_url=url, api_key=KEY, worker_url=f"http://127.0.0.1:{port}"
+    )
+    assert rc == 0 and out["changed"] is False
+    assert seen.count(("POST", "/workers")) == posts and len(fake.workers) == 2
 
 
 def test_remove_in_check_mode_says_what_it_would_do_and_sends_nothing(tmp_path, router):
@@ -145,26 +190,45 @@ def test_the_router_url_and_worker_url_are_required_by_action(tmp_path):
 
 
 def running_worker(script: list):
-    """A worker whose /metrics says sglang:num_running_reqs from script (one value per scrape, the last kept)."""
+    """A worker whose /metrics says sglang:num_running_reqs and sglang:num_queue_reqs from script (one item per
+    scrape, the last kept): a number (that many running, none queued), (running, queued), or an HTTP status
+    ("status", code) for /metrics; its /health answers 200."""
 
     def handle(method, path, body, headers):
-        value = script.pop(0) if len(script) > 1 else script[0]
-        return 200, f'sglang:num_running_reqs{{model_name="m"}} {value}\n'
+        if path == "/health":
+            return 200, ""
+        item = script.pop(0) if len(script) > 1 else script[0]
+        if isinstance(item, tuple) and item[0] == "status":
+            return item[1], "not found\n"
+        running, queued = item if isinstance(item, tuple) else (item, 0.0)
+        return 200, (
+            f'sglang:num_running_reqs{{model_name="m"}} {running}\nsglang:num_queue_reqs{{model_name="m"}} {queued}\n'
+        )
 
     return http_server(handle)
 
 
-def test_drain_waits_for_running_requests_and_never_fails(tmp_path):
-    with running_worker([2.0, 0.0, 0.0, 0.0]) as (url, seen):
+def test_drain_waits_for_running_and_queued_requests_and_fails_when_not_drained(tmp_path):
+    with running_worker([2.0, (0.0, 1.0), 0.0, 0.0, 0.0]) as (url, seen):
         rc, out = worker_module(tmp_path, action="drain", worker_url=url, drain_timeout=10)
     assert rc == 0 and out["changed"] is False and out["worker_url"] == url
-    assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running requests"
-    # 2 running, then 0 for 0.2 s (two reads at least; more, 0.1 s apart, as the module's timing allows)
-    assert out["seconds"] == out["drain"]["seconds"] >= 0.2 and len(seen) >= 3
-    with running_worker([1.0]) as (url, _):
+    assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running or queued requests"
+    # 2 running, 1 queued, then 0 for 0.2 s (two reads at least; more, 0.1 s apart, as the module's timing allows)
+    assert out["seconds"] == out["drain"]["seconds"] >= 0.2 and len(seen) >= 4
+    with running_worker([(0.0, 1.0)]) as (url, _):
         rc, out = worker_module(tmp_path, action="drain", worker_url=url, drain_timeout=0.3)
-    assert rc == 0 and out["drain"]["drained"] is False
-    assert out["drain"]["why"] == "drain timeout (0.3 s): 1 running requests"
+    assert rc == 1 and out["failed"] is True and out["changed"] is False
+    assert out["drain"]["drained"] is False and out["drain"]["why"] == "drain timeout (0.3 s): 0 running, 1 queued"
+    assert out["msg"] == f"drain {url}: not drained: drain timeout (0.3 s): 0 running, 1 queued"
+
+
+def test_drain_of_a_worker_without_enable_metrics_fails_at_once(tmp_path):
+    with running_worker([("status", 404)]) as (url, seen):
+        rc, out = worker_module(tmp_path, action="drain", worker_url=url, drain_timeout=60)
+    assert rc == 1 and out["failed"] is True and len(seen) == 1
+    assert out["drain"]["drained"] is False and out["drain"]["seconds"] < 5
+    assert out["msg"].startswith(f"drain {url}: not drained: cannot be drained on evidence: {url}/metrics answered")
+    assert "--enable-metrics" in out["msg"]
 
 
 def test_remove_with_drain_takes_it_out_then_drains_it_in_one_call(tmp_path, router):
@@ -176,22 +240,143 @@ def test_remove_with_drain_takes_it_out_then_drains_it_in_one_call(tmp_path, rou
         )
         assert rc == 0 and out["changed"] is True and out["worker_id"] == wid, out
         assert ("DELETE", f"/workers/{wid}") in seen and worker not in fake.workers
-        assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running requests"
+        assert out["drain"]["drained"] is True and out["drain"]["why"] == "no running or queued requests"
         assert len(scraped) >= 3  # drained after the removal: 1 running, then 0 for 0.2 s (two reads at least)
-        # Not listed (already out): nothing removed, still drained; without drain, no scrape.
+        # Not listed (already out), and the caller says that is fine: nothing removed, still drained; without
+        # drain, no scrape.
         rc, out = worker_module(
-            tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker, drain=True, drain_timeout=10
+            tmp_path,
+            action="remove",
+            router_url=url,
+            api_key=KEY,
+            worker_url=worker,
+            drain=True,
+            drain_timeout=10,
+            missing_ok=True,
         )
         assert rc == 0 and out["changed"] is False and out["drain"]["drained"] is True
         n = len(scraped)
-        rc, out = worker_module(tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker)
+        rc, out = worker_module(
+            tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker, missing_ok=True
+        )
         assert rc == 0 and "drain" not in out and len(scraped) == n
+
+
+def test_remove_with_a_drain_that_cannot_end_on_evidence_fails_after_the_removal(tmp_path, router):
+    """The rollout's rescue then puts the worker back: the result says it was removed, and the drain."""
+    fake, url, _ = router
+    with running_worker([("status", 404)]) as (worker, _):
+        wid = fake.listed(worker)
+        rc, out = worker_module(
+            tmp_path, action="remove", router_url=url, api_key=KEY, worker_url=worker, drain=True, drain_timeout=60
+        )
+    assert rc == 1 and out["failed"] is True and out["changed"] is True and out["worker_id"] == wid
+    assert worker not in fake.workers and out["drain"]["drained"] is False
+    assert out["msg"].startswith(f"remove {worker}: not drained: cannot be drained on evidence") and (
+        "--enable-metrics" in out["msg"]
+    )
 
 
 def test_drain_in_check_mode_reads_nothing(tmp_path):
     with running_worker([1.0]) as (url, seen):
         rc, out = worker_module(tmp_path, check_mode=True, action="drain", worker_url=url)
     assert rc == 0 and out["drain"] == {"drained": None, "why": "check mode"} and seen == []
+
+
+def test_inspect_says_for_each_worker_listed_serving_drainable(tmp_path, router):
+    fake, url, seen = router
+    with running_worker([(1.0, 0.0)]) as (good, _), running_worker([("status", 404)]) as (no_metrics, _):
+        wid = fake.listed(good.replace("127.0.0.1", "localhost"))
+        fake.listed(W2)
+        for check_mode in (False, True):  # it only reads: the same in check mode
+            rc, out = worker_module(
+                tmp_path,
+                check_mode=check_mode,
+                action="inspect",
+                router_url=url,
+                api_key=KEY,
+                worker_urls=[good, no_metrics],
+                timeout=2,
+            )
+            assert rc == 0 and out["changed"] is False, out
+            assert out["workers"][0] == {
+                "url": good,
+                "listed": True,
+                "ids": [wid],
+                "healthy_in_router": True,
+                "serving": True,
+                "drainable": True,
+                "why": "",
+            }
+            bad = out["workers"][1]
+            assert (bad["url"], bad["listed"], bad["ids"], bad["healthy_in_router"]) == (no_metrics, False, [], None)
+            assert bad["serving"] is True and bad["drainable"] is False
+            assert bad["why"].startswith(f"not drainable: {no_metrics}/metrics answered HTTP 404")
+            assert out["problems"] == [
+                f"{no_metrics}: not listed by the router {url} (it lists: {fake_urls(fake)})",
+                f"{no_metrics}: cannot be drained on evidence: {no_metrics}/metrics answered HTTP 404 "
+                "(SGLang serves /metrics and its load gauges only with --enable-metrics)",
+            ]
+        rc, out = worker_module(
+            tmp_path,
+            action="inspect",
+            router_url=url,
+            api_key=KEY,
+            worker_urls=[good, no_metrics],
+            fail_on_problems=True,
+        )
+        assert rc == 1 and out["failed"] is True and out["msg"] == "inspect: " + "; ".join(out["problems"])
+        assert len(out["workers"]) == 2
+        assert out["outcome"] == "invalid_config", "a rollout refused on it exits 3: nothing was touched"
+        rc, out = worker_module(
+            tmp_path, action="inspect", router_url=url, api_key=KEY, worker_urls=[good], fail_on_problems=True
+        )
+        assert rc == 0 and out["problems"] == []
+    assert {m for m, _ in seen} == {"GET"}
+    rc, out = worker_module(tmp_path, action="inspect", router_url=url, api_key=KEY)
+    assert rc == 1 and "worker_urls" in out["msg"]
+
+
+def fake_urls(fake: FakeRouter) -> str:
+    return ", ".join(fake.workers)
+
+
+def test_the_documentation_describes_every_option_as_the_argument_spec_has_it():
+    """validate-modules' rules, as far as they go here: each option documented with its description, type,
+    default, choices and elements as the argument spec says; RETURN and EXAMPLES-free YAML that parses."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from support import MODULE_UTILS
+    from support.modules import LIBRARY
+
+    # the module's globals as Ansible would import them (module_utils as ansible.module_utils'), in a child
+    code = (
+        "import json, runpy, sys, ansible.module_utils as mu; mu.__path__.append(sys.argv[1]); "
+        "g = runpy.run_path(sys.argv[2], run_name='doc'); "
+        "print(json.dumps({k: g[k] for k in ('DOCUMENTATION', 'RETURN', 'ARGUMENT_SPEC')}))"
+    )
+    run = [sys.executable, "-c", code, str(MODULE_UTILS), str(LIBRARY / "sglang_router_worker.py")]
+    mod = json.loads(subprocess.run(run, check=True, capture_output=True, text=True).stdout)
+    doc = yaml.safe_load(mod["DOCUMENTATION"])
+    spec = mod["ARGUMENT_SPEC"]
+    assert set(doc["options"]) == set(spec)
+    for name, arg in spec.items():
+        d = doc["options"][name]
+        assert d.get("description"), name
+        assert d["type"] == arg["type"], name
+        assert d.get("default") == arg.get("default"), name
+        assert d.get("choices") == arg.get("choices"), name
+        assert d.get("elements") == arg.get("elements"), name
+        assert bool(d.get("required")) == bool(arg.get("required")), name
+    ret = yaml.safe_load(mod["RETURN"])
+    for key in ("worker_ids", "drain", "workers", "problems"):
+        assert ret[key]["description"] and ret[key]["returned"], key
+    assert set(ret["workers"]["contains"]) >= {"listed", "ids", "healthy_in_router", "serving", "drainable", "why"}
+    assert set(ret["drain"]["contains"]) == {"drained", "seconds", "running", "queued", "why"}
 
 
 def test_measure_reports_tokens_per_second_and_fails_with_the_workers_answer(tmp_path):

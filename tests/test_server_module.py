@@ -232,3 +232,34 @@ def test_a_restart_stages_the_rendered_configuration_given_to_it(tmp_path, node)
     assert stage["ok"] is True and stage["detail"]["outcome"] == outcomes.STAGED
     assert stage["detail"]["wrote"] == sorted([record["unit_path"], record["env_path"]])
     assert not os.path.exists(record["unit_path"]) and KEY not in str(out)
+
+
+def test_a_multinode_phase_is_refused_while_another_runs_group_lease_is_valid_and_let_in_with_its_token(tmp_path, node):
+    """group_token and group_lease_s reach the state machine: another run's lease on the node (a multi-node restart
+    between two of its phases) refuses this one, locked, naming it; the same run's token is let in (check mode here:
+    the refusals only, the lease read and left as it is)."""
+    import time
+
+    from sglang_deploy import lock
+
+    record, _, locks, log, _ = node
+    for path, text in ((record["unit_path"], "[Service]\n"), (record["env_path"], "A=1\n")):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    locks.mkdir(mode=0o700)
+    lease = {"token": "mn-run-1", "operation": "restart m (profile default)", "controller": "ctl-b", "command": "x"}
+    lock.write_atomic(
+        str(locks / "m.lease"), json.dumps({**lease, "since": "-", "expires": time.time() + 600}).encode()
+    )
+    mn = {**record, "nnodes": 2}
+    rc, out = server_module(tmp_path, node, action="restart", instance=mn, phase="stop", group_token="mn-run-2")
+    assert rc == 1 and out["outcome"] == outcomes.LOCKED and out["changed"] is False, out
+    assert "a multi-node restart's group lease (run mn-run-1" in out["msg"]
+    assert out["lock"]["holder"]["group_lease"]["token"] == "mn-run-1"
+    rc, out = server_module(tmp_path, node, action="restart")  # a single restart, no token
+    assert rc == 1 and out["outcome"] == outcomes.LOCKED, out
+    rc, out = server_module(
+        tmp_path, node, check_mode=True, action="restart", instance=mn, phase="start", group_token="mn-run-1"
+    )
+    assert rc == 0 and out["outcome"] == outcomes.WOULD_RESTART, out
+    assert json.loads((locks / "m.lease").read_text())["controller"] == "ctl-b" and not log.exists()

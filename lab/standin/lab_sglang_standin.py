@@ -12,15 +12,33 @@ What it does like SGLang 0.5.23:
   holding simulated GPU memory that the lab's simulated nvidia-smi lists;
 - serves /health, /health_generate, /generate, /v1/completions,
   /v1/chat/completions, /v1/models, /model_info, /server_info (and the
-  deprecated /get_* names), and /metrics with sglang:spec_accept_length,
-  sglang:gen_throughput and the token counters;
+  deprecated /get_* names), and, with --enable-metrics, /metrics with
+  sglang:spec_accept_length, sglang:gen_throughput, the load gauges and the token counters;
 - reports per-request speculative stats in meta_info (spec_verify_ct,
   spec_accept_length) as SGLang's tokenizer manager does;
 - streams (SSE, `"stream": true`) on /generate, /v1/completions and
   /v1/chat/completions: one event per few tokens, then `data: [DONE]`;
-- counts its running requests (sglang:num_running_reqs) and, on SIGTERM,
-  drains like SGLang's tokenizer manager: new requests get 503, the running
-  ones finish (up to LAB_STANDIN_DRAIN_S), then it exits.
+- counts its running and queued requests (sglang:num_running_reqs, sglang:num_queue_reqs: beyond
+  --max-running-requests a request waits in a queue) and, on a SIGTERM to its main process only,
+  drains like SGLang's tokenizer manager: new requests get 503, the running ones finish (up to
+  LAB_STANDIN_DRAIN_S), then it stops its children itself and exits.
+
+What it does as unkindly as SGLang 0.5.23 (the operations depend on it; docs/lab.md):
+- a SIGTERM delivered to a scheduler child kills it (run_scheduler_process in
+  sglang/srt/managers/scheduler.py installs no SIGTERM handler: the default action). A stop that signals
+  the whole process group at once (systemd's KillMode=control-group) therefore kills the schedulers
+  mid-forward; the main process notices within 1 s (SubprocessWatchdog, sglang/srt/utils/watchdog.py,
+  started by Engine._launch_subprocesses in sglang/srt/entrypoints/engine.py: a child whose exit code is
+  not 0 makes it SIGQUIT itself) and TokenizerManager's SignalHandler.running_phase_sigquit_handler
+  (sglang/srt/managers/tokenizer_manager.py) calls kill_process_tree(os.getpid())
+  (sglang/srt/utils/common.py): SIGKILL to every child, then to itself. Every stream and request in
+  flight is cut (the connection closes mid-stream or before any answer); until then they make no
+  progress (no scheduler left to decode them). Only a SIGTERM to the main process alone drains, as
+  docker stop and Kubernetes deliver it (issue #29 cites sgl-project/sglang PR 35202, "drain survives
+  group-delivered stop signals", for this; 0.5.23's code above has no such handling);
+- /metrics exists only with --enable-metrics (sglang/srt/entrypoints/http_server.py:
+  `if get_observability().enable_metrics: add_prometheus_middleware(app)`, which mounts /metrics,
+  sglang/srt/utils/common.py); without it FastAPI answers 404 `{"detail":"Not Found"}`.
 
 Knobs (environment, set through the instance's env):
   LAB_STANDIN_READY_S        seconds from process start to ready (default 2)
@@ -34,6 +52,15 @@ Knobs (environment, set through the instance's env):
                              (SGLang's parser can take most of a short LAB_STANDIN_READY_S on a busy machine)
   LAB_STANDIN_SPEC_MODEL     1: decode speed and accept length follow the flags (throughput_model: steps,
                              topk, draft tokens, CUDA-graph batch size), with a known optimum (autotune's tests)
+  LAB_STANDIN_METRICS        how /metrics answers (with --enable-metrics; without it, 404 whatever this says):
+     slow:<seconds>       each answer that many seconds late: SGLang serves /metrics from the tokenizer
+                          manager's own event loop (prometheus_client's ASGI app mounted in the same uvicorn
+                          app, reading every process's multiprocess files on each scrape), so a busy tokenizer
+                          manager (tokenizing and detokenizing a large batch) answers a scrape late
+     503                  every answer 503 (a proxy or load balancer in front of a saturated server)
+     503-under-load:<n>   503 while more than n requests run, 200 otherwise
+                          (so that the rollout's drain, which reads sglang:num_running_reqs there, is tested
+                          against a /metrics it cannot read)
   LAB_STANDIN_FAULT          comma-separated faults:
      crash-startup        exit with a traceback while loading
      crash-first-decode   load, then die on the first decode (the seed's AttributeError)
@@ -61,7 +88,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 T0 = time.monotonic()
 VERSION = "0.5.23"
 H200_MIB = 143771
-CHILDREN: list[int] = []  # this process's scheduler children
+CHILDREN: list[int] = []  # this process's scheduler children, in rank order
+# SubprocessWatchdog's interval (sglang/srt/utils/watchdog.py: interval=1.0, as Engine._launch_subprocesses makes it).
+WATCHDOG_INTERVAL_S = 1.0
+# Set once this process stops its children itself (the drain's end, a crash): their exits are expected then, as
+# TokenizerManager.sigterm_watchdog stops the SubprocessWatchdog before its ShutdownReq. Set and checked under
+# SHUTDOWN, so that the watchdog never takes an expected exit for a crash.
+EXPECTED_EXITS = threading.Event()
+SHUTDOWN = threading.RLock()
+NOT_FOUND = b'{"detail":"Not Found"}'  # FastAPI's 404 body (starlette's JSONResponse: no spaces)
 
 
 def log(msg: str) -> None:
@@ -99,6 +134,22 @@ class Knobs:
         self.drain_s = float(env.get("LAB_STANDIN_DRAIN_S", "60"))
         self.shards = int(env.get("LAB_STANDIN_SHARDS", "2"))
         self.load_s = float(env.get("LAB_STANDIN_LOAD_S", "0"))
+        self.metrics = metrics_knob(env.get("LAB_STANDIN_METRICS", ""))
+
+
+def metrics_knob(value: str) -> tuple[str, float]:
+    """LAB_STANDIN_METRICS as (kind, number): ("", 0) normal, ("slow", seconds), ("503", 0), ("503-under-load", n).
+    Anything else is refused (ValueError): a knob misspelt must not test the normal case instead."""
+    value = value.strip()
+    kind, _, number = value.partition(":")
+    try:
+        if value in ("", "503"):
+            return value, 0.0
+        if kind in ("slow", "503-under-load") and number and float(number) >= 0:
+            return kind, float(number)
+    except ValueError:
+        pass
+    raise ValueError(f"LAB_STANDIN_METRICS={value!r}: expected slow:<seconds>, 503 or 503-under-load:<n>")
 
 
 def throughput_model(steps: int, topk: int, draft_tokens: int) -> tuple[float, float]:
@@ -177,14 +228,26 @@ def hang_in_cuda_graph_capture(rank: int, parent: int) -> None:
         time.sleep(0.2)
 
 
+def main_thread_sleep() -> None:
+    """0.1 s of the main thread's idling. Never one long sleep: Python runs a signal's handler in the main thread,
+    and a SIGTERM the kernel hands to another thread (the HTTP server's, the watchdog) does not interrupt the main
+    thread's sleep, so its handler (the drain) would wait for that sleep to end."""
+    time.sleep(0.1)
+
+
 def wait_for_schedulers_ready() -> None:
     """Fault hang: the launcher waits here for ranks that never report ready."""
     while True:
-        time.sleep(3600)
+        main_thread_sleep()
 
 
 def scheduler_process(rank: int, gpu: int, mib: int, release_s: float, stray: bool, hang: bool = False) -> None:
-    """Child: one tensor-parallel rank holding its GPU's memory until told to stop."""
+    """Child: one tensor-parallel rank holding its GPU's memory until told to stop.
+
+    SIGTERM kills it (the default action): SGLang 0.5.23's run_scheduler_process (sglang/srt/managers/scheduler.py)
+    installs no SIGTERM handler, so a SIGTERM sent to the whole group (KillMode=control-group) kills every
+    scheduler mid-forward. Only its parent's ShutdownReq (TokenizerManager.sigterm_watchdog) stops it gracefully."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     lab_gpu(
         "hold",
         "--pid",
@@ -231,6 +294,69 @@ def start_schedulers(args: argparse.Namespace, knobs: Knobs) -> list[int]:
     return pids
 
 
+_ALIVE = {"at": -1.0, "alive": True}  # schedulers_alive's last answer, read at most every 0.05 s
+
+
+def schedulers_alive() -> bool:
+    """Whether every scheduler child still runs (a zombie or a reaped one does not): with one gone, no request
+    makes progress (SGLang decodes in the schedulers, the main process only tokenizes and answers)."""
+    now = time.monotonic()
+    if now - _ALIVE["at"] < 0.05:
+        return _ALIVE["alive"]
+    alive = True
+    for pid in CHILDREN:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                alive = f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            alive = False
+        if not alive:
+            break
+    _ALIVE.update(at=now, alive=alive)
+    return alive
+
+
+def kill_process_tree_and_exit() -> None:
+    """SGLang 0.5.23's end when a child died: TokenizerManager's SignalHandler.running_phase_sigquit_handler
+    (sglang/srt/managers/tokenizer_manager.py) calls kill_process_tree(os.getpid()) (sglang/srt/utils/common.py):
+    SIGKILL to every child, then to itself (`itself.kill()`), so every connection in flight is closed without
+    its answer. The children are reaped first, for the lab's cgroup-v1 containers (kill_children)."""
+    kill_children(signal.SIGKILL, wait=2.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_children(interval: float = WATCHDOG_INTERVAL_S) -> None:
+    """SGLang 0.5.23's SubprocessWatchdog (sglang/srt/utils/watchdog.py, _check_processes), a daemon thread of
+    the main process: every `interval`, a child that exited with a code other than 0 (a scheduler killed by a
+    SIGTERM has exit code -15) is a crash: "Triggering SIGQUIT for cleanup...", and the SIGQUIT handler kills the
+    process tree, the main process included (kill_process_tree_and_exit). It runs on while the main process
+    drains after its own SIGTERM (TokenizerManager.sigterm_watchdog stops it only when the drain is over)."""
+    reaped: set[int] = set()
+    while not EXPECTED_EXITS.wait(interval):
+        for rank, pid in enumerate(list(CHILDREN)):
+            with SHUTDOWN:
+                if EXPECTED_EXITS.is_set():
+                    return
+                if pid in reaped:
+                    continue
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    continue
+                if not done:
+                    continue
+                reaped.add(pid)
+                code = os.waitstatus_to_exitcode(status)  # -15: killed by SIGTERM, as multiprocessing's exitcode
+                if code == 0:
+                    continue
+                log(
+                    f"Subprocess scheduler_{rank} (pid={pid}) crashed with exit code {code}. "
+                    "Triggering SIGQUIT for cleanup..."
+                )
+                log(f"SIGQUIT received. signum={int(signal.SIGQUIT)}, frame=None. It usually means one child failed.")
+                kill_process_tree_and_exit()
+
+
 # --------------------------------------------------------------------------- serving
 
 
@@ -242,12 +368,23 @@ class State:
         self.ready = False
         self.draining = False
         self.running = 0  # requests being decoded now (sglang:num_running_reqs)
+        self.queued = 0  # requests accepted, waiting for a running slot (sglang:num_queue_reqs)
+        # --max-running-requests: more requests than that wait in the queue (none set: no limit, the queue stays 0).
+        self.max_running = getattr(args, "max_running_requests", None) or 0
+        # /metrics only with --enable-metrics: SGLang's parser sets enable_metrics (False without the flag). A
+        # Namespace made by hand without the attribute (tests that serve State without the parser) keeps /metrics.
+        self.metrics_enabled = bool(getattr(args, "enable_metrics", True))
         self.decodes = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.verify_ct = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()  # guards the counters; notified when a running slot frees
         self.last_throughput = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the server has (running or queued): what SGLang's drain waits for (rid_to_state)."""
+        return self.running + self.queued
 
     def decode(self, prompt: str, max_new_tokens: int) -> dict:
         """A whole answer: the last of decode_stream's pieces."""
@@ -262,11 +399,19 @@ class State:
         started = time.monotonic()
         words = ["lab", "stand-in", "tokens"]
         with self.lock:
+            self.queued += 1
+            try:
+                while self.max_running and self.running >= self.max_running:
+                    self.lock.wait()
+            finally:
+                self.queued -= 1
             self.running += 1
         try:
             done = 0
             while done < n:
                 k = min(step, n - done)
+                while not schedulers_alive():  # no scheduler left to decode it: it waits to be cut
+                    time.sleep(0.05)
                 graphs = self.knobs.graph_bs is None or self.running <= self.knobs.graph_bs
                 time.sleep(k / (self.knobs.tokens_per_s * (1.0 if graphs else 0.7)))  # past the graphs: eager
                 done += k
@@ -292,6 +437,7 @@ class State:
         finally:
             with self.lock:
                 self.running -= 1
+                self.lock.notify()
 
     def server_info(self) -> dict:
         info = dict(vars(self.args))
@@ -312,6 +458,9 @@ class State:
             "# HELP sglang:num_running_reqs The number of running requests.",
             "# TYPE sglang:num_running_reqs gauge",
             f"sglang:num_running_reqs{{{labels}}} {float(self.running)}",
+            "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.",
+            "# TYPE sglang:num_queue_reqs gauge",
+            f"sglang:num_queue_reqs{{{labels}}} {float(self.queued)}",
             "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
             "# TYPE sglang:prompt_tokens_total counter",
             f"sglang:prompt_tokens_total{{{labels}}} {float(self.prompt_tokens)}",
@@ -345,7 +494,10 @@ def crash_on_decode() -> None:
 
 
 def kill_children(sig: int, wait: float = 0.0) -> set[int]:
-    """Signal every child; with wait, reap them for up to that many seconds. The ones left."""
+    """Signal every child; with wait, reap them for up to that many seconds. The ones left. Their exits are
+    expected from here on: the watchdog (watch_children) stands down first."""
+    with SHUTDOWN:
+        EXPECTED_EXITS.set()
     for pid in CHILDREN:
         try:
             os.kill(pid, sig)
@@ -416,10 +568,16 @@ class Handler(BaseHTTPRequestHandler):
         if not self.authorized(path):
             return None
         if path in ("/health", "/ready"):
-            return self.reply(200 if st.ready else 503)
+            # 503 while draining too, as SGLang 0.5.23 (http_server.py health_generate: "Health check request
+            # received during shutdown. Returning 503."; /ready: TokenizerManager.is_ready).
+            return self.reply(200 if st.ready and not st.draining else 503)
         if not st.ready:
             return self.reply(503)
+        if path.startswith("/metrics"):  # SGLang's Mount: path_regex ^/metrics(?P<path>.*)$ (add_prometheus_middleware)
+            return self.metrics()
         if path == "/health_generate":
+            if st.draining:
+                return self.reply(503)
             st.decode("", 1)
             return self.reply(200)
         if path in ("/server_info", "/get_server_info"):
@@ -429,9 +587,20 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/v1/models":
             name = st.args.served_model_name or st.args.model_path
             return self.reply(200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "sglang"}]})
-        if path == "/metrics":
-            return self.reply(200, st.metrics().encode(), "text/plain; version=0.0.4")
-        return self.reply(404, {"detail": "Not Found"})
+        return self.reply(404, NOT_FOUND)
+
+    def metrics(self) -> None:
+        """/metrics: 404 without --enable-metrics, as SGLang 0.5.23 (the route is not mounted); with it, the
+        series, unless LAB_STANDIN_METRICS makes the answer late or a 503 (see the module's docstring)."""
+        st = self.state
+        if not st.metrics_enabled:
+            return self.reply(404, NOT_FOUND)
+        kind, number = st.knobs.metrics
+        if kind == "slow":
+            time.sleep(number)
+        if kind == "503" or (kind == "503-under-load" and st.running > number):
+            return self.reply(503)
+        return self.reply(200, st.metrics().encode(), "text/plain; version=0.0.4")
 
     def do_POST(self) -> None:
         st = self.state
@@ -475,7 +644,7 @@ class Handler(BaseHTTPRequestHandler):
                     "usage": usage_of(meta),
                 },
             )
-        return self.reply(404, {"detail": "Not Found"})
+        return self.reply(404, NOT_FOUND)
 
 
 def usage_of(meta: dict) -> dict:
@@ -524,18 +693,27 @@ def main(argv: list[str] | None = None) -> int:
         f"GPUs {gpus()}, speculative {args.speculative_algorithm}, faults {sorted(knobs.faults) or 'none'}"
     )
     CHILDREN.extend(start_schedulers(args, knobs))
+    # SGLang's SubprocessWatchdog: a scheduler that dies (a group SIGTERM kills them) takes the server down with it.
+    threading.Thread(target=watch_children, daemon=True, name="subprocess-watchdog").start()
 
     def stop(signum, frame):
-        log(f"Received signal {signum}; shutting down")
+        log(f"SIGTERM received. signum={signum} frame=None. Draining requests and shutting down...")
         state = Handler.__dict__.get("state")
-        if signum == signal.SIGTERM and state is not None and state.ready:
-            # As SGLang's tokenizer manager does on SIGTERM: no new requests, the running ones finish.
+        if state is not None and state.ready:
+            # As SGLang's tokenizer manager does on SIGTERM (SignalHandler.sigterm_handler sets gracefully_exit,
+            # TokenizerManager.sigterm_watchdog waits while rid_to_state is not empty): no new requests (503), the
+            # running and queued ones finish. The watchdog runs on meanwhile: should a scheduler die now (the
+            # SIGTERM went to the whole group), the server is killed with its requests (watch_children).
+            # Not modelled: SGLang notices the SIGTERM only at its next 5 s poll (asyncio.sleep(5) in
+            # sigterm_watchdog) and then waits in 5 s steps; the stand-in starts at once and polls every 0.05 s.
             state.draining = True
             deadline = time.monotonic() + knobs.drain_s
-            if state.running:
-                log(f"Gracefully exiting... remaining number of requests {state.running}")
-            while state.running and time.monotonic() < deadline:
+            if state.in_flight:
+                log(f"Gracefully exiting... Remaining number of requests {state.in_flight}.")
+            while state.in_flight and time.monotonic() < deadline:
                 time.sleep(0.05)
+        # Then its schedulers are stopped by the process itself (a ShutdownReq, then kill_process_tree of its
+        # children), the watchdog first (kill_children).
         left = kill_children(signal.SIGTERM, wait=2.0)
         if left:
             log(f"children {sorted(left)} still running after SIGTERM; exiting without them")
@@ -568,13 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(max(0.0, knobs.ready_s - (time.monotonic() - T0)))
     state.ready = True
     log("The server is fired up and ready to roll!")
-    while True:
-        for pid in CHILDREN:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                log(f"scheduler pid {pid} exited ({status}); shutting down")
-                stop(None, None)
-        time.sleep(0.5)
+    while True:  # the watchdog thread watches the children; SIGTERM (stop) ends this
+        main_thread_sleep()
 
 
 if __name__ == "__main__":

@@ -253,21 +253,56 @@ def verdict(snap: dict, gpus: list[int], max_used_mib: int) -> dict:
     return out
 
 
+# A login session's scope (session-<id>.scope: a shell, ssh, `su -l`) runs what a person started by hand, no unit's
+# own work: for the stop policy its processes are owned by no unit.
+LOGIN_SESSION = re.compile(r"session-[^/]+\.scope")
+
+
+def owned_by_no_unit(proc: dict) -> bool:
+    """Its cgroup names no systemd unit (procinfo.unit_of: None), or only a login session's scope."""
+    unit = proc.get("unit")
+    return unit is None or bool(LOGIN_SESSION.fullmatch(unit))
+
+
 def may_stop(proc: dict, policy: str, service_unit: str | None, service_user: str | None) -> bool:
     """Whether the stop policy allows stopping this offender.
 
-    none: never. own: processes of the service's own unit or user. force: any
-    process (the operator said so explicitly). A process without a pid cannot be stopped.
+    none: never. force: any process (the operator said so explicitly). own: this unit's processes, and the
+    service user's that no unit owns (`owned_by_no_unit`), never another unit's: every instance runs as that user.
+    A process without a pid cannot be stopped, nor under own one /proc hides (procinfo gives it no user).
     """
     if proc.get("pid") is None:
         return False
     if policy == "force":
         return True
     if policy == "own":
-        return bool(
-            (service_unit and proc.get("unit") == service_unit) or (service_user and proc.get("user") == service_user)
-        )
+        if service_unit and proc.get("unit") == service_unit:
+            return True
+        return bool(service_user) and proc.get("user") == service_user and owned_by_no_unit(proc)
     return False
+
+
+def other_units(procs: list[dict], service_unit: str | None) -> dict[str, list[dict]]:
+    """{unit: its processes} of the processes another systemd unit owns, in the order listed."""
+    held: dict[str, list[dict]] = {}
+    for p in procs:
+        if p.get("unit") != service_unit and not owned_by_no_unit(p):
+            held.setdefault(p["unit"], []).append(p)
+    return held
+
+
+def units_held(held: dict[str, list[dict]], service_unit: str, name: str) -> str:
+    """The units of `other_units` for a message: "sglang-main.service (sglang instance main): pids 101, 102 on GPUs
+    [4, 5]"; a unit named as this instance's is (<prefix><instance>.service) is said to be another instance's."""
+    prefix = service_unit.removesuffix(f"{name}.service") if service_unit.endswith(f"{name}.service") else None
+    out = []
+    for unit, procs in held.items():
+        ours = bool(prefix) and unit.startswith(prefix) and unit.endswith(".service")
+        whose = f" (sglang instance {unit[len(prefix) : -len('.service')]})" if ours else ""
+        pids = ", ".join(str(p) for p in sorted({p["pid"] for p in procs if p["pid"] is not None})) or "?"
+        gpus = sorted({p["gpu"] for p in procs if p["gpu"] is not None})
+        out.append(f"{unit}{whose}: pids {pids} on GPUs {gpus}")
+    return "; ".join(out)
 
 
 def terminate(pids: list[int], grace: float, interval: float) -> dict[int, str]:
@@ -292,6 +327,19 @@ def terminate(pids: list[int], grace: float, interval: float) -> dict[int, str]:
     return outcome
 
 
+def _stopped(pid: int, rows: list[dict], how: str) -> dict:
+    """One stopped process for the result: whose it was and where (its rows, one per GPU it held), how it ended."""
+    first = rows[0]
+    return {
+        "pid": pid,
+        "user": first.get("user"),
+        "unit": first.get("unit"),
+        "gpus": sorted({r["gpu"] for r in rows}),
+        "command": first.get("cmdline") or first.get("process_name"),
+        "how": how,
+    }
+
+
 def _timeout_message(judged: dict, gpus: list[int], timeout: float) -> str:
     """What the modules fail with: every offender, and why nothing was stopped where nothing was."""
     hint = ""
@@ -304,13 +352,14 @@ def _timeout_message(judged: dict, gpus: list[int], timeout: float) -> str:
     return f"GPUs {sorted(set(gpus))} not clean after {timeout:g}s: {listed}.{judged['note']}{hint}"
 
 
-def _result(judged: dict, snap: dict, start: float, now: float, polls: int, stopped: dict, message: str) -> dict:
+def _result(judged: dict, snap: dict, start: float, now: float, polls: int, stopped: list[dict], message: str) -> dict:
     """wait_clean's answer: the last verdict, how long and how often it polled, and the state it last saw."""
     return {
         **judged,
         "waited_s": now - start,
         "polls": polls,
-        "stopped": stopped,
+        "stopped": {p["pid"]: p["how"] for p in stopped},
+        "stopped_processes": stopped,
         "gpus": snap["gpus"],
         "processes": snap["processes"],
         "message": message,
@@ -333,13 +382,15 @@ def wait_clean(
     """Poll until `verdict` says `gpus` are clean, or until timeout; the gate's loop as well as the modules'.
 
     Offenders the policy allows are stopped (once each); the others are waited
-    for. Returns verdict's keys plus {waited_s, polls, stopped, refused, gpus,
-    processes}; on timeout `offenders`/`busy`/`lines` say what was still there.
-    Missing GPUs end the wait at once. NvidiaSmiError propagates.
+    for. Returns verdict's keys plus {waited_s, polls, stopped, stopped_processes,
+    refused, gpus, processes}: stopped {pid: how it ended}, stopped_processes each
+    stopped one as it was seen then {pid, user, unit, gpus, command, how}; on
+    timeout `offenders`/`busy`/`lines` say what was still there. Missing GPUs end
+    the wait at once. NvidiaSmiError propagates.
     """
     start = clock()
     deadline = start + timeout
-    stopped: dict[int, str] = {}
+    stopped: list[dict] = []
     polls = 0
     while True:
         began = clock()
@@ -349,10 +400,12 @@ def wait_clean(
         judged["refused"] = [p for p in judged["offenders"] if not may_stop(p, policy, service_unit, service_user)]
         if judged["clean"] or judged["missing"]:
             return _result(judged, snap, start, clock(), polls, stopped, judged["message"])
-        allowed = {p["pid"] for p in judged["offenders"] if may_stop(p, policy, service_unit, service_user)}
-        to_stop = sorted(allowed - set(stopped))
+        allowed = [p for p in judged["offenders"] if may_stop(p, policy, service_unit, service_user)]
+        done = {p["pid"] for p in stopped}
+        to_stop = sorted({p["pid"] for p in allowed} - done)
         if to_stop:
-            stopped.update(terminate(to_stop, kill_grace, interval))
+            how = terminate(to_stop, kill_grace, interval)
+            stopped += [_stopped(pid, [p for p in allowed if p["pid"] == pid], how[pid]) for pid in to_stop]
             continue
         if clock() >= deadline:
             return _result(judged, snap, start, clock(), polls, stopped, _timeout_message(judged, gpus, timeout))

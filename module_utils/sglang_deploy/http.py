@@ -15,7 +15,12 @@ import urllib.request
 
 
 class HttpError(RuntimeError):
-    pass
+    """``cause``: the error underneath when the server did not answer (ConnectionRefusedError: nothing listens
+    there; TimeoutError, ConnectionResetError, ...), else None."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause
 
 
 # The server is on this host: never through an http_proxy from the environment.
@@ -39,7 +44,9 @@ def request(url: str, body: dict | None = None, timeout: float = 30.0, api_key: 
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
         # URLError/OSError: refused, reset, timed out; HTTPException: IncompleteRead, BadStatusLine, a dropped
         # connection mid-response; ValueError: a malformed URL.
-        raise HttpError(f"{url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}") from exc
+        reason = getattr(exc, "reason", None)
+        cause = reason if isinstance(reason, BaseException) else exc
+        raise HttpError(f"{url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}", cause=cause) from exc
 
 
 def json_of(url: str, data: bytes) -> dict:

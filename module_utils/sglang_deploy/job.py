@@ -4,7 +4,8 @@ it short: the worker always runs to the state machine's defined end and writes i
 
 A job is a root-only directory under JOBS_DIR: pid (the worker's), progress.json (progress.Reporter) and
 result.json (the module's result, secrets already stripped), each written atomically. library/sglang_job.py
-reads it and removes the directory once the result has been handed over.
+reads it, and hands the result over as often as it is asked for it (an answer lost with a dropped connection is
+asked for again): the directory is removed only when the controller acknowledges the result (ack).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def read_json(path: str) -> dict | None:
 def wait(job: Job, seen: int, wait_s: float, min_s: float, interval: float = 0.05) -> dict:
     """What the controller is told: the result once the worker has written it ({"done": True, "ok", "res"}),
     else the progress once its seq has passed `seen` and min_s are out, or when wait_s are out
-    ({"done": False, "progress", "seq"}). A worker dead without a result is a failure naming it."""
+    ({"done": False, "progress", "seq"}). A worker dead without a result is a failure naming it. Nothing is
+    removed: the same result is answered again until the controller acknowledges it (ack)."""
     t0 = time.monotonic()
     while True:
         end = read_json(job.result)
@@ -79,14 +81,21 @@ def wait(job: Job, seen: int, wait_s: float, min_s: float, interval: float = 0.0
         if end is None and not job.alive():
             end = read_json(job.result) or {"ok": False, "res": lost(job, prog)}  # written between the reads?
         if end is not None:
-            if "lost_job" not in end["res"]:
-                job.remove()  # handed over: nothing of it is left on the host
             return {"done": True, **end}
         waited = time.monotonic() - t0
         seq = (prog or {}).get("seq", 0)
         if (seq > seen and waited >= min_s) or waited >= wait_s:
             return {"done": False, "job": job.dir, "progress": prog, "seq": seq}
         time.sleep(interval)
+
+
+def ack(job: Job) -> bool:
+    """The controller has the job's result: the job's files removed, nothing of it left on the host. Only a job
+    whose result is written: a running worker's files, or a killed one's (lost), stay. Whether it removed them."""
+    if read_json(job.result) is None:
+        return False
+    job.remove()
+    return True
 
 
 def lost(job: Job, prog: dict | None) -> dict:
@@ -187,7 +196,10 @@ def start(
         return {"ok": False, "res": mask({"changed": True, "msg": f"the detached restart raised {exc!r}"})}
 
     detach(job, work, on_error)
-    return wait(job, seen=0, wait_s=every, min_s=every)
+    said = wait(job, seen=0, wait_s=every, min_s=every)
+    if said["done"]:
+        ack(job)  # the controller never learns this job: nothing could ask for its result again
+    return said
 
 
 def answer(module, said: dict) -> None:

@@ -40,7 +40,7 @@ from .gpu import format_offender, may_stop
 from .http import HttpError, generate, healthy
 from .instance import Instance, masked
 from .known_good import Store, content_hash, write_atomic
-from .lock import InstanceLock, Locked, peek
+from .lock import LEASE_BEGIN, LEASE_CHECK, LEASE_CONTINUE, LEASE_RECOVER, InstanceLock, Lease, Locked, peek
 from .stage import promote, read_text, stage_complete
 from .validate import ValidateError, validate_host
 
@@ -83,6 +83,10 @@ class Settings:
     # the group rollback's last phase contains this rank.
     group_ok: bool = True
     group_why: str = ""
+    # A multi-node restart's run, the same on every node (restart_multinode.yml): its phases hold the instance's lock
+    # between them as a lease on each node (lock.py), valid group_lease_s after each phase. None: no lease.
+    group_token: str | None = None
+    group_lease_s: float = 1470.0
     expected_config_hash: str | None = None
     # This run's rendered configuration ({live path: content} of the unit and environment file) and the
     # secrets file's content: staged by the restart itself, under the lock it holds to the end.
@@ -182,13 +186,39 @@ class Machine:
     # ------------------------------------------------------------------ the phases
 
     def take_lock(self) -> dict:
-        self.lock = InstanceLock(self.inst.name, self.operation, self.s.controller, self.s.command, self.ports.lock_dir)
+        self.lock = InstanceLock(
+            self.inst.name,
+            self.operation,
+            self.s.controller,
+            self.s.command,
+            self.ports.lock_dir,
+            lease=self.group_lease(),
+            clock=self.ports.wall,
+        )
         try:
             holder = self.lock.acquire()
         except Locked as exc:
             self.lock = None
             raise Failure(outcomes.LOCK, str(exc), lock={"holder": exc.holder}, checked=True) from None
         return {"holder": holder}
+
+    def group_lease(self) -> Lease | None:
+        """A multi-node restart's phase holds the lock between the phases as its run's lease (lock.py): the stop takes
+        it, the start, confirm and record go on only under it, the group rollback's phases take it back if need be;
+        the group's last phase on the node ends it (end()). In check mode it is only read."""
+        if not self.s.group_token or self.s.phase == "all":
+            return None
+        phase = self.s.phase
+        mode = (
+            LEASE_CHECK
+            if self.s.check_mode
+            else LEASE_BEGIN
+            if phase == "stop"
+            else LEASE_RECOVER
+            if phase in MULTINODE_ROLLBACK
+            else LEASE_CONTINUE
+        )
+        return Lease(self.s.group_token, self.s.group_lease_s, mode, phase)
 
     def validate(self) -> dict:
         """Every instance of the host checked as `sglang_validate` checks them (sglang_deploy.validate), under the
@@ -240,23 +270,27 @@ class Machine:
             raise Failure(outcomes.PREFLIGHT, f"{exc}. Nothing was stopped.", checked=True) from None
         i = self.inst
         self.gpu_model = gpu.model_of(snap, i.gpus)
+        wanted = [p for p in snap["processes"] if p["gpu"] in i.gpus]
+        # Judged from the host's own processes, whatever the inventory declares: another instance's unit on these
+        # GPUs is refused here, before this unit is stopped (issue #29), unless the operator said 'force'.
+        held = gpu.units_held(gpu.other_units(wanted, i.unit), i.unit, i.name)
         foreign = [
-            p
-            for p in snap["processes"]
-            if p["gpu"] in i.gpus
-            and p.get("unit") != i.unit
-            and not may_stop(p, self.s.stop_policy, i.unit, i.service_user)
+            p for p in wanted if p.get("unit") != i.unit and not may_stop(p, self.s.stop_policy, i.unit, i.service_user)
         ]
         if foreign:
             raise Failure(
                 outcomes.PREFLIGHT,
-                "GPUs held by processes outside this service: "
+                (f"GPUs {sorted(i.gpus)} are held by another unit: {held}. " if held else "")
+                + "GPUs held by processes outside this service: "
                 + "; ".join(format_offender(x) for x in foreign)
                 + ". Nothing was stopped. Stop them, or rerun with stop policy 'force'.",
                 offenders=foreign,
                 checked=True,
             )
-        return {"processes": len([x for x in snap["processes"] if x["gpu"] in i.gpus]), "pending": self.pending}
+        out = {"processes": len(wanted), "pending": self.pending}
+        if held:  # only 'force' gets here with another unit's processes on the GPUs: the wait stops them
+            out["note"] = f"GPUs {sorted(i.gpus)} are held by another unit: {held}; stop policy 'force' stops them"
+        return out
 
     def check_staged(self) -> None:
         """The configuration this run would start (pending, else the unit's) is complete and the one it staged."""
@@ -302,7 +336,19 @@ class Machine:
         )
         if not res["clean"]:
             raise Failure(outcomes.GPUS, res["message"], offenders=res.get("offenders"), busy=res.get("busy"))
-        return {"waited_s": round(res["waited_s"], 3), "polls": res["polls"], "stopped": res["stopped"]}
+        return {
+            "waited_s": round(res["waited_s"], 3),
+            "polls": res["polls"],
+            "stopped": res["stopped"],  # {pid: how it ended}
+            "stopped_processes": res["stopped_processes"],  # whose each was: Machine.stopped_in gathers them
+        }
+
+    @staticmethod
+    def stopped_in(res: dict) -> list[dict]:
+        """Every process a result's GPU waits stopped (its own phases', its rollback's), each with its phase."""
+        phases = [*res["phases"], *(res.get("rollback") or {}).get("phases", [])]
+        details = [(p["phase"], p["detail"]) for p in phases if isinstance(p.get("detail"), dict)]
+        return [{**x, "phase": phase} for phase, d in details for x in d.get("stopped_processes", [])]
 
     def promote(self) -> dict:
         out = promote(self.inst, reload=lambda: self.systemctl_ok("daemon-reload"))
@@ -672,6 +718,10 @@ MULTINODE_ROLLBACK = {
     "rollback_confirm": (CONFIRM,),  # ranks above 0; rank 0: VERIFY (again, now that every rank runs)
 }
 MULTINODE_PHASES = (*MULTINODE, *MULTINODE_ROLLBACK)
+# Where a multi-node group's restart ends on each node, success or failure: the record (every rank confirmed), or
+# the last phase of its rollback (rolled back, or contained); there its lease is removed. restart.yml runs one of
+# them on every node of a group that took a lease (a group refused before its stop never took one).
+GROUP_ENDS = ("record", "rollback_confirm")
 SAVES_STARTED = ("start", "rollback_start")
 assert tuple(s.phase for s in (*REFUSALS, *RESTART, RECORD)) == outcomes.RESTART_PHASES
 assert tuple(s.phase for s in ROLLBACK) == outcomes.ROLLBACK_PHASES
@@ -729,7 +779,10 @@ def end(m: Machine, res: dict) -> None:
     served = m.served_at if m.served_at is not None else m.ports.clock()
     res["downtime_s"] = round(served - m.touched_at, 3) if m.touched_at is not None else 0.0
     if m.lock:
-        m.lock.release()
+        # A multi-node group's lease (lock.py) is renewed for the gap to its next phase; its last phase ends it.
+        lease = m.lock.release(end_group=m.s.phase in GROUP_ENDS)
+        if lease is not None:
+            res["group_lease"] = lease
     res["msg"] = message(m, res)
 
 

@@ -10,7 +10,14 @@ What this relies on, as verified against the pinned release (docs/router.md):
 - With ``--api-key`` the router requires ``Authorization: Bearer`` on ``/workers``.
 
 Nothing says when a removed worker's requests are done: ``drain`` watches the worker itself, SGLang's
-``sglang:num_running_reqs`` gauge on its /metrics (open without the key, SGLang's auth rule), until it is 0.
+``sglang:num_running_reqs`` and ``sglang:num_queue_reqs`` gauges on its /metrics (open without the key, SGLang's
+auth rule), until both say 0; only a read that says so (or a refused connection: nothing listens) counts as
+drained. SGLang 0.5.23 serves /metrics only with ``--enable-metrics`` (sglang/srt/entrypoints/http_server.py:
+``if get_observability().enable_metrics: add_prometheus_middleware(app)``, which mounts ``/metrics``,
+sglang/srt/utils/common.py); without it the route is 404 and the worker cannot be drained on evidence.
+
+A worker is one worker whatever the spelling of its URL (``same_worker``): the router may list it under an
+address where the inventory names a host, an explicit default port, an upper-case scheme.
 
 No Ansible here: library/sglang_router_worker.py is the thin module; tests/test_router_client.py runs this
 against a fake router and against the real sglang-router binary, both on loopback. Every wait polls a
@@ -21,21 +28,37 @@ which ignores any proxy from the environment.
 from __future__ import annotations
 
 import http.client as http_client
+import ipaddress
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from . import http
+from . import http, outcomes
 
 RUNNING_METRIC = "sglang:num_running_reqs"
+QUEUE_METRIC = "sglang:num_queue_reqs"
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# Why a worker's /metrics says nothing: SGLang 0.5.23 mounts the route only with this flag
+# (sglang/srt/entrypoints/http_server.py, add_prometheus_middleware in sglang/srt/utils/common.py).
+ENABLE_METRICS = "SGLang serves /metrics and its load gauges only with --enable-metrics"
 
 
 class RouterError(RuntimeError):
     pass
+
+
+class ActionFailed(RouterError):
+    """An action of library/sglang_router_worker.py that fails with a result (its failed result carries it)."""
+
+    def __init__(self, msg: str, result: dict):
+        super().__init__(msg)
+        self.result = result
 
 
 def worker_url(host: str, port: int, scheme: str = "http") -> str:
@@ -48,6 +71,89 @@ def worker_url(host: str, port: int, scheme: str = "http") -> str:
 def normalize(url: str) -> str:
     """A worker URL as the router lists it: no trailing slash."""
     return str(url).strip().rstrip("/")
+
+
+def canonical(url: str) -> str:
+    """A worker URL in one spelling: scheme and host lower-cased, the port explicit (http 80, https 443), an IPv6
+    address in brackets and compressed (an IPv4-mapped one as IPv4), no trailing dot, slash or path.
+    ValueError when it is not a URL with a host (a port that is not a number, no scheme)."""
+    text = str(url).strip()
+    parts = urllib.parse.urlsplit(text)
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").rstrip(".")  # urlsplit lower-cases it and takes the brackets off
+    if not scheme or "://" not in text or not host:
+        raise ValueError(f"not a worker URL (scheme://host:port): {url!r}")
+    port = parts.port  # ValueError for a port that is not a number or out of range
+    if port is None:
+        if scheme not in DEFAULT_PORTS:
+            raise ValueError(f"no port, and no default port for {scheme}: {url!r}")
+        port = DEFAULT_PORTS[scheme]
+    host = _address(host) or host
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def posted(url: str) -> str:
+    """The spelling ``add`` posts: the scheme lower-cased, no trailing slash or path, the host and port as written
+    (the router role's spelling). sglang-router 0.3.2 takes an upper-case scheme for none (it asked
+    ``http://http//LOCALHOST:P//health`` of ``HTTP://LOCALHOST:P/`` and never listed it) and lists a trailing
+    slash as one more worker (docs/router.md)."""
+    parts = urllib.parse.urlsplit(str(url).strip())
+    if not parts.scheme or not parts.netloc:
+        return normalize(url)
+    return f"{parts.scheme.lower()}://{parts.netloc}"
+
+
+def _address(text: str) -> str | None:
+    """An IP address in one spelling (IPv6 compressed, an IPv4-mapped one as IPv4), or None for a name."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+class Resolver:
+    """Whether two worker URLs name one worker (``same``): the same canonical URL, or the same scheme and port
+    on hosts that resolve to a common address (socket.getaddrinfo where this runs, the router's host: the
+    addresses the router connects to). Each host is resolved once per Resolver (make one per decision); a host
+    that does not resolve is compared by its canonical name only."""
+
+    def __init__(self, getaddrinfo: Callable = socket.getaddrinfo):
+        self.getaddrinfo = getaddrinfo
+        self.cache: dict[str, frozenset[str] | None] = {}
+
+    def addresses(self, host: str) -> frozenset[str] | None:
+        """The host's addresses (an address: itself), None when it does not resolve."""
+        literal = _address(host)
+        if literal:
+            return frozenset([literal])
+        if host not in self.cache:
+            try:
+                infos = self.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+                found = frozenset(a for a in (_address(str(i[4][0]).split("%", 1)[0]) for i in infos) if a)
+            except (OSError, UnicodeError, ValueError):  # socket.gaierror is an OSError
+                found = None
+            self.cache[host] = found or None
+        return self.cache[host]
+
+    def same(self, a: str, b: str) -> bool:
+        try:
+            ca, cb = canonical(a), canonical(b)
+        except ValueError:
+            return normalize(a) == normalize(b)
+        if ca == cb:
+            return True
+        pa, pb = urllib.parse.urlsplit(ca), urllib.parse.urlsplit(cb)
+        if pa.scheme != pb.scheme or pa.port != pb.port:
+            return False
+        ra, rb = self.addresses(pa.hostname or ""), self.addresses(pb.hostname or "")
+        return bool(ra and rb and ra & rb)
+
+
+def same_worker(a: str, b: str, resolver: Resolver | None = None) -> bool:
+    """Whether the URLs a and b name one worker (Resolver.same)."""
+    return (resolver or Resolver()).same(a, b)
 
 
 def request(
@@ -69,7 +175,11 @@ def request(
         except (OSError, http_client.HTTPException):
             return exc.code, b""
     except (urllib.error.URLError, OSError, http_client.HTTPException, ValueError) as exc:
-        raise http.HttpError(f"{method} {url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}") from exc
+        reason = getattr(exc, "reason", None)
+        raise http.HttpError(
+            f"{method} {url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}",
+            cause=reason if isinstance(reason, BaseException) else exc,
+        ) from exc
 
 
 class Router:
@@ -81,6 +191,7 @@ class Router:
         poll: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        getaddrinfo: Callable = socket.getaddrinfo,
     ):
         self.url = normalize(url)
         self.api_key = api_key or None
@@ -88,6 +199,7 @@ class Router:
         self.poll = poll
         self.clock = clock
         self.sleep = sleep
+        self.getaddrinfo = getaddrinfo
 
     # ------------------------------------------------------------------ one request each
 
@@ -113,32 +225,60 @@ class Router:
                 out.append({**w, "url": normalize(w["url"]), "healthy": bool(w.get("is_healthy"))})
         return out
 
-    def find(self, worker_url: str) -> dict | None:
-        """The router's record of this worker (its UUID in ``id``), or None when it is not listed."""
-        want = normalize(worker_url)
-        return next((w for w in self.workers() if w["url"] == want), None)
+    def resolver(self) -> Resolver:
+        return Resolver(self.getaddrinfo)
 
-    def add(self, worker_url: str) -> str:
-        """Queue the worker's addition; its id. A URL already registered answers with the existing id."""
-        code, doc = self._call("POST", "/workers", {"url": normalize(worker_url)})
+    def matches(self, worker_url: str, listing: list[dict], resolver: Resolver | None = None) -> list[dict]:
+        """The workers of ``listing`` that are ``worker_url`` under any spelling (same_worker)."""
+        resolver = resolver or self.resolver()
+        return [w for w in listing if resolver.same(worker_url, w["url"])]
+
+    def find(self, worker_url: str, resolver: Resolver | None = None) -> list[dict]:
+        """The router's records of this worker under any spelling (each with its UUID in ``id``): [] when it is
+        not listed, more than one when it is registered twice (an address and a host name, say). Names are
+        resolved once per call, or once per ``resolver`` (a wait passes one for all its polls)."""
+        return self.matches(worker_url, self.workers(), resolver)
+
+    def add(self, worker_url: str) -> tuple[str, bool]:
+        """(its id, whether it was added): a worker the router lists under any spelling is not added again (the
+        router would register a second spelling as a second worker); else its addition is queued."""
+        listed = self.find(worker_url)
+        if listed:
+            return str(listed[0].get("id") or ""), False
+        url = posted(worker_url)
+        code, doc = self._call("POST", "/workers", {"url": url})
         if code not in (200, 201, 202):
-            raise RouterError(f"POST {self.url}/workers {normalize(worker_url)}: HTTP {code}: {str(doc)[:300]}")
-        return str(doc.get("worker_id") or "")
+            raise RouterError(f"POST {self.url}/workers {url}: HTTP {code}: {str(doc)[:300]}")
+        return str(doc.get("worker_id") or ""), True
 
-    def remove(self, worker_url: str) -> str | None:
-        """Queue the worker's removal by its UUID; the id, or None when the router did not list it."""
-        found = self.find(worker_url)
-        if found is None:
-            return None
-        wid = str(found.get("id") or "")
-        if not wid:
-            raise RouterError(f"{self.url}/workers lists {worker_url} without an id: {found}")
-        code, doc = self._call("DELETE", f"/workers/{urllib.parse.quote(wid, safe='')}")
-        if code == 404:  # removed meanwhile
-            return None
-        if code not in (200, 202, 204):
-            raise RouterError(f"DELETE {self.url}/workers/{wid} ({worker_url}): HTTP {code}: {str(doc)[:300]}")
-        return wid
+    def not_listed(self, worker_url: str, listing: list[dict]) -> RouterError:
+        """The error of a worker the router lists under no spelling, naming what it lists."""
+        lists = ", ".join(w["url"] for w in listing) or "no worker"
+        return RouterError(f"{self.url} does not list {normalize(worker_url)} under any spelling; it lists: {lists}")
+
+    def remove(self, worker_url: str, missing_ok: bool = False) -> list[str]:
+        """Queue the removal of every record of the worker (any spelling, a duplicate too) by its UUID; their
+        ids. RouterError when the router lists it under no spelling, naming what it lists (a worker named wrong
+        would otherwise be drained and restarted while the router still sends it requests), unless missing_ok
+        ([] then)."""
+        listing = self.workers()
+        found = self.matches(worker_url, listing)
+        if not found:
+            if missing_ok:
+                return []
+            raise self.not_listed(worker_url, listing)
+        ids = []
+        for w in found:
+            wid = str(w.get("id") or "")
+            if not wid:
+                raise RouterError(f"{self.url}/workers lists {w['url']} without an id: {w}")
+            code, doc = self._call("DELETE", f"/workers/{urllib.parse.quote(wid, safe='')}")
+            if code == 404:  # removed meanwhile
+                continue
+            if code not in (200, 202, 204):
+                raise RouterError(f"DELETE {self.url}/workers/{wid} ({w['url']}): HTTP {code}: {str(doc)[:300]}")
+            ids.append(wid)
+        return ids
 
     # ------------------------------------------------------------------ waits: poll a condition
 
@@ -158,22 +298,26 @@ class Router:
             self.sleep(self.poll)
 
     def wait_healthy(self, worker_url: str, timeout: float) -> float:
-        """Until the router lists the worker as healthy."""
+        """Until the router lists the worker as healthy (one of its records, when it is registered twice)."""
+        resolver = self.resolver()
 
         def check() -> tuple[bool, str]:
-            w = self.find(worker_url)
-            if w is None:
+            found = self.find(worker_url, resolver)
+            if not found:
                 return False, "not listed"
-            return w["healthy"], "listed, healthy" if w["healthy"] else "listed, not healthy"
+            healthy = any(w["healthy"] for w in found)
+            return healthy, "listed, healthy" if healthy else "listed, not healthy"
 
         return self._until(check, timeout, f"{self.url} does not list {normalize(worker_url)} as healthy")
 
     def wait_gone(self, worker_url: str, timeout: float) -> float:
-        """Until the router no longer lists the worker."""
+        """Until the router no longer lists the worker under any spelling."""
+        resolver = self.resolver()
 
         def check() -> tuple[bool, str]:
-            w = self.find(worker_url)
-            return w is None, "gone" if w is None else f"still listed (id {w.get('id')})"
+            found = self.find(worker_url, resolver)
+            ids = ", ".join(str(w.get("id")) for w in found)
+            return not found, f"still listed (id {ids})" if found else "gone"
 
         return self._until(check, timeout, f"{self.url} still lists {normalize(worker_url)}")
 
@@ -186,12 +330,17 @@ class Router:
 
 
 def metric_sum(text: str, name: str) -> float | None:
-    """The sum of every sample of a Prometheus series (one per label set: a data-parallel rank, a model)."""
-    samples = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)", text, re.M)
+    """The sum of every sample of a Prometheus series (one per label set: a data-parallel rank, a model), None
+    when it has none. SGLang 0.5.23 writes a queue gauge's total under ``priority=""`` and, with priority
+    scheduling, each priority's part again under ``priority="<n>"`` (metrics_collector._log_gauge_queue_count):
+    those parts are left out, so that they are not counted twice."""
+    samples = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})?\s+(\S+)", text, re.M)
     if not samples:
         return None
     total = 0.0
-    for s in samples:
+    for labels, s in samples:
+        if re.search(r'(?:^|,)\s*priority="[^"]+"', labels):
+            continue
         try:
             total += float(s)
         except ValueError:
@@ -199,14 +348,56 @@ def metric_sum(text: str, name: str) -> float | None:
     return total
 
 
+def refused(exc: http.HttpError) -> bool:
+    """Whether the worker refused the connection: nothing listens on its port (its server process is gone)."""
+    return isinstance(getattr(exc, "cause", None), ConnectionRefusedError)
+
+
+def _failure(exc: http.HttpError) -> str:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(cause, TimeoutError):  # socket.timeout is TimeoutError
+        return f"no answer in time ({exc})"
+    return str(exc)
+
+
 def running_requests(worker_url: str, timeout: float = 5.0, api_key: str | None = None) -> float | None:
-    """The worker's running requests (sglang:num_running_reqs): None when its /metrics lacks the series
-    (SGLang without --enable-metrics). HttpError when the worker does not answer."""
+    """The worker's running requests (sglang:num_running_reqs): None when its /metrics lacks the series.
+    HttpError when the worker does not answer 200."""
     url = f"{normalize(worker_url)}/metrics"
     code, data = http.request(url, timeout=timeout, api_key=api_key)
     if code != 200:
         raise http.HttpError(f"{url}: HTTP {code}")
     return metric_sum(data.decode(errors="replace"), RUNNING_METRIC)
+
+
+def read_load(worker_url: str, timeout: float = 5.0, api_key: str | None = None) -> dict:
+    """One read of the worker's load on its /metrics; never raises. {state, running, queued, why}, state:
+
+    - ``load``: both series read (``running``, ``queued``: each summed over its label sets);
+    - ``no_metrics``: /metrics answered 404, or 200 without one of the series: SGLang without --enable-metrics
+      (0.5.23 mounts /metrics only with it: sglang/srt/entrypoints/http_server.py); no later read will say more;
+    - ``nothing_listens``: the connection was refused: nothing listens on the port (the server process is gone);
+    - ``error``: anything else (a 503, another status, a read timeout, a reset connection): no evidence either way.
+    """
+    url = f"{normalize(worker_url)}/metrics"
+    out: dict = {"state": "error", "running": None, "queued": None, "why": ""}
+    try:
+        code, data = http.request(url, timeout=timeout, api_key=api_key)
+    except http.HttpError as exc:
+        return {**out, "state": "nothing_listens" if refused(exc) else "error", "why": _failure(exc)}
+    if code == 404:
+        return {**out, "state": "no_metrics", "why": f"{url} answered HTTP 404 ({ENABLE_METRICS})"}
+    if code != 200:
+        return {**out, "why": f"{url} answered HTTP {code}"}
+    text = data.decode(errors="replace")
+    running, queued = metric_sum(text, RUNNING_METRIC), metric_sum(text, QUEUE_METRIC)
+    missing = [name for name, v in ((RUNNING_METRIC, running), (QUEUE_METRIC, queued)) if v is None]
+    if missing:
+        why = f"{url} has no {' nor '.join(missing)} ({ENABLE_METRICS})"
+        return {**out, "state": "no_metrics", "running": running, "queued": queued, "why": why}
+    return {"state": "load", "running": running, "queued": queued, "why": f"{running:g} running, {queued:g} queued"}
 
 
 def drain(
@@ -217,53 +408,103 @@ def drain(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     settle_s: float = 0.2,
+    read_timeout: float = 5.0,
 ) -> dict:
-    """Wait until the worker has no running requests, or the drain timeout; never raises.
+    """Wait until the worker has no running nor queued request, on evidence, or the drain timeout; never raises.
 
-    Drained once the reads (``poll`` apart) have said 0 for ``settle_s`` seconds, two reads at least: a request
-    the router sent just before the removal took effect may still be on its way to the worker at the first read
-    (a LAN's milliseconds). Polling faster finds the first 0 sooner; it does not shorten that window. What no
-    short window covers: SGLang updates the gauge when it logs a batch, so a request it has just taken may not
+    Drained only from positive evidence: reads (``poll`` apart) of both ``sglang:num_running_reqs`` and
+    ``sglang:num_queue_reqs`` whose sum said 0 for ``settle_s`` seconds, two reads at least (a request the router
+    sent just before the removal took effect may still be on its way to the worker at the first read: a LAN's
+    milliseconds), every read between them successful; or a refused connection (nothing listens: the server is
+    gone, nothing runs there). Polling faster finds the first 0 sooner; it does not shorten that window. What no
+    short window covers: SGLang updates the gauges when it logs a batch, so a request it has just taken may not
     show yet; the stop that follows covers it (SGLang's SIGTERM handler waits for the requests it has).
 
-    {drained: bool, seconds, running (the last value read), why}. A worker that does not answer has
-    nothing left to drain (drained, why "not serving"). One whose /metrics lacks the series cannot be
-    watched: it is waited on until the timeout (drained false), since nothing else says when it is done.
+    Not evidence, so never drained: a read that fails otherwise (a 503, another status, a read timeout, a reset
+    connection: a server busy under load answers so), waited through until the timeout; and a /metrics that
+    cannot say (404, or without either series: SGLang without --enable-metrics), which ends the drain at once.
+
+    {drained: bool, seconds, running, queued (the last values read, None when not read), why}.
     """
     start = clock()
-    last: float | None = None
-    why = ""
+    last: dict = {"running": None, "queued": None}
     first_zero: float | None = None  # when the reads started saying 0 (None: the last read did not)
     while True:
-        try:
-            last = running_requests(worker_url, api_key=api_key)
-        except http.HttpError as exc:
-            return {
-                "drained": True,
-                "seconds": round(clock() - start, 3),
-                "running": None,
-                "why": f"not serving: {exc}",
-            }
+        read = read_load(worker_url, timeout=read_timeout, api_key=api_key)
         now = clock()
-        if last is None or last > 0:
+        seconds = round(now - start, 3)
+        if read["state"] == "nothing_listens":
+            return {"drained": True, "seconds": seconds, **last, "why": "not serving: connection refused"}
+        if read["state"] == "no_metrics":
+            return {
+                "drained": False,
+                "seconds": seconds,
+                "running": read["running"],
+                "queued": read["queued"],
+                "why": f"cannot be drained on evidence: {read['why']}",
+            }
+        if read["state"] == "load":
+            last = {"running": read["running"], "queued": read["queued"]}
+        if read["state"] != "load" or read["running"] + read["queued"] > 0:
             first_zero = None
         elif first_zero is None:
             first_zero = now
         elif now - first_zero >= settle_s - 1e-6:  # (the tolerance: a float clock's sums)
-            return {"drained": True, "seconds": round(now - start, 3), "running": 0.0, "why": "no running requests"}
-        why = (
-            f"{last:g} running requests"
-            if last is not None
-            else f"its /metrics has no {RUNNING_METRIC} (SGLang's enable_metrics is off)"
-        )
+            return {"drained": True, "seconds": seconds, **last, "why": "no running or queued requests"}
         if now - start >= timeout:
-            return {
-                "drained": False,
-                "seconds": round(now - start, 3),
-                "running": last,
-                "why": f"drain timeout ({timeout:g} s): {why}",
-            }
+            why = read["why"] if read["state"] == "load" else f"last read: {read['why']}"
+            return {"drained": False, "seconds": seconds, **last, "why": f"drain timeout ({timeout:g} s): {why}"}
         sleep(poll)
+
+
+def serving(worker_url: str, timeout: float = 5.0, api_key: str | None = None) -> tuple[bool, str]:
+    """(whether the worker's own GET /health answered 200 within timeout, why not)."""
+    url = f"{normalize(worker_url)}/health"
+    try:
+        code, _ = http.request(url, timeout=timeout, api_key=api_key)
+    except http.HttpError as exc:
+        return False, _failure(exc)
+    return (True, "") if code == 200 else (False, f"{url} answered HTTP {code}")
+
+
+def inspect(router: Router, worker_urls: list[str], timeout: float = 5.0) -> dict:
+    """What the router and each worker say, over HTTP only (reads nothing else, changes nothing):
+    {workers: [{url, listed, ids, healthy_in_router, serving, drainable, why}], problems: [str]}.
+
+    ``listed``/``ids``: the router's records of the worker under any spelling (same_worker); ``healthy_in_router``:
+    whether one of them is healthy (None when not listed); ``serving``: its own /health answered 200 within
+    ``timeout``; ``drainable``: its /metrics answered 200 with both load gauges (read_load), so that a drain can
+    end on evidence. ``problems``: each worker not listed, or not drainable."""
+    listing = router.workers()
+    resolver = router.resolver()
+    matched = [router.matches(u, listing, resolver) for u in worker_urls]
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, 2 * len(worker_urls)))) as pool:  # the reads in parallel
+        ups = [pool.submit(serving, u, timeout) for u in worker_urls]
+        loads = [pool.submit(read_load, u, timeout) for u in worker_urls]
+        probes = [(up.result(), load.result()) for up, load in zip(ups, loads, strict=True)]
+    workers, problems = [], []
+    lists = ", ".join(w["url"] for w in listing) or "no worker"
+    for url, found, ((up, up_why), load) in zip(worker_urls, matched, probes, strict=True):
+        drainable = load["state"] == "load"
+        why = [f"not serving: {up_why}"] if not up else []
+        why += [] if drainable else [f"not drainable: {load['why']}"]
+        workers.append(
+            {
+                "url": url,
+                "listed": bool(found),
+                "ids": [w.get("id") for w in found],
+                "healthy_in_router": any(w["healthy"] for w in found) if found else None,
+                "serving": up,
+                "drainable": drainable,
+                "why": "; ".join(why),
+            }
+        )
+        if not found:
+            problems.append(f"{url}: not listed by the router {router.url} (it lists: {lists})")
+        if not drainable:
+            problems.append(f"{url}: cannot be drained on evidence: {load['why']}")
+    return {"workers": workers, "problems": problems}
 
 
 def measure(
@@ -277,3 +518,72 @@ def measure(
     seconds = sum(r["seconds"] for r in runs) or 1e-9
     tokens = sum(r["completion_tokens"] for r in runs)
     return {"tokens_per_s": round(tokens / seconds, 1), "requests": len(runs), "seconds": round(seconds, 3)}
+
+
+# ---------------------------------------------------------------------- the module's actions
+
+
+def act(p: dict, check_mode: bool = False) -> dict:
+    """library/sglang_router_worker.py's action ``p["action"]`` with its parameters; its result. ActionFailed
+    (with a result) or RouterError/HttpError when it fails."""
+    url, action = p.get("worker_url"), p["action"]
+    if action == "measure":
+        out = measure(url, p["prompt"], p["requests"], p["max_new_tokens"], api_key=p["api_key"])
+        return {"changed": False, "worker_url": url, **out}
+    if action == "drain":
+        if check_mode:
+            return {"changed": False, "worker_url": url, "drain": {"drained": None, "why": "check mode"}}
+        out = drain(url, p["drain_timeout"])
+        result = {"changed": False, "worker_url": url, "drain": out, "seconds": out["seconds"]}
+        if not out["drained"]:
+            raise ActionFailed(f"not drained: {out['why']}", result)
+        return result
+    router = Router(p["router_url"], api_key=p["api_key"])
+    if action == "list":
+        return {"changed": False, "workers": router.membership()}
+    if action == "inspect":  # reads only: the same in check mode
+        out = {"changed": False, **inspect(router, p["worker_urls"], timeout=p["timeout"])}
+        if p["fail_on_problems"] and out["problems"]:  # a rollout's plan: refused, nothing touched (exit 3)
+            raise ActionFailed("; ".join(out["problems"]), {**out, "outcome": outcomes.INVALID_CONFIG})
+        return out
+    if action == "wait_healthy":
+        seconds = router.wait_healthy(url, p["timeout"])
+        return {"changed": False, "worker_url": url, "seconds": seconds, "workers": router.membership()}
+    if action == "remove":
+        return _remove(router, p, check_mode)
+    if action != "add":
+        raise RouterError(f"unknown action {action!r}")
+    if check_mode:
+        listed = router.find(url)
+        return {"changed": not listed, "worker_url": url, "worker_id": listed[0].get("id") if listed else None}
+    wid, added = router.add(url)
+    seconds = router.wait_healthy(url, p["timeout"])
+    listed_now = router.find(url)
+    return {
+        "changed": added,
+        "worker_url": url,
+        "worker_id": (listed_now[0].get("id") if listed_now else None) or wid,
+        "seconds": seconds,
+        "workers": router.membership(),
+    }
+
+
+def _remove(router: Router, p: dict, check_mode: bool) -> dict:
+    url = p["worker_url"]
+    if check_mode:  # nothing removed, nothing read but the router's list (as action=drain in check mode)
+        listing = router.workers()
+        ids = [w.get("id") for w in router.matches(url, listing)]
+        if not ids and not p["missing_ok"]:
+            raise router.not_listed(url, listing)
+        out = {"changed": bool(ids), "worker_url": url, "worker_id": ids[0] if ids else None, "worker_ids": ids}
+        return {**out, "drain": {"drained": None, "why": "check mode"}} if p["drain"] else out
+    ids = router.remove(url, missing_ok=p["missing_ok"])
+    out = {"changed": bool(ids), "worker_url": url, "worker_id": ids[0] if ids else None, "worker_ids": ids}
+    if ids:
+        out["seconds"] = router.wait_gone(url, p["timeout"])
+        out["workers"] = router.membership()
+    if p["drain"]:  # the worker's /metrics: api_key is the router's here, not the worker's (and /metrics is open)
+        out["drain"] = drain(url, p["drain_timeout"])
+        if not out["drain"]["drained"]:
+            raise ActionFailed(f"not drained: {out['drain']['why']}", out)
+    return out

@@ -24,12 +24,42 @@ class UnitError(RuntimeError):
     """systemctl refused or failed."""
 
 
-def systemctl(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """systemctl, bounded: a hung systemd raises subprocess.TimeoutExpired instead of hanging the module."""
+def systemctl(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """systemctl, bounded: a hung systemd raises subprocess.TimeoutExpired instead of hanging the module. A stop
+    is given what systemd itself may take (stop_bound): SGLang's drain under KillMode=mixed can use most of
+    TimeoutStopSec, and the final SIGKILL has a second one."""
+    if timeout is None:
+        timeout = stop_bound(args[-1]) if len(args) >= 2 and args[0] == "stop" else 300.0
     return subprocess.run(["systemctl", *args], capture_output=True, text=True, check=False, timeout=timeout)
 
 
-def checked(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+# systemd's time spans as `systemctl show` writes them ("2min 30s", "150ms", "infinity"): seconds per unit.
+_SPAN_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_timespan(text: str) -> float | None:
+    """Seconds of a systemd time span; None for "infinity", an empty or an unreadable one."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*(us|ms|min|s|h|d|w)\b", text or "")
+    if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*(us|ms|min|s|h|d|w)\b", "", text).strip():
+        return None
+    return sum(float(n) * _SPAN_UNITS[u] for n, u in parts)
+
+
+def stop_bound(unit: str, show_timeout: float = 30.0) -> float:
+    """How long `systemctl stop` may take: twice the unit's TimeoutStopSec (the SIGTERM's wait, then the final
+    SIGKILL's) and 30 s; 300 s when it cannot be read or is infinite."""
+    out = subprocess.run(
+        ["systemctl", "show", unit, "--property=TimeoutStopUSec", "--value"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=show_timeout,
+    )
+    seconds = parse_timespan(out.stdout.strip()) if out.returncode == 0 else None
+    return 300.0 if seconds is None else max(300.0, 2 * seconds + 30.0)
+
+
+def checked(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
     out = systemctl(*args, timeout=timeout)
     if out.returncode != 0:
         raise UnitError(f"systemctl {' '.join(args)} failed: {(out.stderr or out.stdout).strip()}")

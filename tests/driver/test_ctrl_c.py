@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from driver import cli, exitcodes, interrupts, runner
+from driver import cli, exitcodes, interrupts, putback, runner
 from driver.events import NOT_BEGUN, Tracker
 from support import wait_for
 
@@ -24,6 +24,17 @@ def one_host(tmp_path, monkeypatch):
     """An inventory the check accepts (the playbook itself is faked by each test)."""
     path = tmp_path / "hosts.yml"
     path.write_text("all:\n  children:\n    sglang_nodes:\n      hosts:\n        n1: {ansible_connection: local}\n")
+    return path
+
+
+@pytest.fixture
+def one_replica(tmp_path):
+    """One replica host (the group the rollout's plays run on)."""
+    path = tmp_path / "replicas.yml"
+    path.write_text(
+        "all:\n  children:\n    sglang_nodes:\n      hosts:\n        n1: {ansible_connection: local}\n"
+        "    sglang_replicas:\n      hosts:\n        n1:\n"
+    )
     return path
 
 
@@ -64,8 +75,8 @@ class FakePlaybook:
         self.seen["cancel_file"] = cancel
         self.seen["env"] = job.env
         for step in self.script:
-            if step == "SIGINT":
-                os.kill(os.getpid(), signal.SIGINT)
+            if step in ("SIGINT", "SIGTERM"):
+                os.kill(os.getpid(), getattr(signal, step))
                 self.seen.setdefault("after", []).append((cancel.exists(), cancelled()))
             elif step == "KeyboardInterrupt":
                 raise KeyboardInterrupt
@@ -74,10 +85,12 @@ class FakePlaybook:
         return runner.Outcome("canceled" if cancelled() else "successful", 254 if cancelled() else 0)
 
 
-def drive(monkeypatch, capsys, inv: Path, script, *args: str) -> tuple[int, FakePlaybook, str, str]:
+def drive(
+    monkeypatch, capsys, inv: Path, script, *args: str, command: str = "restart"
+) -> tuple[int, FakePlaybook, str, str]:
     fake = FakePlaybook(script)
     monkeypatch.setattr("driver.runner.run", fake)
-    code = cli.main(["restart", "-i", str(inv), *args])
+    code = cli.main([command, "-i", str(inv), *args])
     out, err = capsys.readouterr()
     return code, fake, out, err
 
@@ -95,7 +108,7 @@ def test_first_ctrl_c_creates_the_cancel_file_and_lets_the_playbook_finish(
     assert {r["instance"]: r["result"] for r in doc["rows"]} == {"a": "restarted", "b": NOT_BEGUN}
     assert doc["left"] == ["n1: ok (phase restart)", "  n1/a: restarted", f"  n1/b: {NOT_BEGUN}"]
     (row,) = ledger_rows(ledger_path)
-    assert row["exit_code"] == 130 and row["outcome"] == "interrupted (Ctrl-C)"
+    assert row["exit_code"] == 130 and row["outcome"] == "interrupted (Ctrl-C or SIGTERM)"
 
 
 def test_second_ctrl_c_cancels_the_runner_without_a_traceback_and_records_130(
@@ -107,7 +120,7 @@ def test_second_ctrl_c_cancels_the_runner_without_a_traceback_and_records_130(
     assert code == 130 and "Traceback" not in err
     assert interrupts.FIRST in err and interrupts.SECOND in err
     assert "interrupted during 'Run the action on each instance' (restart)" in err, "what each host was left doing"
-    assert "interrupted (Ctrl-C) (exit 130)" in out
+    assert "interrupted (Ctrl-C or SIGTERM) (exit 130)" in out
     (row,) = ledger_rows(ledger_path)
     assert row["exit_code"] == 130
 
@@ -197,7 +210,7 @@ def test_twice_sigint_to_a_real_run_ends_130_without_a_traceback(
     assert "Traceback" not in err + out
     assert interrupts.SECOND in err and "hosts were left so:" in err and "here: interrupted" in err
     (row,) = ledger_rows(ledger_path)
-    assert row["exit_code"] == 130 and row["outcome"] == "interrupted (Ctrl-C)"
+    assert row["exit_code"] == 130 and row["outcome"] == "interrupted (Ctrl-C or SIGTERM)"
 
 
 def test_only_a_skip_by_the_condition_is_not_begun():
@@ -212,3 +225,123 @@ def test_only_a_skip_by_the_condition_is_not_begun():
     assert tracker.hosts["n1"].instances["b"]["outcome"] == NOT_BEGUN
     (row,) = tracker.rows()
     assert (row["instance"], row["result"], row["phase"], row["seconds"]) == ("b", NOT_BEGUN, "restart", None)
+
+
+# ---------------------------------------------------------------------- SIGTERM, precedence, the rollout (issue #29)
+
+
+def test_sigterm_is_a_first_ctrl_c_and_the_ledger_row_is_completed(
+    one_host, ledger_path, ledger_rows, monkeypatch, capsys
+):
+    """SIGTERM to the driver (a closed terminal, a CI runner's stop) had no handler: rc 143, the row left open."""
+    previous = signal.getsignal(signal.SIGTERM)
+    code, fake, _, err = drive(monkeypatch, capsys, one_host, [server_start(), "SIGTERM", A_RESTARTED, STATS])
+    assert fake.seen["after"] == [(True, False)], "the cancel file at once; in-flight work lets finish"
+    assert code == 130 and interrupts.FIRST in err and "Traceback" not in err
+    (row,) = ledger_rows(ledger_path)
+    assert row["exit_code"] == 130 and row["finished_at"]
+    assert signal.getsignal(signal.SIGTERM) is previous, "the driver's handler is removed again"
+
+
+def server_failed(outcome: str) -> dict:
+    data = {"host": "n1", "task": "Run the action on each instance", "resolved_action": "sglang_server"}
+    res = {"instance": "a", "outcome": outcome, "failed": True, "msg": f"the restart ended {outcome}"}
+    return {"event": "runner_item_on_failed", "event_data": {**data, "task_action": "sglang_server", "res": res}}
+
+
+@pytest.mark.parametrize("outcome,code", [("not_recovered", 6), ("rolled_back", 130), ("gpus_not_clean", 130)], ids=str)
+def test_an_interruption_never_hides_a_server_left_down(outcome, code, one_host, monkeypatch, capsys):
+    """Exit 130 said less than what happened when a restart ended not recovered (6): 6 and 8 outrank 130."""
+    script = [server_start(), "SIGINT", server_failed(outcome), STATS]
+    got, _, out, err = drive(monkeypatch, capsys, one_host, script)
+    assert got == code, out + err
+    assert "hosts were left so:" in err, "the interruption is said whatever the code"
+
+
+def test_an_unreachable_host_outranks_the_interruption():
+    tracker = Tracker("restart")
+    tracker.handle(
+        {"event": "runner_on_unreachable", "event_data": {"host": "n1", "task": "x", "res": {"msg": "gone"}}}
+    )
+    assert tracker.exit_code("successful", 0, interrupted=True) == exitcodes.UNREACHABLE == 8
+    assert Tracker("restart").exit_code("successful", 0, interrupted=True) == exitcodes.INTERRUPTED
+
+
+def test_a_rollout_waits_for_the_replica_in_flight_at_the_first_interrupt():
+    i = interrupts.Interrupts("rollout")
+    i.handler(signal.SIGINT, None)
+    assert not i.poll(), "the replica in flight finishes"
+    i.handler(signal.SIGTERM, None)
+    assert i.poll()
+
+
+def putback_item(task: str, res: dict) -> dict:
+    return {"event": "runner_item_on_ok", "event_data": {"host": "n1", "task": task, "res": res}}
+
+
+def test_a_second_interrupt_of_a_rollout_puts_back_what_serves(one_replica, monkeypatch, capsys):
+    """Abandoned mid-turn, a replica may be out of the router yet serving: the driver runs the put-back playbook
+    (only a third interrupt stops it) and says what it put back and what stays out."""
+    runs = []
+    rollout = FakePlaybook([server_start(), "SIGINT", "SIGINT"])
+
+    def fake_run(job, on_event, cancelled, record=None):
+        runs.append(job.playbook)
+        if job.playbook != putback.PLAYBOOK:
+            return rollout(job, on_event, cancelled, record)
+        assert not cancelled(), "two interrupts do not stop the put-back"
+        assert record.name == "putback.jsonl"
+        on_event(putback_item(putback.ADDED, {"worker_url": "http://n1:30010"}))
+        on_event(putback_item(putback.STAYS_OUT, {"msg": "http://n2:30010 stays out of the router: not serving"}))
+        return runner.Outcome("successful", 0)
+
+    monkeypatch.setattr("driver.runner.run", fake_run)
+    code = cli.main(["rollout", "-i", str(one_replica), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 130 and runs == [cli.PLAYBOOKS["rollout"][0], putback.PLAYBOOK]
+    assert "put back into the router: http://n1:30010" in err
+    left = json.loads(out)["left"]
+    assert "put back into the router: http://n1:30010" in left
+    assert "http://n2:30010 stays out of the router: not serving" in left
+
+
+def test_a_third_interrupt_stops_the_put_back_and_says_so(one_replica, monkeypatch, capsys):
+    rollout = FakePlaybook([server_start(), "SIGINT", "SIGINT"])
+
+    def fake_run(job, on_event, cancelled, record=None):
+        if job.playbook != putback.PLAYBOOK:
+            return rollout(job, on_event, cancelled, record)
+        os.kill(os.getpid(), signal.SIGINT)
+        return runner.Outcome("canceled" if cancelled() else "successful", 254)
+
+    monkeypatch.setattr("driver.runner.run", fake_run)
+    assert cli.main(["rollout", "-i", str(one_replica)]) == 130
+    assert putback.STOPPED in capsys.readouterr().err
+
+
+def test_a_restart_abandoned_runs_no_put_back(one_host, monkeypatch, capsys):
+    runs = []
+    fake = FakePlaybook([server_start(), "SIGINT", "SIGINT"])
+
+    def fake_run(job, *a, **k):
+        runs.append(job.playbook)
+        return fake(job, *a, **k)
+
+    monkeypatch.setattr("driver.runner.run", fake_run)
+    assert cli.main(["restart", "-i", str(one_host)]) == 130
+    assert runs == [cli.PLAYBOOKS["restart"][0]]
+
+
+@pytest.mark.parametrize(
+    "event,said",
+    [
+        (putback_item(putback.ADDED, {"worker_url": "http://h:1"}), ["put back into the router: http://h:1"]),
+        (putback_item("another task", {"worker_url": "http://h:1"}), []),
+        (
+            {"event": "runner_on_unreachable", "event_data": {"host": "r", "res": {"msg": "no route"}}},
+            ["put-back failed on r: no route"],
+        ),
+    ],
+)
+def test_what_each_event_of_the_put_back_says(event, said):
+    assert putback.lines_of(event) == said

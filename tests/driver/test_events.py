@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from driver import cli, exitcodes
+from driver import cli, exitcodes, putback
 from driver.events import Tracker
 from module_utils.sglang_deploy import outcomes
 
@@ -297,6 +297,7 @@ def test_the_driver_reads_no_task_file():
 def test_the_only_yml_literals_are_what_the_driver_hands_to_ansible():
     handed = {playbook for playbook, _ in cli.PLAYBOOKS.values()} | {
         cli.TUNE_PLAYBOOK,
+        putback.PLAYBOOK,
         "hosts.yml",
     }  # hosts.yml: runner.py's default inventory
     # Read, never tasks: the roles' declared arguments, for the variables declared no_log (driver/redact.py).

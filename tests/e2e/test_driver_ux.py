@@ -100,3 +100,19 @@ def test_ctrl_c_during_the_first_restart_never_restarts_the_second(two_serving):
     (exit_code,) = db.execute("SELECT exit_code FROM runs WHERE id = ?", (doc["run_id"],)).fetchone()
     db.close()
     assert exit_code == 130
+
+
+def test_an_instance_no_host_defines_exits_2_and_nothing_runs(lab, tmp_path):
+    """Issue #29: `--instance mian` (a typo) was a success that restarted nothing; now it is refused before
+    anything runs: exit 2 naming it and the instances the hosts define, no run recorded, no node touched."""
+    the_lab, hosts = lab
+    node = next(h["container"] for h in hosts if h["name"] == NODE)
+    ledger = tmp_path / "ledger.sqlite3"
+    run = driver_runner(the_lab, ledger, None)
+    logins = podman_exec(node, "sh", "-c", "journalctl -q --no-pager -t sshd | wc -l")
+    code, doc, proc = run("restart", "--instance", "mian")
+    assert code == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert "--instance mian: no selected host defines it (defined: main)" in proc.stderr
+    assert doc["exit_code"] == 2 and doc["run_id"] is None
+    assert not ledger.exists(), "nothing ran: no run is recorded"
+    assert podman_exec(node, "sh", "-c", "journalctl -q --no-pager -t sshd | wc -l") == logins, "no SSH to the node"

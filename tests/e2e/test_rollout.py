@@ -13,12 +13,15 @@ and removed: the nodes are left deployed, never verified, as found.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import threading
 import time
 
 import pytest
 
-from support import rollout
+from driver import interrupts
+from support import rollout, wait_for
 from support.e2e import driver_runner, labmod, podman_exec
 from support.rollout import KEY, ROUTER, ROUTER_PORT, Load, in_node, router_workers
 
@@ -232,3 +235,189 @@ def test_a_replica_node_down_is_reported_unreachable_taken_out_of_the_router_and
     while router_workers(router) != {f"http://{n}:{RO['port']}": True for n in NODES}:
         assert time.monotonic() < deadline, router_workers(router)
         time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------- an operator's ordinary day (issue #29)
+
+WORKER1, WORKER2 = (f"http://{n}:{RO['port']}" for n in NODES)
+BOTH = {WORKER1: True, WORKER2: True}
+
+
+def a_new_configuration() -> str:
+    return json.dumps({"sglang_instances": [{**RO, "env": {"LAB_ROLLOUT": str(time.time_ns())}}]})
+
+
+def out_of_the_router(router: str, worker: str):
+    return lambda: worker not in router_workers(router)
+
+
+class Watched:
+    """A driver run in the background whose output is read as it comes (what it has said so far, at any time)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.readers = [
+            threading.Thread(target=lambda s=s, into=into: into.extend(iter(s.readline, "")), daemon=True)
+            for s, into in ((proc.stdout, self.out), (proc.stderr, self.err))
+        ]
+        for r in self.readers:
+            r.start()
+
+    def said(self, text: str):
+        return lambda: text in "".join(self.err)
+
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        for r in self.readers:
+            r.join(10)
+        return code, "".join(self.out), "".join(self.err)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_one_interrupt_mid_replica_finishes_it_puts_it_back_and_begins_no_other(fleet, sig):
+    """The driver's first Ctrl-C or SIGTERM while the canary is out of the router: the canary's turn finishes
+    (restarted, back in the router, healthy), lab-node2 never begins, exit 130; both serve in the router."""
+    _, containers, inventory, run = fleet
+    router = containers[ROUTER]
+    pids = {n: main_pid(containers[n]) for n in NODES}
+    driver = Watched(run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory, popen=True))
+    try:
+        wait_for("the canary out of the router", out_of_the_router(router, WORKER1), 120, interval=0.1)
+        driver.proc.send_signal(sig)
+    finally:
+        code, out, err = driver.wait(300)
+    assert code == 130, out[-3000:] + err[-3000:]
+    assert interrupts.FIRST in err, err[-3000:]
+    assert rows_by_host(json.loads(out))["lab-node1"]["result"] == "restarted", out[-3000:]
+    assert main_pid(containers["lab-node1"]) != pids["lab-node1"], "the replica in flight finished its restart"
+    assert main_pid(containers["lab-node2"]) == pids["lab-node2"], "no further replica began"
+    assert router_workers(router) == BOTH
+
+
+def long_request(router: str, worker: str, tokens: int) -> subprocess.Popen:
+    """One generation straight to the worker (not through the router), running for tokens / 400 s."""
+    code = (
+        "import json, urllib.request as u; u.urlopen(u.Request("
+        f"'{worker}/generate', data=json.dumps({{'text': 'long', 'sampling_params': "
+        f"{{'max_new_tokens': {tokens}}}}}).encode(), headers={{'Content-Type': 'application/json'}}), timeout=300).read()"
+    )
+    return subprocess.Popen(
+        ["podman", "exec", router, "python3", "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def test_two_interrupts_abandon_the_run_and_put_back_what_serves(fleet):
+    """Ctrl-C twice while the canary drains a long request: ansible-playbook is stopped, the driver puts the
+    canary (still serving its old configuration) back into the router and says so; exit 130."""
+    _, containers, inventory, run = fleet
+    router = containers[ROUTER]
+    pids = {n: main_pid(containers[n]) for n in NODES}
+    held = long_request(router, WORKER1, 8000)  # about 20 s at the stand-in's 400 tok/s: the drain waits on it
+    driver = Watched(run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory, popen=True))
+    try:
+        wait_for("the canary out of the router", out_of_the_router(router, WORKER1), 120, interval=0.1)
+        driver.proc.send_signal(signal.SIGINT)
+        wait_for("the first interrupt said", driver.said(interrupts.FIRST), 30, interval=0.05)
+        driver.proc.send_signal(signal.SIGINT)
+    finally:
+        code, out, err = driver.wait(300)
+        held.kill()
+    assert code == 130, out[-3000:] + err[-3000:]
+    assert f"put back into the router: {WORKER1}" in err, err[-3000:]
+    assert main_pid(containers["lab-node1"]) == pids["lab-node1"], "abandoned while draining: never stopped"
+    assert main_pid(containers["lab-node2"]) == pids["lab-node2"]
+    assert router_workers(router) == BOTH
+
+
+def router_remove(container: str, worker: str) -> None:
+    """The worker out of the router by its UUID, as an operator would with curl."""
+    base = f"http://127.0.0.1:{ROUTER_PORT}/workers"
+    code = (
+        f"import json, urllib.request as u; h = {{'Authorization': 'Bearer {KEY}'}}; "
+        f"ws = json.load(u.urlopen(u.Request('{base}', headers=h), timeout=10))['workers']; "
+        f"[u.urlopen(u.Request('{base}/' + w['id'], headers=h, method='DELETE'), timeout=10) "
+        f"for w in ws if w['url'] == '{worker}']"
+    )
+    in_node(container, code)
+
+
+def listed_as(router: str, want: dict[str, bool], timeout: float = 60) -> None:
+    wait_for(f"the router to list {want}", lambda: router_workers(router) == want, timeout, interval=0.3)
+
+
+def test_a_worker_the_router_lists_under_its_address_is_rolled_once_and_not_duplicated(fleet):
+    """lab-node2 registered under its IP address (an operator's curl): the rollout finds it by what it resolves
+    to, takes it out, drains and restarts it, and puts it back once, under the inventory's name; 0 lost."""
+    _, containers, inventory, run = fleet
+    router = containers[ROUTER]
+    ip = podman_exec(router, "getent", "hosts", "lab-node2").split()[0]
+    alias = f"http://{ip}:{RO['port']}"
+    router_remove(router, WORKER2)
+    router_add(router, alias)
+    listed_as(router, {WORKER1: True, alias: True})
+    before = main_pid(containers["lab-node2"])
+    load = Load(router)
+    try:
+        code, doc, proc = run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory)
+    finally:
+        stats = load.stop()
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert code == 0, out
+    assert rows_by_host(doc)["lab-node2"]["result"] == "restarted", out
+    assert main_pid(containers["lab-node2"]) != before
+    assert router_workers(router) == BOTH, "the alias is gone, no duplicate"
+    assert stats["lost"] == 0, stats["failures"]
+
+
+def test_a_replica_unreachable_over_ssh_that_serves_stays_in_the_router(fleet):
+    """lab-node2's sshd stopped (a bastion outage, a rotated host key): the canary rolls; lab-node2 is reported
+    unreachable (exit 8) but left in the router, since it serves over HTTP; nothing is lost."""
+    _, containers, inventory, run = fleet
+    router, cut = containers[ROUTER], containers["lab-node2"]
+    before = main_pid(cut)
+    load = Load(router)
+    try:
+        podman_exec(cut, "sh", "-c", "systemctl stop ssh.service; pkill -KILL -x sshd || true")
+        code, doc, proc = run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory)
+        listed = router_workers(router)
+    finally:
+        stats = load.stop()
+        podman_exec(cut, "systemctl", "start", "ssh.service")
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert code == 8, out  # exitcodes.UNREACHABLE
+    assert rows_by_host(doc)["lab-node1"]["result"] == "restarted", out
+    assert doc["hosts"]["lab-node2"]["status"] == "unreachable", doc["hosts"]["lab-node2"]
+    assert listed == BOTH, "served over HTTP: left in"
+    assert main_pid(cut) == before
+    assert stats["lost"] == 0, stats["failures"]
+
+
+def test_a_replica_without_metrics_is_refused_before_anything_leaves_the_router(fleet):
+    """lab-node2 serving without --enable-metrics (SGLang then has no /metrics: nothing can show its drain is
+    done): the rollout is refused naming it, before the canary leaves the router; exit 3. Then put back."""
+    the_lab, containers, inventory, run = fleet
+    router = containers[ROUTER]
+    bare = write_inventory(
+        the_lab,
+        "rollout-nometrics-hosts.yml",
+        {"lab-node1": [RO], "lab-node2": [{**RO, "flags": {"enable_metrics": False}}]},
+    )
+    try:
+        code, _, proc = run("restart", limit="lab-node2", inventory=bare)
+        assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        pids = {n: main_pid(containers[n]) for n in NODES}
+        code, _, proc = run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory)
+        out = proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert code == 3, out  # exitcodes.INVALID_CONFIG: nothing running was touched
+        assert "enable-metrics" in out and WORKER2 in out, out
+        assert {n: main_pid(containers[n]) for n in NODES} == pids, "not even the canary"
+        assert router_workers(router) == BOTH
+    finally:
+        code, _, proc = run("restart", limit="lab-node2", inventory=inventory)
+        assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
