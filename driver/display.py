@@ -230,6 +230,8 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
     console.print(t)
     for line in details:
         console.print(f"  {line}", highlight=False, markup=False)
+    for line in tracker.report:  # the playbook's own account: where every replica stands, what the router lists
+        console.print(line, highlight=False, markup=False)
     # The cause, right there: each failure's traceback or offenders.
     for h in tracker.hosts.values():
         for name, res in h.instances.items():

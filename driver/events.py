@@ -38,6 +38,9 @@ def result_event(runner_status: str | None, rc: int | None, interrupted: bool, e
     }
 
 
+# The fact a playbook sets with its own account of the run (playbooks/rollout.yml: where every replica stands and
+# what the router lists); shown under the summary and kept in --json as "report".
+REPORT_FACT = "sglang_rollout_report"
 WAITING, PLAY, VALIDATE, CONFIGURE, PATCH = "waiting", "play", "validate", "configure", "patch"
 SERVER_MODULE = "sglang_server"  # its phase is the command's own (restart, rollback, verify, status)
 # The modules that say which phase a host is in wherever they run (short names: see module_of).
@@ -173,6 +176,7 @@ class Tracker:
         self.first = 0.0
         self.last = 0.0
         self.messages: list[str] = []  # output that is no task's: Ansible's own errors and warnings
+        self.report: list[str] = []  # a playbook's own account, line by line (REPORT_FACT: where each replica stands)
 
     def host(self, name: str) -> HostState:
         if name not in self.hosts:
@@ -219,6 +223,9 @@ class Tracker:
             self.on_start(h, data, now)
         elif kind in ("runner_item_on_ok", "runner_item_on_failed", "runner_on_ok"):
             record_instance(h, res)
+            report = (res.get("ansible_facts") or {}).get(REPORT_FACT)
+            if kind == "runner_on_ok" and isinstance(report, list):
+                self.report = [str(line) for line in report]
             if kind == "runner_item_on_failed" and not data.get("ignore_errors"):
                 self.fail(h, data, now)
         elif kind == "runner_on_failed" and not data.get("ignore_errors"):
@@ -329,6 +336,7 @@ class Tracker:
             },
             "rows": self.rows(),
             "messages": self.messages[-40:],
+            "report": self.report,
         }
 
     def left_in(self, abandoned: bool = True) -> list[str]:

@@ -140,3 +140,17 @@ def test_the_summary_is_saved_as_an_svg_picture(tmp_path, capsys, monkeypatch):
     assert picture.startswith("<svg") and "python -m driver restart" in picture
     assert "node-a" in picture and "restarted" in picture and "91.5" in picture
     assert "restarted" in capsys.readouterr().out
+
+
+def test_a_playbooks_own_report_is_shown_under_the_summary_and_kept_in_json(capsys):
+    """The rollout's account of every replica (a fact, never a task name) reaches the operator and --json."""
+    from driver.events import REPORT_FACT
+
+    tracker = Tracker("rollout")
+    lines = ["lab-node1/ro: restarted, router: in, healthy", "lab-node2/ro: not_begun (interrupted), router: in"]
+    data = {"host": "r", "task": "t", "res": {"ansible_facts": {REPORT_FACT: lines}}}
+    tracker.handle({"event": "runner_on_ok", "event_data": data})
+    display.summary(tracker, exitcodes.INTERRUPTED, run_id=3)
+    out = capsys.readouterr().out
+    assert all(line in out for line in lines)
+    assert tracker.result(exitcodes.INTERRUPTED)["report"] == lines

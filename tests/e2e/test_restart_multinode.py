@@ -5,10 +5,14 @@ rank failing its start rolls the group back on both nodes, in step, to its known
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 
 import pytest
 
-from support.e2e import ansible, podman_exec
+from support.e2e import REPO, VENV_BIN, ansible, controller_env, driver_runner, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -160,3 +164,87 @@ def test_a_limit_that_leaves_out_a_rank_is_refused_before_any_rank_stops(nodes, 
     assert cause.endswith("Nothing was stopped on any node."), cause
     assert res["lab-node1"][0]["phases"] == [], "no phase ran: not even the lock"
     assert {host: unit_state(c) for host, c in containers.items()} == before, "no unit stopped or restarted"
+
+
+LEASE = "/run/sglang-deploy/locks/mn.lease"
+
+
+def on_both(containers: dict, script: str) -> dict[str, str]:
+    """What `sh -c script` prints on each node ('' when it fails)."""
+    out = {}
+    for host, container in containers.items():
+        proc = subprocess.run(["podman", "exec", container, "sh", "-c", script], capture_output=True, text=True)
+        out[host] = proc.stdout.strip() if proc.returncode == 0 else ""
+    return out
+
+
+def wait_for(containers: dict, script: str, timeout: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = on_both(containers, script)
+        if all(out.values()) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+# The lock free (taken and let go at once: nothing else runs on the node now) and the unit stopped.
+IDLE = (
+    "python3 -c \"import fcntl, os; fcntl.flock(os.open('/run/sglang-deploy/locks/mn.lock', os.O_RDWR), "
+    'fcntl.LOCK_EX | fcntl.LOCK_NB)" && ! systemctl is-active --quiet sglang-mn.service && echo idle'
+)
+
+
+def test_a_controller_gone_between_the_groups_phases_leaves_a_lease_that_refuses_every_other_operation(nodes, tmp_path):
+    """Issue #29: each phase is a module call of its own, so the group holds each node's lock between its phases as
+    a lease. The controller is killed during the stop phase: each node ends its stop (the rank stopped) and keeps
+    the run's lease, with no process holding the lock. Another restart of the instance and a deploy (sglang_stage)
+    are refused, locked (the driver's exit 9), naming the lease, and touch nothing; once the operator removes the
+    lease files (docs/restart.md), a restart brings the group back, and a successful run leaves no lease behind."""
+    the_lab, containers = nodes
+    inv = inventory_with_multinode(the_lab, tmp_path)
+    try:
+        good = restart(the_lab, inv)
+        assert good.returncode == 0, good.stdout[-3000:]
+        assert on_both(containers, f"test -e {LEASE} || echo none") == {h: "none" for h in containers}
+        env = {**controller_env(), "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
+        cmd = [str(VENV_BIN / "ansible-playbook"), "-i", str(inv), "playbooks/restart.yml"]
+        run = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+        try:
+            seen = wait_for(containers, f"cat {LEASE}", timeout=180)  # both stop phases under way
+        finally:
+            os.killpg(run.pid, signal.SIGKILL)  # the controller dies mid-group
+            run.wait()
+        assert all(seen.values()), seen
+        assert wait_for(containers, IDLE, timeout=120) == {h: "idle" for h in containers}, "each stop ran to its end"
+        leases = {h: json.loads(text) for h, text in on_both(containers, f"cat {LEASE}").items()}
+        tokens = {lease["token"] for lease in leases.values()}
+        assert len(tokens) == 1 and all(lease["phase"] == "stop" for lease in leases.values()), leases
+        (token,) = tokens
+        assert all(lease["expires"] > time.time() + 600 for lease in leases.values()), leases
+
+        ledger = tmp_path / "ledger.sqlite"
+        driver = driver_runner(the_lab, ledger, None)
+        for command in ("restart", "deploy"):  # another controller's restart of the instance; a deploy's sglang_stage
+            code, doc, proc = driver(command, inventory=inv)
+            assert code == 9, (command, proc.stdout[-3000:], proc.stderr[-3000:])
+            mn = [r for r in doc["rows"] if r["instance"] == "mn"]
+            assert {r["host"] for r in mn} == set(containers), (command, doc["rows"])
+            assert all(r["result"] == "locked" and "a group lease until" in r["detail"] for r in mn), (command, mn)
+            assert f"a multi-node restart's group lease (run {token}" in json.dumps(doc), command
+        assert on_both(containers, IDLE) == {h: "idle" for h in containers}, "nothing was started"
+        assert on_both(containers, "ls /etc/sglang/pending | grep -c mn || true") == {h: "0" for h in containers}
+        assert {h: json.loads(t)["token"] for h, t in on_both(containers, f"cat {LEASE}").items()} == {
+            h: token for h in containers
+        }
+
+        on_both(containers, f"rm {LEASE} && echo removed")  # the operator: that controller's run is gone
+        back = restart(the_lab, inv)
+        assert back.returncode == 0, back.stdout[-3000:]
+        res = results(back.stdout)
+        for host in containers:
+            assert [r["outcome"] for r in res[host]] == ["stopped", "started", "verified", "restarted"], host
+            assert res[host][-1]["group_lease"]["ended"] is True
+            assert unit_state(containers[host])[0] == "active"
+        assert on_both(containers, f"test -e {LEASE} || echo none") == {h: "none" for h in containers}
+    finally:
+        on_both(containers, f"rm -f {LEASE}")

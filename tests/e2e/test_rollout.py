@@ -17,8 +17,10 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from driver import interrupts
 from support import rollout, wait_for
@@ -421,3 +423,75 @@ def test_a_replica_without_metrics_is_refused_before_anything_leaves_the_router(
     finally:
         code, _, proc = run("restart", limit="lab-node2", inventory=inventory)
         assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_an_ssh_blip_during_a_replicas_restart_loses_nothing_and_ends_with_its_outcome(fleet):
+    """lab-node2's sshd stopped and its sessions cut while its restart runs (the restart goes on on the host,
+    detached), then back: the controller's poll asks the same job again and gets its real outcome; back in the
+    router, exit 0."""
+    _, containers, inventory, run = fleet
+    router, node = containers[ROUTER], containers["lab-node2"]
+    before = main_pid(node)
+    driver = Watched(run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory, popen=True))
+    try:
+        wait_for("lab-node2 out of the router", out_of_the_router(router, WORKER2), 180, interval=0.1)
+        podman_exec(node, "sh", "-c", "systemctl stop ssh.service; pkill -KILL -x sshd || true")
+        try:  # the blip lasts until the restart has moved on on the host without the controller
+            wait_for("lab-node2 restarted on its own", lambda: main_pid(node) not in (0, before), 120, interval=0.5)
+        finally:
+            podman_exec(node, "systemctl", "start", "ssh.service")
+    finally:
+        code, out, err = driver.wait(400)
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert rows_by_host(json.loads(out))["lab-node2"]["result"] == "restarted", out[-3000:]
+    assert router_workers(router) == BOTH
+
+
+def test_max_unavailable_counts_a_replica_a_tolerated_failure_left_out(fleet):
+    """Three replicas (lab-node2 holds two: `ro`, and `ro2` as a second inventory host on the same node), --max-fail 1,
+    --max-unavailable 1: lab-node2's restart ends not recovered (its start crashes, no rollback) and it stays out;
+    the third replica then does not begin (one out already is the most allowed), untouched and in the router."""
+    the_lab, containers, _, run = fleet
+    router, node2 = containers[ROUTER], containers["lab-node2"]
+    ro2 = {"name": "ro2", "port": 30011, "gpus": [4, 5, 6, 7]}
+    worker3 = f"http://lab-node2:{ro2['port']}"
+    doc = yaml.safe_load(Path(write_inventory(the_lab, "rollout-three.yml", {h: [RO] for h in NODES})).read_text())
+    hosts = doc["all"]["children"]["sglang_nodes"]["hosts"]
+    hosts["lab-node2-b"] = {**hosts["lab-node2"], "sglang_instances": [ro2], "sglang_router_worker_host": "lab-node2"}
+    doc["all"]["children"]["sglang_replicas"]["hosts"]["lab-node2-b"] = None
+    three = the_lab.inventory.parent / "rollout-three.yml"
+    three.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    faulty = json.loads(json.dumps(doc))
+    faulty["all"]["children"]["sglang_nodes"]["hosts"]["lab-node2"]["sglang_instances"] = [
+        {**RO, "env": {"LAB_STANDIN_FAULT": "crash-startup"}}
+    ]
+    crash = the_lab.inventory.parent / "rollout-three-crash.yml"
+    crash.write_text(yaml.safe_dump(faulty, sort_keys=False), encoding="utf-8")
+    try:
+        code, _, proc = run("restart", limit="lab-node2-b", inventory=str(three))
+        assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        router_add(router, worker3)
+        listed_as(router, {**BOTH, worker3: True})
+        third = rollout.main_pid(node2, "sglang-ro2.service")
+        no_rollback = json.dumps({"sglang_service_rollback": False})
+        code, doc, proc = run(
+            "rollout", "-e", GATE, "-e", no_rollback, "--max-fail", "1", "--max-unavailable", "1", inventory=str(crash)
+        )
+        out = proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert code == 6, out  # not recovered: lab-node2's ro stays down, out of the router
+        assert rollout.main_pid(node2, "sglang-ro2.service") == third, "the third replica never began"
+        assert router_workers(router) == {WORKER1: True, worker3: True}, "never two of three out"
+        assert "max-unavailable 1: 1 replica host(s) already out of the router" in proc.stdout + proc.stderr, out
+    finally:
+        podman_exec(node2, "sh", "-c", "systemctl disable --now sglang-ro2.service || true")
+        podman_exec(node2, "rm", "-rf", "/etc/systemd/system/sglang-ro2.service", "/var/lib/sglang/known-good/ro2")
+        code, _, proc = run("restart", limit="lab-node2", inventory=inventory_of(the_lab))
+        assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        router_remove(router, worker3)
+        router_add(router, WORKER2)
+        listed_as(router, BOTH)
+
+
+def inventory_of(the_lab) -> str:
+    """The fleet's own inventory (the fixture's), written again as it was."""
+    return write_inventory(the_lab, "rollout-hosts.yml", {h: [RO] for h in NODES})
