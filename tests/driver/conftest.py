@@ -87,3 +87,13 @@ def ledger_rows():
         return out
 
     return rows
+
+
+@pytest.fixture
+def no_playbook(monkeypatch):
+    """Fails the test if a playbook is started."""
+
+    def run(*args, **kwargs):
+        raise AssertionError("a playbook was started")
+
+    monkeypatch.setattr("driver.runner.run", run)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from driver import cli, exitcodes, inventory
+from support import refused
 
 TWO_HOSTS = (
     "all:\n  children:\n    sglang_nodes:\n      hosts:\n"
@@ -21,24 +22,6 @@ def two_hosts(tmp_path):
     path = tmp_path / "hosts.yml"
     path.write_text(TWO_HOSTS)
     return path
-
-
-@pytest.fixture
-def no_playbook(monkeypatch):
-    """Fails the test if a playbook is started."""
-
-    def run(*args, **kwargs):
-        raise AssertionError("a playbook was started")
-
-    monkeypatch.setattr("driver.runner.run", run)
-
-
-def refused(capsys, *argv: str) -> str:
-    """Run the driver in-process; it must exit 2; its stderr."""
-    assert cli.main(list(argv)) == exitcodes.USAGE
-    out, err = capsys.readouterr()
-    assert out == ""
-    return err
 
 
 def test_a_nonexistent_inventory_exits_2_before_anything_runs(tmp_path, ledger_path, no_playbook, capsys):

@@ -13,8 +13,8 @@ import json
 import pytest
 import yaml
 
-from driver import cli, exitcodes, inventory
-from support import REPO
+from driver import cli, inventory
+from support import REPO, refused
 
 RESTART = cli.PLAYBOOKS["restart"][0]
 ROLLOUT = cli.PLAYBOOKS["rollout"][0]
@@ -50,24 +50,6 @@ def fleet(tmp_path):
     path = tmp_path / "hosts.yml"
     path.write_text(FLEET)
     return path
-
-
-@pytest.fixture
-def no_playbook(monkeypatch):
-    """Fails the test if a playbook is started."""
-
-    def run(*args, **kwargs):
-        raise AssertionError("a playbook was started")
-
-    monkeypatch.setattr("driver.runner.run", run)
-
-
-def refused(capsys, *argv: str) -> str:
-    """Run the driver in-process; it must exit 2 with nothing on stdout; its stderr."""
-    assert cli.main(list(argv)) == exitcodes.USAGE
-    out, err = capsys.readouterr()
-    assert out == ""
-    return err
 
 
 def selected(fleet, playbook=RESTART, limit=None, instances=(), extravars=()) -> list[str]:

@@ -124,7 +124,9 @@ def env(tmp_path, monkeypatch, ledger_path):
     inv = tmp_path / "inv" / "hosts.yml"
     inv.parent.mkdir()
     inv.write_text("all: {}\n")
-    monkeypatch.setattr(inventory, "check", lambda i, limit, *selection: inventory.Checked(source=str(inv), hosts=[HOST]))
+    monkeypatch.setattr(
+        inventory, "check", lambda i, limit, *selection: inventory.Checked(source=str(inv), hosts=[HOST])
+    )
     return tmp_path, inv, ledger_path
 
 
@@ -282,7 +284,9 @@ def test_bad_input_is_refused_before_anything_runs(env, monkeypatch, capsys, ext
 
 def test_one_host_a_profile_and_a_readable_grid_file_are_required(env, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(dtune.Sweep, "playbook", Fake({}))
-    monkeypatch.setattr(inventory, "check", lambda i, limit, *selection: inventory.Checked(source="x", hosts=["a", "b"]))
+    monkeypatch.setattr(
+        inventory, "check", lambda i, limit, *selection: inventory.Checked(source="x", hosts=["a", "b"])
+    )
     assert cli.main(["tune", "--instance", "main", "--profile", "p", "--grid", "a=1"]) == exitcodes.USAGE
     assert "tune runs on one host: --limit matches 2 (a, b)" in capsys.readouterr().err
     monkeypatch.setattr(inventory, "check", lambda i, limit, *selection: inventory.Checked(source="x", hosts=["a"]))

@@ -434,7 +434,9 @@ def test_an_ssh_blip_during_a_replicas_restart_loses_nothing_and_ends_with_its_o
     before = main_pid(node)
     driver = Watched(run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory, popen=True))
     try:
-        wait_for("lab-node2 out of the router", out_of_the_router(router, WORKER2), 180, interval=0.1)
+        # Cut once the restart runs on the host (its detached worker has stopped the old server), not before its
+        # first module call: a host lost before that is a replica unreachable at its turn (tested above).
+        wait_for("lab-node2's restart under way on the host", lambda: main_pid(node) != before, 240, interval=0.1)
         podman_exec(node, "sh", "-c", "systemctl stop ssh.service; pkill -KILL -x sshd || true")
         try:  # the blip lasts until the restart has moved on on the host without the controller
             wait_for("lab-node2 restarted on its own", lambda: main_pid(node) not in (0, before), 120, interval=0.5)

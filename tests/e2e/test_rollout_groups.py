@@ -187,4 +187,4 @@ def test_a_group_with_a_rank_left_out_is_not_rolled_stays_in_the_router_and_fail
     assert router_workers(router)[MN_WORKER] is True
     said = latest_events(ledger)
     assert "lab-node1/mn rank 0: not_rolled, router: in, healthy" in said
-    assert "Not rolled, untouched and still in the router: lab-node1/mn" in said
+    assert "Not rolled, unrestarted and in the router: lab-node1/mn" in said

@@ -170,7 +170,11 @@ def test_the_rendered_unit_signals_the_main_process_only_and_the_stream_finishes
     assert stream["done"] and stream["tokens"] == TOKENS and stream["error"] is None, stream
     assert "Gracefully exiting... Remaining number of requests 1." in journal
     assert "crashed with exit code" not in journal
-    assert props["Result"] == "success" and props["ExecMainCode"] == "1" and props["ExecMainStatus"] == "0", props
+    # Ended by itself with 0 (ExecMainCode is 1, CLD_EXITED, or 0 once systemd has let the exit go: both say
+    # no signal killed it; a kill leaves 2 and the signal, as the old unit's test below asserts).
+    assert props["Result"] == "success" and props["ExecMainCode"] in ("0", "1") and props["ExecMainStatus"] == "0", (
+        props
+    )
 
 
 def test_the_old_unit_signals_every_process_and_the_stream_is_lost(node):

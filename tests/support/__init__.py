@@ -53,3 +53,13 @@ def env_with_pythonpath(env: dict[str, str], *paths: Path | str) -> dict[str, st
     """env with paths put first on PYTHONPATH: a subprocess's import path (tests never change their own sys.path)."""
     old = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
     return {**env, "PYTHONPATH": ":".join([*map(str, paths), *old])}
+
+
+def refused(capsys, *argv: str) -> str:
+    """Run the driver in-process; it must exit 2 (a usage error) with nothing on stdout; its stderr."""
+    from driver import cli, exitcodes
+
+    assert cli.main(list(argv)) == exitcodes.USAGE
+    out, err = capsys.readouterr()
+    assert out == ""
+    return err
