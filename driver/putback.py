@@ -13,9 +13,8 @@ from pathlib import Path
 from driver import runner
 
 PLAYBOOK = "playbooks/rollout_putback.yml"
-# The role's task names (roles/sglang_service/tasks/rollout_putback.yml): what each item of theirs means.
-ADDED = "Put back each instance that serves and that the router does not list"
-STAYS_OUT = "Say what stays out of the router (not serving)"
+# The fact the role sets with what a host's put-back did, line by line (roles/sglang_service/tasks/rollout_putback.yml).
+FACT = "sglang_service_rollout_putback"
 STOPPED = "the put-back was stopped as well (a third interrupt): check the router's workers yourself"
 
 
@@ -24,10 +23,9 @@ def lines_of(event: dict) -> list[str]:
     kind = event.get("event")
     data = event.get("event_data") or {}
     res = data.get("res") or {}
-    if kind == "runner_item_on_ok" and data.get("task") == ADDED:
-        return [f"put back into the router: {res.get('worker_url')}"]
-    if kind == "runner_item_on_ok" and data.get("task") == STAYS_OUT:
-        return [str(res.get("msg"))]
+    said = (res.get("ansible_facts") or {}).get(FACT)
+    if kind == "runner_on_ok" and isinstance(said, list):
+        return [str(line) for line in said]
     if kind in ("runner_on_failed", "runner_item_on_failed", "runner_on_unreachable"):
         return [f"put-back failed on {data.get('host')}: {str(res.get('msg', ''))[:300]}"]
     return []

@@ -275,8 +275,9 @@ def test_a_rollout_waits_for_the_replica_in_flight_at_the_first_interrupt():
     assert i.poll()
 
 
-def putback_item(task: str, res: dict) -> dict:
-    return {"event": "runner_item_on_ok", "event_data": {"host": "n1", "task": task, "res": res}}
+def putback_said(*lines: str) -> dict:
+    res = {"ansible_facts": {putback.FACT: list(lines)}}
+    return {"event": "runner_on_ok", "event_data": {"host": "n1", "task": "any", "res": res}}
 
 
 def test_a_second_interrupt_of_a_rollout_puts_back_what_serves(one_replica, monkeypatch, capsys):
@@ -291,8 +292,8 @@ def test_a_second_interrupt_of_a_rollout_puts_back_what_serves(one_replica, monk
             return rollout(job, on_event, cancelled, record)
         assert not cancelled(), "two interrupts do not stop the put-back"
         assert record.name == "putback.jsonl"
-        on_event(putback_item(putback.ADDED, {"worker_url": "http://n1:30010"}))
-        on_event(putback_item(putback.STAYS_OUT, {"msg": "http://n2:30010 stays out of the router: not serving"}))
+        on_event(putback_said("put back into the router: http://n1:30010"))
+        on_event(putback_said("http://n2:30010 stays out of the router: not serving"))
         return runner.Outcome("successful", 0)
 
     monkeypatch.setattr("driver.runner.run", fake_run)
@@ -335,8 +336,8 @@ def test_a_restart_abandoned_runs_no_put_back(one_host, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "event,said",
     [
-        (putback_item(putback.ADDED, {"worker_url": "http://h:1"}), ["put back into the router: http://h:1"]),
-        (putback_item("another task", {"worker_url": "http://h:1"}), []),
+        (putback_said("put back into the router: http://h:1"), ["put back into the router: http://h:1"]),
+        ({"event": "runner_on_ok", "event_data": {"host": "h", "res": {"worker_url": "http://h:1"}}}, []),
         (
             {"event": "runner_on_unreachable", "event_data": {"host": "r", "res": {"msg": "no route"}}},
             ["put-back failed on r: no route"],
