@@ -549,7 +549,7 @@ def test_inspect_reads_the_router_and_each_worker(fake_router, fake_worker):
         wid = state.add_now(good.replace("127.0.0.1", "localhost"))  # listed under another spelling
         dup = [state.add_now(no_metrics), state.add_now(no_metrics + "/")]
         state.add_now(gone, healthy=False)
-        out = rt.inspect(fast(url), [good, no_metrics, busy, gone], timeout=2)
+        out = rt.inspect(fast(url), [good, no_metrics, busy, gone], timeout=2, retry_s=0)  # one read each
     finally:
         no_metrics_srv.shutdown()
         busy_srv.shutdown()
@@ -573,16 +573,33 @@ def test_inspect_reads_the_router_and_each_worker(fake_router, fake_worker):
         == f"not serving: {busy}/health answered HTTP 503; not drainable: {busy}/metrics answered HTTP 503"
     )
     assert w[gone]["listed"] is True and w[gone]["healthy_in_router"] is False
-    assert w[gone]["why"] == "not serving: connection refused; not drainable: connection refused"
+    assert w[gone]["drainable"] is True, "nothing listens: nothing runs there, its drain ends at once"
+    assert w[gone]["why"] == "not serving: connection refused"
     lists = ", ".join(x["url"] for x in fast(url).workers())
     assert out["problems"] == [
         f"{no_metrics}: cannot be drained on evidence: {no_metrics}/metrics has no sglang:num_running_reqs nor "
         "sglang:num_queue_reqs (SGLang serves /metrics and its load gauges only with --enable-metrics)",
         f"{busy}: not listed by the router {url} (it lists: {lists})",
         f"{busy}: cannot be drained on evidence: {busy}/metrics answered HTTP 503",
-        f"{gone}: cannot be drained on evidence: connection refused",
     ]
     assert [m for m, _ in state.requests] == ["GET", "GET"]  # it only read the router
+
+
+def test_inspect_reads_a_metrics_that_says_nothing_again_before_calling_it_undrainable(fake_router, fake_worker):
+    """A 503 or a timeout under load is read again for retry_s: a busy moment is not a refusal, a /metrics that
+    never answers is; a 404 (no --enable-metrics) is refused on its first read, never read again."""
+    state, url = fake_router
+    script, worker = fake_worker
+    state.add_now(worker)
+    script[:] = [("status", 503), ("slow", 0.3), (2.0, 1.0)]  # busy twice (the second past the read timeout)
+    out = rt.inspect(fast(url), [worker], timeout=0.1, retry_s=5, poll=0.01)
+    assert out["problems"] == [] and out["workers"][0]["drainable"] is True, out
+    script[:] = [("status", 503)]
+    out = rt.inspect(fast(url), [worker], timeout=0.1, retry_s=0.2, poll=0.01)
+    assert out["problems"] == [f"{worker}: cannot be drained on evidence: {worker}/metrics answered HTTP 503"]
+    script[:] = [("status", 404), (0.0, 0.0)]
+    out = rt.inspect(fast(url), [worker], timeout=0.1, retry_s=5, poll=0.01)
+    assert out["workers"][0]["drainable"] is False and "HTTP 404" in out["problems"][0]
 
 
 # --------------------------------------------------------------------------- the real sglang-router

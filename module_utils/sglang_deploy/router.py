@@ -467,14 +467,28 @@ def serving(worker_url: str, timeout: float = 5.0, api_key: str | None = None) -
     return (True, "") if code == 200 else (False, f"{url} answered HTTP {code}")
 
 
-def inspect(router: Router, worker_urls: list[str], timeout: float = 5.0) -> dict:
+INSPECT_RETRY_S = 10.0  # how long a rollout's plan reads a /metrics that says nothing again before refusing it
+
+
+def inspect(
+    router: Router,
+    worker_urls: list[str],
+    timeout: float = 5.0,
+    retry_s: float = 10.0,
+    poll: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict:
     """What the router and each worker say, over HTTP only (reads nothing else, changes nothing):
     {workers: [{url, listed, ids, healthy_in_router, serving, drainable, why}], problems: [str]}.
 
     ``listed``/``ids``: the router's records of the worker under any spelling (same_worker); ``healthy_in_router``:
     whether one of them is healthy (None when not listed); ``serving``: its own /health answered 200 within
-    ``timeout``; ``drainable``: its /metrics answered 200 with both load gauges (read_load), so that a drain can
-    end on evidence. ``problems``: each worker not listed, or not drainable."""
+    ``timeout``; ``drainable``: its /metrics answered 200 with both load gauges (read_load), or nothing listens on
+    its port (nothing runs there: the drain ends at once), so that a drain can end on evidence. A read that says
+    nothing either way (a 503, a timeout: a server busy under load answers so) is read again, ``poll`` apart, for
+    up to ``retry_s``: one busy moment does not refuse a rollout, a /metrics unreadable all along does.
+    ``problems``: each worker not listed, or not drainable."""
     listing = router.workers()
     resolver = router.resolver()
     matched = [router.matches(u, listing, resolver) for u in worker_urls]
@@ -483,10 +497,20 @@ def inspect(router: Router, worker_urls: list[str], timeout: float = 5.0) -> dic
         ups = [pool.submit(serving, u, timeout) for u in worker_urls]
         loads = [pool.submit(read_load, u, timeout) for u in worker_urls]
         probes = [(up.result(), load.result()) for up, load in zip(ups, loads, strict=True)]
+        deadline = clock() + retry_s
+        while any(load["state"] == "error" for _, load in probes) and clock() + poll <= deadline:
+            sleep(poll)
+            again = {
+                i: pool.submit(read_load, u, timeout)
+                for i, u in enumerate(worker_urls)
+                if probes[i][1]["state"] == "error"
+            }
+            for i, load in again.items():
+                probes[i] = (probes[i][0], load.result())
     workers, problems = [], []
     lists = ", ".join(w["url"] for w in listing) or "no worker"
     for url, found, ((up, up_why), load) in zip(worker_urls, matched, probes, strict=True):
-        drainable = load["state"] == "load"
+        drainable = load["state"] in ("load", "nothing_listens")
         why = [f"not serving: {up_why}"] if not up else []
         why += [] if drainable else [f"not drainable: {load['why']}"]
         workers.append(
@@ -542,7 +566,9 @@ def act(p: dict, check_mode: bool = False) -> dict:
     if action == "list":
         return {"changed": False, "workers": router.membership()}
     if action == "inspect":  # reads only: the same in check mode
-        out = {"changed": False, **inspect(router, p["worker_urls"], timeout=p["timeout"])}
+        # A plan's check reads an unanswered /metrics again before refusing; the other reads answer at once.
+        retry_s = INSPECT_RETRY_S if p["fail_on_problems"] else 0.0
+        out = {"changed": False, **inspect(router, p["worker_urls"], timeout=p["timeout"], retry_s=retry_s)}
         if p["fail_on_problems"] and out["problems"]:  # a rollout's plan: refused, nothing touched (exit 3)
             raise ActionFailed("; ".join(out["problems"]), {**out, "outcome": outcomes.INVALID_CONFIG})
         return out
