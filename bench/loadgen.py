@@ -206,6 +206,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> dict:
         "lost": stats.counts["failed"] + stats.counts["truncated"],
         "by_kind": stats.by_kind,
         "failures": stats.failures[:50],
+        # Every failure's start (the list above keeps 50): where failures fall against a fault's window.
+        "failed_at_s": sorted(f["at_s"] for f in stats.failures),
         "duration_s": round(elapsed, 1),
         "requests_per_s": round(stats.counts["sent"] / elapsed, 2) if elapsed else 0.0,
         "p50_s": percentile(lat, 50),

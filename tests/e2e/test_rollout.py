@@ -281,17 +281,17 @@ class Watched:
         return code, "".join(self.out), "".join(self.err)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_one_interrupt_mid_replica_finishes_it_puts_it_back_and_begins_no_other(fleet, sig):
-    """The driver's first Ctrl-C or SIGTERM while the canary is out of the router: the canary's turn finishes
-    (restarted, back in the router, healthy), lab-node2 never begins, exit 130; both serve in the router."""
+def test_one_interrupt_mid_replica_finishes_it_puts_it_back_and_begins_no_other(fleet):
+    """The driver's first Ctrl-C while the canary is out of the router: the canary's turn finishes (restarted,
+    back in the router, healthy), lab-node2 never begins, exit 130; both serve in the router. (SIGTERM is the
+    first interrupt of the next case: one handler, tests/driver/test_ctrl_c.py.)"""
     _, containers, inventory, run = fleet
     router = containers[ROUTER]
     pids = {n: main_pid(containers[n]) for n in NODES}
     driver = Watched(run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory, popen=True))
     try:
         wait_for("the canary out of the router", out_of_the_router(router, WORKER1), 120, interval=0.1)
-        driver.proc.send_signal(sig)
+        driver.proc.send_signal(signal.SIGINT)
     finally:
         code, out, err = driver.wait(300)
     assert code == 130, out[-3000:] + err[-3000:]
@@ -315,8 +315,9 @@ def long_request(router: str, worker: str, tokens: int) -> subprocess.Popen:
 
 
 def test_two_interrupts_abandon_the_run_and_put_back_what_serves(fleet):
-    """Ctrl-C twice while the canary drains a long request: ansible-playbook is stopped, the driver puts the
-    canary (still serving its old configuration) back into the router and says so; exit 130."""
+    """SIGTERM (a closed terminal, a CI runner's stop), then Ctrl-C, while the canary drains a long request: the
+    first is an interrupt as a Ctrl-C is, the second abandons the run: ansible-playbook is stopped, the driver puts
+    the canary (still serving its old configuration) back into the router and says so; exit 130."""
     _, containers, inventory, run = fleet
     router = containers[ROUTER]
     pids = {n: main_pid(containers[n]) for n in NODES}
@@ -324,7 +325,7 @@ def test_two_interrupts_abandon_the_run_and_put_back_what_serves(fleet):
     driver = Watched(run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory, popen=True))
     try:
         wait_for("the canary out of the router", out_of_the_router(router, WORKER1), 120, interval=0.1)
-        driver.proc.send_signal(signal.SIGINT)
+        driver.proc.send_signal(signal.SIGTERM)
         wait_for("the first interrupt said", driver.said(interrupts.FIRST), 30, interval=0.05)
         driver.proc.send_signal(signal.SIGINT)
     finally:
