@@ -21,7 +21,7 @@ MOLECULE ?= molecule
 COV := --cov --cov-report=term
 COV_FLOOR := 80
 
-.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint pytest unit e2e molecule upgrade-check lock lock-sglang clean
+.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint lint-only pytest unit e2e molecule upgrade-check lock lock-sglang clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -50,7 +50,10 @@ demo: lab-up ## the main job on the local lab: deploy, safe restart and verify, 
 	@$(BIN)/python -m driver restart
 	@$(BIN)/python -m driver verify
 
-lint: setup ## ruff (lint and format), yamllint and ansible-lint (production profile)
+lint: setup lint-only ## ruff (lint and format), yamllint and ansible-lint (production profile)
+
+# The linters alone, on the virtualenv as it is (make test's rest stream: no setup's self-check beside a lab).
+lint-only:
 	@ruff check .
 	@ruff format --check .
 	@yamllint --strict .
@@ -88,7 +91,7 @@ test: ## every test: (lint, unit tests, molecule, E2E_REST) beside the other lab
 
 # Each stream ends with its recap (the random order's seed, each failed or erroring test), so the last lines of
 # a failed CI run name what to run again: pytest --randomly-seed=N <the test>.
-RECAP = grep -E '^(lab  |rest )\| (Using --randomly-seed=|(FAILED|ERROR) tests/)' $(1) | sed 's/^\(.....\)| /\1| recap: /' || true
+RECAP = grep -E '^(lab  |rest )\| (Using --randomly-seed=|(FAILED|ERROR) tests/|lint failed)' $(1) | sed 's/^\(.....\)| /\1| recap: /' || true
 
 test-lab: image
 	@mkdir -p .lab-tests; SECONDS=0; COVERAGE_FILE=$(CURDIR)/.coverage.lab $(BIN)/python -m pytest -m lab --cov --cov-report= \
@@ -96,7 +99,7 @@ test-lab: image
 		|| rc=$$?; $(call RECAP,.lab-tests/lab-stream.log); echo "lab  | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
 
 test-rest: image
-	@mkdir -p .lab-tests; SECONDS=0; { $(MAKE) --no-print-directory lint \
+	@mkdir -p .lab-tests; SECONDS=0; { { $(MAKE) --no-print-directory lint-only || { echo "lint failed"; false; }; } \
 		&& COVERAGE_FILE=$(CURDIR)/.coverage.unit $(BIN)/python -m pytest -m "not lab" --cov --cov-report= $(PYTEST_ARGS) \
 		&& $(MOLECULE) test --all \
 		&& SGD_E2E_LAB=sgd-e2e-rest COVERAGE_FILE=$(CURDIR)/.coverage.lab-rest $(BIN)/python -m pytest -m lab --cov \

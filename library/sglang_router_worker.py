@@ -28,9 +28,9 @@ description:
     I(action=list) returns what the router lists.
   - I(action=inspect) reads, for each of I(worker_urls), whether the router lists it (any spelling), whether
     the worker itself serves (its GET /health answers 200 within I(timeout)) and whether it can be
-    drained on evidence (its /metrics answers 200 with both series, or nothing listens on its port); it changes
-    nothing and runs in check mode too. With I(fail_on_problems) it fails when one is not listed or not
-    drainable, after reading a /metrics that answers neither way (a 503, a timeout) again for 10 s.
+    drained on evidence (its /metrics answers 200 with both series); it changes nothing and runs in check
+    mode too. With I(fail_on_problems) it fails when one is not listed or not drainable, after reading a
+    /metrics that answers neither way (a 503, a timeout) again for 10 s.
   - I(action=measure) measures the worker's output tok/s as the safe restart's verify does (I(requests)
     generations of I(max_new_tokens) tokens, one after another); no router is involved.
   - Logic in module_utils/sglang_deploy/router.py. See docs/rollout.md and docs/router.md.

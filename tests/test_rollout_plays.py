@@ -12,6 +12,15 @@ from ansible.template import Templar, trust_as_template
 
 REPO = Path(__file__).resolve().parents[1]
 PLAYS = {p["name"]: p for p in yaml.safe_load((REPO / "playbooks" / "rollout.yml").read_text())}
+ROLLED = ("Roll the canary", "Roll the other replicas, in batches")
+
+
+def hosts_of(inventory: InventoryManager, play: str, **variables) -> list[str]:
+    """The hosts a play of rollout.yml runs, in their order, its hosts templated as Ansible does (each item)."""
+    pattern = PLAYS[play]["hosts"]
+    items = pattern if isinstance(pattern, list) else [pattern]
+    templar = Templar(loader=DataLoader(), variables=variables)
+    return [h.name for h in inventory.get_hosts([templar.template(trust_as_template(i)) for i in items])]
 
 
 @pytest.fixture
@@ -35,16 +44,22 @@ def inventory(tmp_path):
     return InventoryManager(loader=DataLoader(), sources=[str(tmp_path / "hosts.yml")])
 
 
-@pytest.mark.parametrize(
-    ("play", "expected"), [("Roll the canary", ["r1"]), ("Roll the other replicas, in batches", ["r2", "r3", "r4"])]
-)
+@pytest.mark.parametrize(("play", "expected"), [(ROLLED[0], ["r1"]), (ROLLED[1], ["r2", "r3", "r4"])])
 def test_replicas_roll_in_inventory_order_whatever_order_the_plan_grouped_them_in(inventory, play, expected):
-    pattern = Templar(loader=DataLoader(), variables={}).template(trust_as_template(PLAYS[play]["hosts"]))
-    assert [h.name for h in inventory.get_hosts(pattern)] == expected
+    assert hosts_of(inventory, play) == expected
 
 
-def test_the_replicas_pattern_given_by_the_operator_is_kept(inventory):
-    pattern = Templar(loader=DataLoader(), variables={"sglang_rollout_hosts": "sglang_replicas:!r3"}).template(
-        trust_as_template(PLAYS["Roll the other replicas, in batches"]["hosts"])
-    )
-    assert [h.name for h in inventory.get_hosts(pattern)] == ["r2", "r4"]
+@pytest.mark.parametrize(
+    ("hosts", "canary", "rest"),
+    [
+        ("sglang_replicas:!r3", ["r1"], ["r2", "r4"]),
+        # A comma: Ansible splits such a pattern on commas only ("r1,r2,r3,r4:&g" would intersect r4 alone).
+        ("r1,r2,r3,r4", ["r1"], ["r2", "r3", "r4"]),
+        ("r4,r3,r2,r1", ["r1"], ["r4", "r3", "r2"]),
+        ("~r[12]", ["r1"], ["r2"]),
+        ("all", ["r1"], ["r2", "r3", "r4"]),
+    ],
+)
+def test_the_replicas_pattern_given_by_the_operator_is_kept(inventory, hosts, canary, rest):
+    assert hosts_of(inventory, ROLLED[0], sglang_rollout_hosts=hosts) == canary
+    assert hosts_of(inventory, ROLLED[1], sglang_rollout_hosts=hosts) == rest

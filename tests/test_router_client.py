@@ -573,14 +573,16 @@ def test_inspect_reads_the_router_and_each_worker(fake_router, fake_worker):
         == f"not serving: {busy}/health answered HTTP 503; not drainable: {busy}/metrics answered HTTP 503"
     )
     assert w[gone]["listed"] is True and w[gone]["healthy_in_router"] is False
-    assert w[gone]["drainable"] is True, "nothing listens: nothing runs there, its drain ends at once"
-    assert w[gone]["why"] == "not serving: connection refused"
+    # Down already: refused, as a replica out before the rollout begins would put it past --max-unavailable.
+    assert w[gone]["drainable"] is False
+    assert w[gone]["why"] == "not serving: connection refused; not drainable: connection refused"
     lists = ", ".join(x["url"] for x in fast(url).workers())
     assert out["problems"] == [
         f"{no_metrics}: cannot be drained on evidence: {no_metrics}/metrics has no sglang:num_running_reqs nor "
         "sglang:num_queue_reqs (SGLang serves /metrics and its load gauges only with --enable-metrics)",
         f"{busy}: not listed by the router {url} (it lists: {lists})",
         f"{busy}: cannot be drained on evidence: {busy}/metrics answered HTTP 503",
+        f"{gone}: cannot be drained on evidence: connection refused",
     ]
     assert [m for m, _ in state.requests] == ["GET", "GET"]  # it only read the router
 

@@ -474,7 +474,7 @@ def inspect(
     router: Router,
     worker_urls: list[str],
     timeout: float = 5.0,
-    retry_s: float = 10.0,
+    retry_s: float = INSPECT_RETRY_S,
     poll: float = 1.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
@@ -484,8 +484,9 @@ def inspect(
 
     ``listed``/``ids``: the router's records of the worker under any spelling (same_worker); ``healthy_in_router``:
     whether one of them is healthy (None when not listed); ``serving``: its own /health answered 200 within
-    ``timeout``; ``drainable``: its /metrics answered 200 with both load gauges (read_load), or nothing listens on
-    its port (nothing runs there: the drain ends at once), so that a drain can end on evidence. A read that says
+    ``timeout``; ``drainable``: its /metrics answered 200 with both load gauges (read_load), so that a drain can
+    end on evidence (a port nothing listens on is no more: a replica already down would leave the fleet a replica
+    short while another is out for its turn, beyond --max-unavailable, so it refuses the rollout). A read that says
     nothing either way (a 503, a timeout: a server busy under load answers so) is read again, ``poll`` apart, for
     up to ``retry_s``: one busy moment does not refuse a rollout, a /metrics unreadable all along does.
     ``problems``: each worker not listed, or not drainable."""
@@ -510,7 +511,7 @@ def inspect(
     workers, problems = [], []
     lists = ", ".join(w["url"] for w in listing) or "no worker"
     for url, found, ((up, up_why), load) in zip(worker_urls, matched, probes, strict=True):
-        drainable = load["state"] in ("load", "nothing_listens")
+        drainable = load["state"] == "load"
         why = [f"not serving: {up_why}"] if not up else []
         why += [] if drainable else [f"not drainable: {load['why']}"]
         workers.append(
