@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parser().parse_args(argv)
+        args.argv = argv  # what a run records (redacted): the arguments parsed, not sys.argv when called with others
         if args.command == "history":
             return history(args)
         if args.command == "tune":

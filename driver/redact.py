@@ -1,26 +1,24 @@
-"""Secrets out of what the driver records: `-e` values in the argv the ledger keeps, and the event stream.
+"""Secrets out of what the driver records and shows: `-e` values in the argv the ledger keeps, and the event
+stream (events.jsonl, the terminal, --json).
 
-A value is secret when its variable is declared so (an option with ``no_log: true`` in a role's
-meta/argument_specs.yml) or its key names one (key, token, password, secret: sglang_service_secret_env,
-sglang_service_api_key, HF_TOKEN: SECRET_WORDS), at any depth of a JSON or YAML `-e`. `@file` arguments stay paths.
+What names a secret, the mask and the forms a value is logged in are the hosts' own:
+module_utils/sglang_deploy/secret_rule.py, the one secret rule. A value is secret when its variable is declared so
+(an option with ``no_log: true`` in a role's meta/argument_specs.yml) or its name says so (secret_rule.secret_name:
+sglang_service_secret_env, sglang_service_api_key, HF_TOKEN), at any depth of a JSON or YAML `-e`. The `-e` values
+are the ones the driver's own parser (driver/cli.py) reads, so every spelling argparse accepts is found (-e X, -eX,
+-ve X, -veX, --extra-vars=X, --extra X); `@file` arguments stay paths.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 import shlex
 from pathlib import Path
 
+from module_utils.sglang_deploy import secret_rule
+
 REPO = Path(__file__).resolve().parent.parent
-REDACTED = "<redacted>"
-# A key naming a secret has one of these words (split at anything not a letter or digit): HF_TOKEN,
-# sglang_service_api_key, db_password; max_new_tokens and known_good_keep do not.
-SECRET_WORDS = frozenset(
-    {"key", "apikey", "token", "password", "passwd", "passphrase", "secret", "secrets", "credential", "credentials"}
-)
-SECRET_TEXT = re.compile(r"key|token|passw|secret|credential", re.I)  # an unparsable -e that may hold one
 # Short values (true, 1, "") are not worth hiding in the event stream, and would blank out ordinary words.
 MIN_SCRUB_LEN = 4
 
@@ -41,9 +39,8 @@ def declared() -> frozenset[str]:
 
 
 def is_secret(key) -> bool:
-    if not isinstance(key, str):
-        return False
-    return key in declared() or not SECRET_WORDS.isdisjoint(re.split(r"[^a-z0-9]+", key.lower()))
+    """A variable whose value is secret: declared no_log by a role, or named so by the one rule."""
+    return isinstance(key, str) and (key in declared() or secret_rule.secret_name(key))
 
 
 class Redactor:
@@ -72,7 +69,7 @@ class Redactor:
             for k, v in value.items():
                 if is_secret(k):
                     self.keep(v)
-                    out[k] = REDACTED
+                    out[k] = secret_rule.MASK
                 else:
                     out[k] = self.data(v)
             return out
@@ -104,7 +101,7 @@ class Redactor:
             return self.whole(text)
         raw = pairs.pop("_raw_params", None)  # words that are no key=value: may be the rest of a secret
         secret = [k for k in pairs if is_secret(k)]
-        out = {k: REDACTED if k in secret else self.data(v) for k, v in pairs.items()}
+        out = {k: secret_rule.MASK if k in secret else self.data(v) for k, v in pairs.items()}
         if not secret and out == pairs:
             return text
         for k in secret:
@@ -112,58 +109,45 @@ class Redactor:
             parsed = _structured(whole) if whole.lstrip()[:1] in ("{", "[") else None
             self.keep(parsed if parsed is not None else whole)
         if raw and secret:
-            raw = REDACTED
+            raw = secret_rule.MASK
         words = [f"{k}={shlex.quote(str(v)) if k not in secret else v}" for k, v in out.items()]
         return " ".join(words + ([raw] if raw else []))
 
     def whole(self, text: str) -> str:
-        """An `-e` that cannot be parsed: kept only when it names nothing secret."""
-        if SECRET_TEXT.search(text) or any(name in text for name in declared()):
-            self.keep(text)
-            return REDACTED
-        return text
+        """An `-e` that cannot be parsed: withheld whole, for no name in it can be read to say it holds no secret."""
+        self.keep(text)
+        return secret_rule.MASK
 
     def argv(self, argv: list[str]) -> list[str]:
-        """The driver's argv with every -e/--extra-vars value redacted (any spelling argparse accepts)."""
-        out, i = [], 0
-        while i < len(argv):
-            arg = argv[i]
-            if arg == "--":
-                out += argv[i:]
-                break
-            opt, eq, inline = arg.partition("=")
-            if arg in ("-e",) or (arg.startswith("--") and not eq and _is_extra_vars(arg)):
-                out.append(arg)
-                if i + 1 < len(argv):
-                    out.append(self.extra_vars(argv[i + 1]))
-                i += 2
-                continue
-            if arg.startswith("--") and eq and _is_extra_vars(opt):
-                out.append(f"{opt}={self.extra_vars(inline)}")
-            elif arg.startswith("-e") and not arg.startswith("--") and len(arg) > 2:
-                out.append("-e" + self.extra_vars(arg[2:]))
+        """The driver's argv with every `-e` value redacted, the values found by the driver's own parser.
+
+        argparse hands an option its value as a whole argument (-e X, -ve X, --extra-vars X) or as an argument's
+        tail (-eX, -veX, --extra-vars=X, --ex=X): each argument that is a value, or ends with one, has it redacted.
+        """
+        from driver import cli
+
+        values = sorted(set(cli.parser().parse_args(argv).extra_vars), key=len, reverse=True)
+        out = []
+        for arg in argv:
+            if arg in values:
+                arg = self.extra_vars(arg)
             else:
-                out.append(arg)
-            i += 1
+                tail = next((v for v in values if v and arg.startswith("-") and arg.endswith(v)), None)
+                if tail is not None:
+                    arg = arg[: -len(tail)] + self.extra_vars(tail)
+            out.append(arg)
         return out
 
     def scrub(self, value):
-        """value (an event: dicts, lists, strings) with every remembered secret replaced in its strings."""
-        if isinstance(value, str):
-            for secret in sorted(self.secrets, key=len, reverse=True):
-                if secret in value:
-                    value = value.replace(secret, REDACTED)
-            return value
-        if isinstance(value, dict):
-            return {k: self.scrub(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self.scrub(v) for v in value]
-        return value
+        """value (an event: dicts, lists, strings) with every remembered secret replaced in its strings, in every
+        form a log carries it (secret_rule.forms: repr, JSON, URL, shell-quoted, base64, ...)."""
+        return _known(frozenset(self.secrets)).scrub(value)
 
 
-def _is_extra_vars(opt: str) -> bool:
-    """--extra-vars or an abbreviation argparse accepts (--ex, --extra, ...)."""
-    return len(opt) >= 3 and "--extra-vars".startswith(opt)
+@functools.lru_cache(maxsize=4)
+def _known(secrets: frozenset[str]) -> secret_rule.Redactor:
+    """The one rule's Redactor of these values (its pattern compiled once per set, not per event)."""
+    return secret_rule.Redactor(secrets)
 
 
 def _structured(text: str):

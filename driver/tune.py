@@ -99,7 +99,7 @@ class Sweep:
         self.id = ""  # named once the plan says what it starts from (_steps)
         self.book = ledger.Ledger()
         self.redactor = redact.Redactor()
-        self.run_id = self.book.start("tune", self.redactor.argv(sys.argv[1:]), args.inventory, self.start)
+        self.run_id = self.book.start("tune", self.redactor.argv(args.argv), args.inventory, self.start)
         self.dir = self.book.events_dir(self.run_id)
         self.steps = 0
         self.evidence = None  # the last step's crash evidence bundle, if it fetched any

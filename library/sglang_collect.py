@@ -14,7 +14,7 @@ description:
     failure and request given, the unit and environment files (never the secrets file), the patch manifest, the
     GPU state, C(nvidia-smi -q), the kernel log's Xid/NVRM lines and the virtualenv's pip freeze.
   - Writes them as one tar.gz, mode 0600, at I(out_dir)/<instance>/<UTC time>-<invocation or on-demand>.tar.gz
-    (directories 0700) and keeps the newest I(keep) of the instance. Every secret is replaced by C(<secret>).
+    (directories 0700) and keeps the newest I(keep) of the instance. Every secret is replaced by C(<secret>) (the one secret rule, sglang_deploy.secret_rule).
   - An item that could not be taken (no nvidia-smi, no py-spy, the budget spent) is listed with ok false and the
     reason; the module fails only when no bundle could be written. Check mode writes nothing.
 options:

@@ -202,6 +202,7 @@ msg:
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.sglang_deploy.http import HttpError
 from ansible.module_utils.sglang_deploy.router import ActionFailed, RouterError, act
+from ansible.module_utils.sglang_deploy.secret_rule import Redactor
 
 ARGUMENT_SPEC = dict(
     action=dict(
@@ -230,13 +231,15 @@ REQUIRED_IF = (
 def main():
     module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_if=REQUIRED_IF, supports_check_mode=True)
     what = f"{module.params['action']} {module.params['worker_url'] or ''}".rstrip()
+    # A router's answer may echo the key in any escaping (JSON, a repr): Ansible's no_log masks the literal only.
+    redact = Redactor([module.params["api_key"] or ""])
     try:
         result = act(module.params, module.check_mode)
     except ActionFailed as exc:  # the result too (the drain, the inspection)
-        module.fail_json(msg=f"{what}: {exc}", **exc.result)
+        module.fail_json(**redact.scrub({**exc.result, "msg": f"{what}: {exc}"}))
     except (RouterError, HttpError) as exc:
-        module.fail_json(msg=f"{what}: {exc}")
-    module.exit_json(**result)
+        module.fail_json(msg=redact.values(f"{what}: {exc}"))
+    module.exit_json(**redact.scrub(result))
 
 
 if __name__ == "__main__":

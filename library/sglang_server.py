@@ -207,10 +207,10 @@ def main() -> None:
         inst = Instance.from_params({**p["instance"], "service_user": p["service_user"], "state_dir": p["state_dir"]})
     except (TypeError, ValueError) as exc:
         module.fail_json(msg=f"instance: not a rendered instance record ({exc})", outcome=outcomes.INVALID_CONFIG)
-    # SGLang logs its server_args (the API key included) and a journal tail goes into failures: Ansible strips
-    # every secret value from whatever this module returns.
-    module.no_log_values.update(inst.secret_values())  # and this run's, which the restart stages (a rotated key)
-    module.no_log_values.update(v for v in parse_env(p["secrets_content"] or "").values() if v)
+    # SGLang logs its server_args (the API key included, as a repr) and a journal tail goes into failures: every
+    # secret, this run's too (a rotated key), is stripped from what this module returns, in every form it takes.
+    redact = inst.redactor(parse_env(p["secrets_content"] or "").values())
+    module.no_log_values.update(redact.raw)
     rendered = None
     if p["unit_content"] is not None and p["env_content"] is not None:
         rendered = {inst.unit_path: p["unit_content"], inst.env_path: p["env_content"]}
@@ -231,7 +231,7 @@ def main() -> None:
             machine,
             lambda: ACTIONS[p["action"]](machine),
             lambda res: succeeded(p["action"], res),
-            mask=lambda doc: remove_values(doc, module.no_log_values),
+            mask=lambda doc: remove_values(redact.scrub(doc), module.no_log_values),
             every=p["progress_every"],
             on_start=install_signal_handlers,
         )
@@ -239,7 +239,7 @@ def main() -> None:
     if p["action"] in ("restart", "rollback"):
         install_signal_handlers()
     res = ACTIONS[p["action"]](machine)
-    jobs.answer(module, {"done": True, "ok": succeeded(p["action"], res), "res": res})
+    jobs.answer(module, {"done": True, "ok": succeeded(p["action"], res), "res": redact.scrub(res)})
 
 
 def succeeded(action: str, res: dict) -> bool:

@@ -166,7 +166,7 @@ def test_the_server_started_from_the_rendered_unit_gets_the_intended_argv_and_en
     then --api-key from the secrets file, and exactly the intended environment (the key taken out of it)."""
     lib = tmp_path / "libexec" / "sglang-deploy"
     (lib / "sglang_deploy").mkdir(parents=True)
-    for name in ("__init__.py", "procinfo.py", "launch.py"):
+    for name in ("__init__.py", "procinfo.py", "secret_rule.py", "launch.py"):
         shutil.copy(REPO / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
     shutil.copy(REPO / "roles" / "sglang_service" / "files" / "sglang-launch", lib / "sglang-launch")
     server = tmp_path / "site" / "sglang"

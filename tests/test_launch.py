@@ -34,7 +34,7 @@ def installed(tmp_path: Path) -> Path:
     """The host layout: the entry point beside the package files it imports."""
     lib = tmp_path / "libexec"
     (lib / "sglang_deploy").mkdir(parents=True)
-    for name in ("__init__.py", "procinfo.py", "launch.py"):
+    for name in ("__init__.py", "procinfo.py", "secret_rule.py", "launch.py"):
         shutil.copy(REPO / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
     shutil.copy(REPO / "roles" / "sglang_service" / "files" / "sglang-launch", lib / "sglang-launch")
     return lib

@@ -8,9 +8,11 @@ rules, and every failure as a failed result naming the action and the worker.
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
+from sglang_deploy.secret_rule import MASK
 from support.modules import http_server, run_module
 
 KEY = "router-key-never-shown"
@@ -180,6 +182,20 @@ def test_a_refused_key_fails_and_the_key_is_never_in_the_result(tmp_path, router
     rc, out = worker_module(tmp_path, action="list", router_url=url, api_key="wrong-" + KEY)
     assert rc == 1 and "HTTP 401: the router requires its API key" in out["msg"]
     assert KEY not in str(out)
+
+
+def test_a_key_the_router_echoes_is_stripped_in_the_form_the_result_carries_it(tmp_path):
+    """#30: the client quotes a failed answer as Python prints it (a repr: a backslash doubled), which Ansible's
+    no_log, looking for the literal key, misses: the one secret rule strips it in every form."""
+    key = 'rk-Zq9\\back"slash'
+
+    def echo(method, path, body, headers):
+        return 500, {"error": f"rejected {headers.get('Authorization')}"}
+
+    with http_server(echo) as (url, _):
+        rc, out = worker_module(tmp_path, action="list", router_url=url, api_key=key)
+    assert rc == 1 and "HTTP 500" in out["msg"] and f"rejected Bearer {MASK}" in out["msg"], out["msg"]
+    assert "Zq9" not in json.dumps(out)
 
 
 def test_the_router_url_and_worker_url_are_required_by_action(tmp_path):

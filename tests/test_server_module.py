@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from base64 import b64encode
 from pathlib import Path
 
 import pytest
 
 from sglang_deploy import outcomes
 from sglang_deploy.lock import InstanceLock
+from sglang_deploy.secret_rule import MASK
 from support import started
 from support.gpus import simulated
 from support.modules import http_server, instance_record, run_module, systemctl_shim
@@ -112,7 +114,7 @@ def test_every_value_of_the_secrets_file_is_stripped_from_whatever_the_module_re
     rc, out = server_module(tmp_path, node, action="verify", load_requests=0)
     assert rc == 0 and out["outcome"] == outcomes.VERIFIED, out
     [generate] = [c for c in out["verify"]["checks"] if c["name"] == "generate"]
-    assert generate["detail"] == "16 tokens: ' the key is ********.'", "the key was there, and is stripped"
+    assert generate["detail"] == f"16 tokens: ' the key is {MASK}.'", "the key was there, and is stripped"
     assert KEY not in json.dumps(out)
 
 
@@ -126,7 +128,23 @@ def test_a_rotated_key_the_call_stages_is_stripped_too(tmp_path, node, monkeypat
         tmp_path, node, action="verify", load_requests=0, secrets_content=f'SGLANG_API_KEY="{new}"\n'
     )
     assert rc == 0 and out["outcome"] == outcomes.VERIFIED, out
-    assert new not in json.dumps(out) and "the new key is ********." in json.dumps(out)
+    assert new not in json.dumps(out) and f"the new key is {MASK}." in json.dumps(out)
+
+
+def test_a_secret_is_stripped_in_every_form_the_result_carries_it(tmp_path, node, monkeypatch):
+    """#30: Ansible's no_log looks for the literal value only; SGLang logs its server_args as a repr (a backslash
+    doubled) and verify quotes the server's words as a repr again: the value is stripped in every form (the one
+    secret rule's, sglang_deploy.secret_rule), the one mask in its place."""
+    new = 'Zq9\\r"t$d%.*+'
+    # verify quotes the first 60 characters: three forms fit (a secret cut short there could not be matched)
+    said = f"{new!r} {json.dumps(new)} {b64encode(new.encode()).decode()}"
+    monkeypatch.setitem(GENERATED, "text", said)
+    line = 'SGLANG_API_KEY="' + new.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"\n'
+    rc, out = server_module(tmp_path, node, action="verify", load_requests=0, secrets_content=line)
+    assert rc == 0 and out["outcome"] == outcomes.VERIFIED, out
+    [generate] = [c for c in out["verify"]["checks"] if c["name"] == "generate"]
+    assert generate["detail"].count(MASK) == 3, generate["detail"]
+    assert "Zq9" not in json.dumps(out) and b64encode(new.encode()).decode() not in json.dumps(out)
 
 
 def test_a_failed_verification_fails_the_task_with_the_failed_checks(tmp_path, node):

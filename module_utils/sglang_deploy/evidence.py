@@ -17,10 +17,11 @@ One gzipped tar per collection on the host, ``<out_dir>/<instance>/<UTC time>-<i
     kernel-xid.txt       the kernel log's Xid and NVRM lines (journalctl -k, else dmesg)
     pip-freeze.txt       the virtualenv's pip freeze
 
-Everything written passes through one Redactor: every value of the secrets file, every secret-bearing flag's
-value in the instance's argv (and the secret-looking values of the environment and unit files) in any escaping
-they may be logged in, plus KEY/TOKEN/PASSWORD/SECRET-named assignments, secret flags, bearer tokens and URL
-credentials anywhere. SGLang logs its server_args, API key included, so the journal needs it.
+Everything written passes through one Redactor (secret_rule.py, the one secret rule, names, patterns and mask
+of the driver and the modules too): every value of the secrets file, every secret-named flag's value in the
+instance's argv (and the secret-named values of the environment and unit files) in every form they may be logged
+in, plus secret-named assignments and flags, bearer tokens and URL credentials anywhere. SGLang logs its
+server_args, API key included, so the journal needs it.
 
 Each item has its own timeout and the whole collection its budget (budget_s, default 10 s): an item that
 would start after the budget is spent is listed with ok false and detail "skipped: budget". A missing tool
@@ -35,20 +36,18 @@ import io
 import json
 import os
 import re
-import shlex
 import shutil
 import socket
 import subprocess
 import tarfile
 import time
-import urllib.parse
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import gpu, procinfo
+from . import gpu
 from .instance import Instance, read_env_file
-from .procinfo import MASK, masked
+from .secret_rule import MASK, Redactor, argv_secrets, file_secrets, masked, secret_name
 
 BUDGET_S = 10.0
 KEEP = 5
@@ -116,137 +115,20 @@ class EvidencePorts:
 
 # --------------------------------------------------------------------------- redaction
 
-SECRET_LAST = {"key", "apikey", "token", "password", "passwd", "pass", "secret", "credential", "credentials"}
-SECRET_ANY = {"password", "passwd", "secret", "apikey"}
-NOT_SECRET = {"", "None", "none", "null", "False", "false", "True", "true", MASK}
-# A secret-looking value found by its name (not the secrets file's) is replaced everywhere from this length.
-WEAK_MIN = 8
 
-
-def secret_name(name: str) -> bool:
-    """A name whose value is a secret: api_key, --admin-api-key, HF_TOKEN, DB_PASSWORD, AWS_SECRET_ACCESS_KEY.
-
-    Only the last part counts for key/token (max_total_tokens, tokenizer_path and speculative_token_map are
-    no secrets), any part for password/secret."""
-    parts = [p for p in re.split(r"[_.\-]+", name.lower().strip("-")) if p]
-    return bool(parts) and (parts[-1] in SECRET_LAST or any(p in SECRET_ANY for p in parts))
-
-
-# NAME=value, NAME: value, 'name': 'value', "name": "value" (the value quoted or not).
-ASSIGN = re.compile(
-    r"""(?P<name>[A-Za-z_][\w.\-]*)(?P<nq>['"]?)(?P<sep>[ \t]*[=:][ \t]*)"""
-    r"""(?P<val>'(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*"|[^\s,;)}\]'"]+)"""
-)
-# --flag value, and the flag and its value as items of a list ('--api-key', 'x').
-FLAG = re.compile(r"""(?P<flag>--[A-Za-z][\w\-]*)(?P<sep>[ \t]+|['"]?[ \t]*,[ \t]*['"]?)(?P<val>[^\s'",\]]+)""")
-BEARER = re.compile(r"(?i)\b(?P<kind>bearer)[ \t]+(?P<val>[A-Za-z0-9._~+/=\-]{8,})")
-# Authorization: Basic|Bearer|Token <credentials> (a header logged whole).
-AUTHORIZATION = re.compile(
-    r"""(?i)(?P<head>\bauthorization['"]?[ \t]*[:=][ \t]*['"]?)(?P<kind>(?:basic|bearer|token|digest)[ \t]+)?(?P<val>[^\s'",]+)"""
-)
-URL_CREDENTIALS = re.compile(r"(?<=://)[^/\s:@'\"]+:[^/\s@'\"]+@")
-
-
-def _assign(m: re.Match) -> str:
-    val = m["val"]
-    quote = val[0] if len(val) >= 2 and val[0] in "'\"" and val[-1] == val[0] else ""
-    bare = val[1:-1] if quote else val
-    if not secret_name(m["name"]) or bare in NOT_SECRET:
-        return m.group(0)
-    return f"{m['name']}{m['nq']}{m['sep']}{quote}{MASK}{quote}"
-
-
-def _flag(m: re.Match) -> str:
-    if not secret_name(m["flag"]) or m["val"].startswith("--") or m["val"] in NOT_SECRET:
-        return m.group(0)
-    return f"{m['flag']}{m['sep']}{MASK}"
-
-
-def variants(value: str) -> set[str]:
-    """The forms a value is logged in: as is, in a Python repr, in JSON, in an env file, URL-quoted, shell-quoted."""
-    env = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
-    return {
-        value,
-        repr(value)[1:-1],
-        json.dumps(value)[1:-1],
-        env,
-        urllib.parse.quote(value, safe=""),
-        shlex.quote(value),
-    }
-
-
-class Redactor:
-    """Removes secrets from text and data: known values in every escaping, then secret-looking patterns."""
-
-    def __init__(self, strong: Iterable[str], weak: Iterable[str] = ()):
-        raw = {v for v in strong if v} | {v for v in weak if v and len(v) >= WEAK_MIN}
-        self.raw = sorted(raw, key=len, reverse=True)
-        forms = set().union(*(variants(v) for v in raw)) if raw else set()
-        forms.discard("")
-        # Longest first: a value that contains another is replaced whole.
-        self.known = re.compile("|".join(re.escape(v) for v in sorted(forms, key=len, reverse=True))) if forms else None
-
-    def text(self, text: str) -> str:
-        if self.known is not None:
-            text = self.known.sub(MASK, text)
-        text = ASSIGN.sub(_assign, text)
-        text = FLAG.sub(_flag, text)
-        text = BEARER.sub(lambda m: f"{m['kind']} {MASK}", text)
-        text = AUTHORIZATION.sub(lambda m: f"{m['head']}{m['kind'] or ''}{MASK}", text)
-        return URL_CREDENTIALS.sub(MASK + "@", text)
-
-    def data(self, obj):
-        """A JSON-able value with every string redacted, and the value of every secret-named key masked."""
-        if isinstance(obj, str):
-            return self.text(obj)
-        if isinstance(obj, dict):
-            return {
-                str(k): (MASK if secret_name(str(k)) and isinstance(v, str) and v not in NOT_SECRET else self.data(v))
-                for k, v in obj.items()
-            }
-        if isinstance(obj, (list, tuple)):
-            return [self.data(v) for v in obj]
-        return obj
-
-    def leaks(self, text: str) -> bool:
-        """A known secret is still in the text (a bug in the patterns above): the member is withheld."""
-        return any(v in text for v in self.raw)
-
-
-def argv_secrets(argv: list[str]) -> list[str]:
-    """The values of secret-bearing flags in a command line (--api-key X, --admin-api-key=X, --hf-token X)."""
-    out = []
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if not flag.startswith("--") or not (flag in procinfo.SECRET_FLAGS or secret_name(flag)):
-            continue
-        if eq:
-            out.append(value)
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            out.append(argv[i + 1])
-    return out
-
-
-def file_secrets(text: str) -> list[str]:
-    """Values of secret-named assignments in a unit or environment file (Environment="HF_TOKEN=...")."""
-    out = []
-    for m in ASSIGN.finditer(text):
-        val = m["val"]
-        if len(val) >= 2 and val[0] in "'\"" and val[-1] == val[0]:
-            val = val[1:-1]
-        if secret_name(m["name"]) and val not in NOT_SECRET:
-            out.append(val)
-    return out
-
-
-def redactor_for(inst: Instance) -> Redactor:
-    strong = list(inst.secret_values())
+def redactor_for(inst: Instance, strong: Iterable[str] = (), texts: Iterable[str] = ()) -> Redactor:
+    """The instance's secrets as one Redactor (secret_rule): every value of its secrets file and the values of its
+    secret-named flags; the secret-named values of its unit and environment files (and of texts, this run's
+    rendered ones), by their name. strong: more values known to be secret (this run's secrets file)."""
+    strong = [*inst.secret_values(), *strong]
     for argv in [inst.argv, *inst.profiles_argv.values()]:
         strong += argv_secrets(argv)
     weak = []
     for path in (inst.unit_path, inst.env_path):
         weak += file_secrets(_read(path) or "")
         weak += [v for k, v in read_env_file(path).items() if secret_name(k)]
+    for text in texts:
+        weak += file_secrets(text or "")
     return Redactor(strong, weak)
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .procinfo import API_KEY_VAR, masked
+from .procinfo import API_KEY_VAR
+from .secret_rule import Redactor, masked
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
@@ -84,6 +86,11 @@ class Instance:
     def secret_values(self) -> list[str]:
         """Every value of the secrets file: a module never reports them (Ansible's no_log_values)."""
         return [v for v in read_env_file(self.secrets_path).values() if v]
+
+    def redactor(self, more: Iterable[str] = ()) -> Redactor:
+        """What strips the secrets file's values (and more: this run's) from a module's result, in every form a
+        journal tail carries them (SGLang logs its server_args as a repr, 'a\\b'), not the literal value only."""
+        return Redactor([*self.secret_values(), *more])
 
     def profile_of(self, running: list[str]) -> str | None:
         """The profile a running command line is: the configured one, another known one, or None."""

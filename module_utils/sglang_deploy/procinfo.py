@@ -14,6 +14,8 @@ import pwd
 import select
 import time
 
+from .secret_rule import masked
+
 CMDLINE_CHARS = 400  # enough to tell a server from a stray script, short enough for one journal line
 
 
@@ -26,30 +28,10 @@ def read_proc(pid: int, name: str) -> str:
         return ""
 
 
-# SGLang flags whose value is a secret. The launcher (launch.py) passes the API key from the
-# environment, so no command line should hold one; any that does (a server started by hand)
-# is masked wherever a command line is compared, recorded or reported.
-SECRET_FLAGS = ("--api-key", "--admin-api-key")
+# The launcher (launch.py) passes the API key from this variable, so no command line should hold one; any
+# that does (a server started by hand) is masked wherever a command line is compared, recorded or reported
+# (secret_rule.masked: every secret-named flag).
 API_KEY_VAR = "SGLANG_API_KEY"
-MASK = "<secret>"
-
-
-def masked(argv: list[str]) -> list[str]:
-    """argv with the value of every secret-bearing flag replaced."""
-    out = []
-    hide = False
-    for arg in argv:
-        if hide:
-            out.append(MASK)
-            hide = False
-            continue
-        flag, eq, _ = arg.partition("=")
-        if flag in SECRET_FLAGS:
-            out.append(f"{flag}={MASK}" if eq else flag)
-            hide = not eq
-        else:
-            out.append(arg)
-    return out
 
 
 def cmdline(pid: int) -> list[str]:

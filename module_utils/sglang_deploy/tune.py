@@ -20,6 +20,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from .secret_rule import secret_name
+
 # A profile named sglang_tuned_profile_<name> anywhere in the variables (a group_vars file the sweep
 # wrote, or the sweep's own extra variable for the combination it runs) is profile <name>.
 TUNED_PREFIX = "sglang_tuned_profile_"
@@ -52,11 +54,6 @@ def value_of(text: str):
     return t
 
 
-# Flags and variables a grid may not vary: their values are secrets (SGLang's --api-key, a token), which the
-# sweep's labels, ledger and profile file would show.
-SECRET_WORD = re.compile(r"(^|_)(api_key|key|token|secret|password|passwd|credentials?)($|_)", re.I)
-
-
 def parse_grid(items: list[str], base: dict | None = None) -> dict[str, list]:
     """--grid key=v1,v2 (repeatable) on top of a grid file's {key: [values]}: {key: [values]}, in order."""
     grid: dict[str, list] = {}
@@ -76,7 +73,9 @@ def parse_grid(items: list[str], base: dict | None = None) -> dict[str, list]:
             )
         if not values:
             raise GridError(f"grid key {key!r} has no values")
-        if SECRET_WORD.search(key):
+        # Its values would be secrets (SGLang's --api-key, a token), which the sweep's labels, ledger and profile
+        # file would show (secret_rule: the one rule of what names a secret).
+        if secret_name(key):
             raise GridError(f"grid key {key!r} names a secret: a sweep shows its values everywhere; set it as a secret")
         if len({json.dumps(v) for v in values}) != len(values):
             raise GridError(f"grid key {key!r} lists a value twice: {values}")

@@ -16,6 +16,7 @@ import pytest
 
 from driver import cli, exitcodes, interrupts, putback, runner
 from driver.events import NOT_BEGUN, Tracker
+from module_utils.sglang_deploy import secret_rule
 from support import wait_for
 
 
@@ -161,14 +162,14 @@ def test_the_runner_gets_the_cancel_file_its_callback_and_a_short_poll(tmp_path,
         playbook="playbooks/restart.yml",
         inventory=str(tmp_path / "hosts.yml"),
         env={"SGLANG_DEPLOY_CANCEL_FILE": str(cancel)},
-        scrub=lambda ev: json.loads(json.dumps(ev).replace("hf_abcdef123", "<redacted>")),
+        scrub=lambda ev: json.loads(json.dumps(ev).replace("hf_abcdef123", secret_rule.MASK)),
     )
     outcome = runner.run(job, seen.append, lambda: False, record=record)
     assert outcome == runner.Outcome("successful", 0)
     assert calls["envvars"]["SGLANG_DEPLOY_CANCEL_FILE"] == str(cancel)
     assert calls["cancel_callback"]() is False
     assert calls["settings"] == {"pexpect_timeout": runner.POLL_S}
-    assert seen[0]["stdout"] == "token <redacted> in output"
+    assert seen[0]["stdout"] == f"token {secret_rule.MASK} in output"
     assert "hf_abcdef123" not in record.read_text()
     assert record.stat().st_mode & 0o777 == 0o600
 
