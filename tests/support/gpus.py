@@ -17,6 +17,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import yaml
+
 import nvsim
 from support import MODULE_UTILS, REPO, env_with_pythonpath
 
@@ -109,7 +111,16 @@ def holding(state: str, argv: list[str], gpu: int, mib: int) -> Iterator[subproc
 
 GATE = REPO / "roles" / "sglang_service" / "files" / "sglang-gpu-gate"
 PACKAGE = MODULE_UTILS / "sglang_deploy"
-GATE_PACKAGE = ("__init__.py", "gpu.py", "procinfo.py", "launch.py")  # what gate.yml installs beside the gate
+
+
+def _gate_package() -> tuple[str, ...]:
+    """What roles/sglang_service/tasks/gate.yml installs beside the gate, read from its task (one list)."""
+    tasks = yaml.safe_load((REPO / "roles" / "sglang_service" / "tasks" / "gate.yml").read_text(encoding="utf-8"))
+    (task,) = [t for t in tasks if t.get("name") == "Install the GPU logic the gate runs"]
+    return tuple(task["loop"])
+
+
+GATE_PACKAGE = _gate_package()
 
 
 def install_gate(root: Path) -> Path:
