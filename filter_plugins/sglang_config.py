@@ -13,7 +13,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "module_utils"))
 from sglang_deploy.instance import NAME
 from sglang_deploy.router import worker_url
-from sglang_deploy.secret_rule import secret_name
+from sglang_deploy.secret_rule import REFUSED_FLAGS
 from sglang_deploy.tune import SPEC, TUNED_PREFIX, GridError, fingerprint, plan
 
 
@@ -78,11 +78,10 @@ def server_config(
         for key, value in layer.items():
             if key.startswith("-") or key != key.lower():
                 raise ConfigError(f"{where}.{key}: write flags as snake_case keys (tp_size for --tp-size)")
-            if secret_name(key) and value not in (None, False, ""):
+            if flag_name(key) in REFUSED_FLAGS and value not in (None, False, ""):
                 raise ConfigError(
                     f"{where}.{key}: a secret on a command line and in the unit file; set "
-                    "sglang_service_api_key instead (a root-only secrets file; the launcher passes it), "
-                    "other secrets as variables in sglang_service_secret_env"
+                    "sglang_service_api_key instead (a root-only secrets file; the launcher passes it)"
                 )
             flags[key] = value
             origins[flag_name(key)] = f"{where}.{key}"

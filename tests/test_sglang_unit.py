@@ -130,6 +130,21 @@ def test_a_secret_flag_in_a_profile_is_refused():
         )
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"bucket_time_to_first_token": [0.1, 0.5]},  # SGLang 0.5.23 flags whose names the secret rule matches
+        {"kt_max_deferred_experts_per_token": 2},
+        {"ssl_keyfile_password": "p"},  # no other way in yet; its value is masked wherever it is shown
+    ],
+)
+def test_an_sglang_flag_named_like_a_secret_is_not_refused(flags):
+    """Only the flags the launcher passes from the secrets file are refused (secret_rule.REFUSED_FLAGS)."""
+    config = sglang_config.server_config({"name": "m", "port": 1, "gpus": [0]}, {"a": {"flags": flags}}, "a", "/m")
+    (key,) = flags
+    assert config["origins"]["--" + key.replace("_", "-")] == f"sglang_profiles.a.flags.{key}", config
+
+
 @pytest.mark.parametrize("name", ["../etc", "a/b", "Main", "known-good", "validated", "evidence", "", "-x"])
 def test_an_instance_name_that_would_be_a_path_or_a_reserved_directory_is_refused(name):
     """The name names the unit, its files, its lock and StateDirectory=sglang/<name>: never a path, never one of ours."""

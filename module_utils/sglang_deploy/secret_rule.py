@@ -35,6 +35,10 @@ SECRET_ANY = frozenset({"password", "passwd", "passphrase", "secret", "secrets",
 SECRET_LAST = frozenset({"key", "token", "pass"})
 # A path names where a secret is kept, never the secret (the file is root-only; the path is shown to operators).
 PATH_LAST = frozenset({"file", "filename", "path", "dir", "directory"})
+# The SGLang flags a configuration may not set: their value is the key the launcher passes from the root-only
+# secrets file (sglang_service_api_key). Not every secret-named flag: bucket_time_to_first_token or
+# kt_max_deferred_experts_per_token are SGLang flags too, and ssl_keyfile_password has no other way in yet.
+REFUSED_FLAGS = frozenset({"--api-key", "--admin-api-key"})
 # Values that are never secrets whatever their name (an unset key, a flag's boolean, a value already masked).
 NOT_SECRET = frozenset({"", "None", "none", "null", "False", "false", "True", "true", MASK})
 # A value found by its name elsewhere than the secrets file is replaced everywhere from this length: shorter ones
@@ -70,8 +74,10 @@ def secret_value(value) -> bool:
 # --------------------------------------------------------------------------- patterns
 
 # NAME=value, NAME: value, 'name': 'value', "name": "value" (the value quoted or not).
+# A name starts at no word character (a match tried inside every long word made the scan quadratic: minutes
+# over one logged 40k-character prompt, before a rollback) and is at most 201 characters long.
 ASSIGN = re.compile(
-    r"""(?P<name>[A-Za-z_][\w.\-]*)(?P<nq>['"]?)(?P<sep>[ \t]*[=:][ \t]*)"""
+    r"""(?<![\w.])(?P<name>[A-Za-z_][\w.\-]{0,200})(?P<nq>['"]?)(?P<sep>[ \t]*[=:][ \t]*)"""
     r"""(?P<val>'(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*"|[^\s,;)}\]'"]+)"""
 )
 # --flag value, and the flag and its value as items of a list ('--api-key', 'x').
