@@ -130,6 +130,8 @@ def back_to_deployed(the_lab, container: str, host: str) -> None:
     staged, no secrets file), its configuration rewritten from group_vars. The e2e modules that restart main
     end with it."""
     podman_exec(container, "systemctl", "disable", "--now", "sglang-main.service")
+    # A stop leaves a failed unit failed: deploy leaves none (and the node's systemd "degraded" until reset).
+    podman_exec(container, "sh", "-c", "systemctl reset-failed sglang-main.service 2>/dev/null || true")
     podman_exec(
         container, "rm", "-rf", "/var/lib/sglang/known-good/main", "/etc/sglang/pending", "/etc/sglang/secrets/main.env"
     )
