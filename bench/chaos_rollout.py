@@ -94,12 +94,7 @@ GPUS = 2  # simulated GPUs a node: fewer processes and less memory than the lab'
 RO = {"name": "ro", "port": 30010, "gpus": [0, 1]}
 ROUTER_PORT = 30100
 KEY = "lab-chaos-router-key"
-ROUTER_VARS = {
-    "sglang_router_port": ROUTER_PORT,
-    "sglang_router_prometheus_port": 29100,
-    "sglang_router_api_key": KEY,
-    "sglang_router_limit_nofile": 16384,  # below the lab container's hard limit
-}
+ROUTER_VARS = labmod.router_vars(ROUTER_PORT, 29100, KEY)
 # The canary gate, loose: tok/s measured on a loaded 2-core machine jitters (as tests/e2e/test_rollout.py).
 GATE = json.dumps({"sglang_rollout_canary_threshold": 0.5})
 DRIVER_LIMIT_S = 300.0

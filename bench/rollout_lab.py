@@ -38,6 +38,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "lab"))
+import lab as labmod  # noqa: E402  (lab/lab.py: the router's variables on a lab node)
+
 LAB_INVENTORY = REPO / "inventory" / "lab" / "hosts.yml"
 ROUTER_PORT = 30110
 KEY = "lab-bench-router-key"
@@ -54,14 +57,7 @@ def write_inventory(env: dict | None = None) -> tuple[Path, list[str], dict[str,
     names = sorted(hosts)
     for h in names:
         hosts[h]["sglang_instances"] = [{**INSTANCE, "env": env or {}}]
-    hosts[names[0]].update(
-        {
-            "sglang_router_port": ROUTER_PORT,
-            "sglang_router_prometheus_port": 29110,
-            "sglang_router_api_key": KEY,
-            "sglang_router_limit_nofile": 16384,  # below the lab container's hard limit
-        }
-    )
+    hosts[names[0]].update(labmod.router_vars(ROUTER_PORT, 29110, KEY))
     doc["all"]["children"]["sglang_replicas"] = {"hosts": {h: None for h in names}}
     doc["all"]["children"]["sglang_routers"] = {"hosts": {names[0]: None}}
     path = REPO / ".lab" / "bench-rollout.yml"

@@ -69,6 +69,21 @@ def podman(
     return proc
 
 
+# A lab node's open-file and process limits (ulimit_args): what a unit on it may ask for at most.
+NODE_LIMIT = 16384
+
+
+def router_vars(port: int, prometheus_port: int, api_key: str) -> dict:
+    """roles/sglang_router's variables for a router on a lab node (the rollout's e2e and benches): its ports, its
+    key, and a nofile limit the container allows (the role's default is above the container's hard limit)."""
+    return {
+        "sglang_router_port": port,
+        "sglang_router_prometheus_port": prometheus_port,
+        "sglang_router_api_key": api_key,
+        "sglang_router_limit_nofile": NODE_LIMIT,
+    }
+
+
 def ulimit_args() -> list[str]:
     """Containers cannot raise rlimits: ask for no more than this host's hard limits.
 
@@ -77,7 +92,10 @@ def ulimit_args() -> list[str]:
     conmon runs with 32768). 16384 of each is ample for a lab node.
     """
     out = []
-    for name, rlim, want in (("nofile", resource.RLIMIT_NOFILE, 16384), ("nproc", resource.RLIMIT_NPROC, 16384)):
+    for name, rlim, want in (
+        ("nofile", resource.RLIMIT_NOFILE, NODE_LIMIT),
+        ("nproc", resource.RLIMIT_NPROC, NODE_LIMIT),
+    ):
         hard = resource.getrlimit(rlim)[1]
         value = want if hard == resource.RLIM_INFINITY else min(want, hard)
         out.append(f"--ulimit={name}={value}:{value}")

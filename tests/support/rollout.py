@@ -9,17 +9,12 @@ import time
 
 import yaml
 
-from support.e2e import REPO, ansible, podman_exec
+from support.e2e import REPO, ansible, labmod, podman_exec
 
 ROUTER = "lab-node1"
 ROUTER_PORT = 30100
 KEY = "lab-router-key"
-ROUTER_VARS = {
-    "sglang_router_port": ROUTER_PORT,
-    "sglang_router_prometheus_port": 29100,
-    "sglang_router_api_key": KEY,
-    "sglang_router_limit_nofile": 16384,  # below the lab container's hard limit
-}
+ROUTER_VARS = labmod.router_vars(ROUTER_PORT, 29100, KEY)
 
 
 def write_inventory(the_lab, name: str, instances: dict[str, list[dict]], groups: dict[str, list[str]]) -> str:
