@@ -67,7 +67,7 @@ class ActionModule(ActionBase):
         while res.get("sglang_job") and not res.get("failed"):
             job, seen, prog = res["sglang_job"], res.get("seq", 0), res.get("progress") or {}
             self._write(path, prog, done=False)
-            res = self._poll(path, job, seen, prog, every, reconnect_s, task_vars)
+            res = self._poll(path, job, seen, prog, every, reconnect_s, task_vars, boot=res.get("boot_id"))
         if res.get("unreachable") and job:  # the budget is out; the worker on the host goes on
             prog = res["progress"]
             doc = {"outcome": "unreachable", "job": job, "steps": prog.get("steps", []), "trail": prog.get("trail", [])}
@@ -83,7 +83,9 @@ class ActionModule(ActionBase):
         result.update(res)
         return result
 
-    def _poll(self, path: str, job: str, seen: int, prog: dict, every: float, budget: float, task_vars) -> dict:
+    def _poll(
+        self, path: str, job: str, seen: int, prog: dict, every: float, budget: float, task_vars, boot=None
+    ) -> dict:
         """sglang_job's next answer on `job` past `seen`. A poll that fails on the connection is asked again, the
         same, until `budget` seconds are out since the first that failed (each failure written to the progress
         file: connection_lost_s); then an unreachable result naming the job and its last phase."""
@@ -93,7 +95,7 @@ class ActionModule(ActionBase):
             try:
                 res = self._execute_module(
                     module_name="sglang_job",
-                    module_args={"job": job, "seen": seen, "wait_s": WAIT_S, "min_s": every},
+                    module_args={"job": job, "seen": seen, "wait_s": WAIT_S, "min_s": every, "boot_id": boot},
                     task_vars=task_vars,
                 )
                 if not res.get("unreachable"):

@@ -18,6 +18,11 @@ options:
   seen: {type: int, default: 0, description: The progress seq the controller has.}
   wait_s: {type: float, default: 30.0, description: The most seconds to wait for a change.}
   min_s: {type: float, default: 2.0, description: The least seconds before a progress answer (the result is at once).}
+  boot_id:
+    type: str
+    description:
+      - The host's boot id in the previous answer. A job gone while the host has another one went with a reboot,
+        and the failure says so.
   ack:
     type: bool
     default: false
@@ -29,6 +34,7 @@ author: sglang-deploy
 
 RETURN = r"""
 sglang_job: {description: The job's directory while it runs., type: str, returned: running}
+boot_id: {description: The host's boot id while the job runs., type: str, returned: running}
 progress: {description: "seq, phase, step, detail, last_line, since, steps.", type: dict, returned: running}
 outcome: {description: "Once ended, sglang_server's result (outcome, phases, steps, ...).", type: str, returned: ended}
 acked: {description: "With ack: the job's directory (changed when its files were removed).", type: str, returned: ack}
@@ -48,6 +54,7 @@ def main() -> None:
             wait_s=dict(type="float", default=30.0),
             min_s=dict(type="float", default=2.0),
             ack=dict(type="bool", default=False),
+            boot_id=dict(type="str"),
         ),
         supports_check_mode=False,
     )
@@ -58,7 +65,7 @@ def main() -> None:
     if p["ack"]:
         module.exit_json(changed=jobs.ack(job), acked=job.dir)
     if jobs.read_json(job.result) is None and job.pid() is None:
-        module.fail_json(msg=f"job: {p['job']} holds no restart (its result already acknowledged, or never started)")
+        module.fail_json(msg=jobs.gone(job, p["boot_id"], jobs.boot_id()))
     jobs.answer(module, jobs.wait(job, p["seen"], p["wait_s"], p["min_s"]))
 
 

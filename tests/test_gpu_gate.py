@@ -47,10 +47,14 @@ def test_gate_yml_installs_the_layout_these_tests_run():
     assert copy["src"] == "{{ role_path }}/../../module_utils/sglang_deploy/{{ item }}"
     assert copy["dest"] == "{{ sglang_service_gate_path | dirname }}/sglang_deploy/{{ item }}"
     entries = {e["src"]: e["dest"] for e in tasks["Install the GPU gate and the launcher"]["loop"]}
+    guard = "{{ sglang_service_gate_path | dirname }}/sglang-boot-guard"  # beside the package it imports
     assert entries == {
         "sglang-gpu-gate": "{{ sglang_service_gate_path }}",
         "sglang-launch": "{{ sglang_service_launcher_path }}",
+        "sglang-boot-guard": guard,
     }
+    unit = (REPO / "roles" / "sglang_service" / "templates" / "sglang.service.j2").read_text()
+    assert "ExecStartPre=+{{ [sglang_service_gate_path | dirname ~ '/sglang-boot-guard', " in unit  # the same path
     defaults = yaml.safe_load((REPO / "roles" / "sglang_service" / "defaults" / "main.yml").read_text())
     assert defaults["sglang_service_gate_path"] == HOST_GATE
 

@@ -279,6 +279,7 @@ def test_the_sglang_job_module_hands_over_a_result_its_progress_or_a_clear_refus
     jobs.write_json(running.progress, {"seq": 3, "phase": "start", "step": progress.WEIGHTS})
     rc, res = job_module(tmp_path, {"job": running.dir, "seen": 1, "min_s": 0, "wait_s": 5})
     assert rc == 0 and res["sglang_job"] == running.dir and res["seq"] == 3
+    assert res["boot_id"] == jobs.boot_id() and len(res["boot_id"]) == 36  # the controller passes it back
     assert res["progress"]["step"] == progress.WEIGHTS
 
     rc, res = job_module(tmp_path, {"job": "/etc"})
@@ -288,6 +289,12 @@ def test_the_sglang_job_module_hands_over_a_result_its_progress_or_a_clear_refus
     empty = jobs.new("main", str(tmp_path / "jobs"))
     rc, res = job_module(tmp_path, {"job": empty.dir})
     assert rc == 1 and "holds no restart" in res["msg"]
+    # Gone, and the host has another boot id than the controller last heard: the job went with a reboot.
+    rc, res = job_module(tmp_path, {"job": f"{tmp_path / 'jobs'}/main-1-2", "boot_id": "0" * 36})
+    assert rc == 1 and "the host booted during the restart (boot 00000000, now" in res["msg"]
+    assert "boot guard started the known-good configuration" in res["msg"]
+    rc, res = job_module(tmp_path, {"job": f"{tmp_path / 'jobs'}/main-1-2", "boot_id": jobs.boot_id()})
+    assert rc == 1 and "holds no restart" in res["msg"]  # the same boot: acknowledged, not rebooted
 
 
 def test_a_result_lost_on_the_way_is_handed_over_again_until_acknowledged(tmp_path):
@@ -380,7 +387,13 @@ def test_a_poll_lost_to_an_ssh_blip_is_asked_again_and_the_task_gets_the_jobs_re
     def answer(name, args):
         calls.append((name, args))
         if name == "sglang_server":
-            return {"changed": True, "sglang_job": job.dir, "seq": 2, "progress": jobs.read_json(job.progress)}
+            return {
+                "changed": True,
+                "sglang_job": job.dir,
+                "seq": 2,
+                "progress": jobs.read_json(job.progress),
+                "boot_id": "b" * 36,
+            }
         if len(calls) == 2:  # the connection drops; meanwhile the worker goes on, rolls back, writes its result
             jobs.write_json(job.result, {"ok": False, "res": {"changed": True, "outcome": "rolled_back", "msg": "rb"}})
             return connection_lost(kind)
@@ -396,6 +409,7 @@ def test_a_poll_lost_to_an_ssh_blip_is_asked_again_and_the_task_gets_the_jobs_re
     assert calls[0] == ("sglang_server", {"action": "restart", "instance": {"name": "main"}, "detach": True})
     asked = [args for name, args in calls[1:] if "ack" not in args]
     assert [(a["job"], a["seen"]) for a in asked] == [(job.dir, 2), (job.dir, 2)]  # the same job, the same seq
+    assert {a["boot_id"] for a in asked} == {"b" * 36}  # the boot it was heard of in: a reboot is told apart
     # While disconnected the driver's live view says so, the last progress kept.
     [(slept, doc)] = clock.sleeps
     assert slept == 2.0 and doc["connection_lost_s"] == 0.0 and "Connection timed out" in doc["connection_error"]
@@ -469,3 +483,92 @@ def test_reconnect_s_0_gives_up_at_the_first_failed_poll(tmp_path, monkeypatch):
     )
     res = run()
     assert res["unreachable"] and res["job"] == job.dir and clock.sleeps == []
+
+
+# ---------------------------------------------------------------------- the worker's own scope unit and journal
+
+
+def fake_busctl(bin_dir: Path, body: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "busctl").write_text("#!/bin/sh\n" + body)
+    (bin_dir / "busctl").chmod(0o755)
+
+
+def test_the_worker_is_moved_into_a_transient_scope_named_after_its_job(tmp_path, monkeypatch):
+    log = tmp_path / "busctl.log"
+    fake_busctl(tmp_path / "bin", f'echo "$@" > {log}\n')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    (proc / "4242" / "cgroup").write_text("0::/system.slice/sglang-deploy-job-main-1-2.scope\n")
+    assert jobs.own_scope(4242, "sglang-deploy-job-main-1-2.scope", timeout=1, proc=str(proc)) == ""
+    args = log.read_text().split()
+    assert args[args.index("StartTransientUnit") + 2 :][:4] == ["sglang-deploy-job-main-1-2.scope", "fail", "3", "PIDs"]
+    assert args[args.index("PIDs") + 1 : args.index("PIDs") + 4] == ["au", "1", "4242"]
+    assert "CollectMode" in args and "inactive-or-failed" in args  # systemd removes it once the worker is gone
+    # Made, but the process never moved (still the session's): said, not taken for done.
+    (proc / "4242" / "cgroup").write_text("0::/user.slice/user-1000.slice/session-7.scope\n")
+    assert "the worker is not in it" in jobs.own_scope(4242, "sglang-deploy-job-main-1-2.scope", 0.1, str(proc))
+
+
+def test_without_systemd_the_worker_runs_in_the_callers_session_and_its_result_says_why(tmp_path, monkeypatch):
+    fake_busctl(tmp_path / "bin", "echo 'Failed to connect to bus: No such file or directory' >&2\nexit 1\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    job = jobs.new("main", str(tmp_path / "jobs"))
+    jobs.detach(job, lambda: {"ok": True, "res": {"where": jobs.worker_unit(job)}}, lambda exc: {"ok": False})
+    end = jobs.wait(job, seen=0, wait_s=10, min_s=0)
+    assert end["ok"] and end["res"]["where"] == {
+        "unit": None,
+        "error": "busctl: Failed to connect to bus: No such file or directory",
+    }
+    assert job.unit() is None
+
+
+def test_the_worker_begins_only_once_its_scope_is_made(tmp_path, monkeypatch):
+    made = tmp_path / "made"
+    fake_busctl(tmp_path / "bin", f"sleep 0.5; touch {made}; exit 1\n")  # slow, then refused
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    job = jobs.new("main", str(tmp_path / "jobs"))
+    jobs.detach(job, lambda: {"ok": True, "res": {"made_first": made.exists()}}, lambda exc: {"ok": False})
+    assert jobs.wait(job, seen=0, wait_s=10, min_s=0)["res"] == {"made_first": True}
+
+
+def test_the_workers_output_is_a_journal_stream_under_its_identifier(tmp_path, monkeypatch):
+    import socket
+    import threading
+
+    fake_busctl(tmp_path / "bin", "exit 1\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    path = str(tmp_path / "journal.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    got = bytearray()
+
+    def accept():
+        conn, _ = server.accept()
+        with conn:
+            while chunk := conn.recv(4096):
+                got.extend(chunk)
+
+    reader = threading.Thread(target=accept, daemon=True)
+    reader.start()
+    monkeypatch.setattr(jobs, "JOURNAL_STREAM", path)  # the worker is forked: it sees this
+
+    def work():
+        r = progress.Reporter(job.progress, echo=jobs.say)
+        r.phase("stop")
+        r.step("loading weights", "1/2 (50%)")
+        return {"ok": True, "res": {}}
+
+    job = jobs.new("main", str(tmp_path / "jobs"))
+    jobs.detach(job, work, lambda exc: {"ok": False})
+    jobs.wait(job, seen=0, wait_s=10, min_s=0)
+    reader.join(10)
+    server.close()
+    head, _, body = bytes(got).decode().partition("\n\n")
+    assert head == "sglang-deploy-job"  # the identifier, then an empty unit id
+    assert body.split("\n")[:5] == ["6", "0", "0", "0", "0"]  # info; no level prefix; journal only
+    lines = body.split("\n")[5:]
+    assert lines[:2] == ["phase stop", "stop: loading weights 1/2 (50%)"]
+    assert lines[2].startswith(f"job {os.path.basename(job.dir)} ended: ok=True")

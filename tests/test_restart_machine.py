@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import bench, checks, gpu, http, known_good, lock, outcomes, restart, stage, unit
+from sglang_deploy import bench, boot, checks, gpu, http, known_good, lock, outcomes, restart, stage, unit
 from sglang_deploy.checks import Thresholds, flag_value
 from sglang_deploy.instance import Instance, masked, read_env_file
 from sglang_deploy.known_good import Store
@@ -3008,3 +3008,66 @@ def test_status_names_a_groups_lease(tmp_path, handlers):
     st = restart.status(w.machine())
     assert st["lock"]["group_lease"]["token"] == TOKEN and st["lock"]["group_lease"]["expired"] is False
     assert st["lock"]["controller"] == "ctl-a"
+
+
+# ---------------------------------------------------------------------- the unit's boot guard (sglang_deploy.boot)
+
+
+def test_the_unverified_window_is_marked_from_promote_to_the_record_for_the_boot_guard(tmp_path, handlers):
+    w = build(tmp_path)
+    m = w.machine()
+    marker = Path(m.unverified_dir, "m")
+    seen = {}
+    w.host.hook("start", lambda h: seen.update(marked=marker.exists(), live=w.live()))
+    res = restart.restart(m)
+    assert res["outcome"] == REST
+    assert seen == {"marked": True, "live": w.files["new"]}  # the start the restart makes is let through
+    assert not marker.exists()  # recorded: the window is over
+    # A boot now: the guard finds the recorded generation on disk and lets it start.
+    status, said = boot.check("m", w.inst.state_dir, reload=lambda: pytest.fail("nothing to reload"),
+                              directory=m.unverified_dir)  # fmt: skip
+    assert status == boot.GO and "is known-good generation" in said
+
+
+def test_a_rolled_back_restart_ends_its_unverified_window_too(tmp_path, handlers):
+    w = build(tmp_path)
+    w.host.behave("new", accept=1.0)
+    m = w.machine()
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.ROLLED_BACK
+    assert not Path(m.unverified_dir, "m").exists()
+
+
+def test_a_restart_refused_by_the_lock_leaves_the_holders_unverified_window_marked(world, handlers):
+    other: dict = {}
+
+    def during_start(h):
+        other["res"] = restart.restart(Machine(world.inst, replace(world.settings, controller="ctl-b"), h.ports()))
+        other["marked"] = Path(world.machine().unverified_dir, "m").exists()
+
+    world.host.hook("start", during_start)
+    assert restart.restart(world.machine())["outcome"] == REST
+    assert other["res"]["outcome"] == outcomes.LOCKED and other["marked"]  # the refused run did not unmark it
+
+
+def test_a_restart_cut_short_after_promote_leaves_the_mark_and_a_boot_puts_the_known_good_files_back(
+    tmp_path, handlers
+):
+    w = build(tmp_path)
+    m = w.machine()
+    m.promote()  # then the host goes down: the worker's defined ending never runs
+    assert w.live() == w.files["new"] and Path(m.unverified_dir, "m").exists()
+    reloads = []
+    # Still this boot (the mark is there): a start is the restart's own, nothing put back.
+    assert boot.check("m", w.inst.state_dir, reloads.append, m.unverified_dir)[0] == boot.GO
+    Path(m.unverified_dir, "m").unlink()  # what a boot does to /run
+    status, said = boot.check("m", w.inst.state_dir, lambda: reloads.append("daemon-reload"), m.unverified_dir)
+    assert status == boot.PUT_BACK and reloads == ["daemon-reload"]
+    assert w.live() == w.files["good"]
+    assert "never verified" in said and Store(w.inst).latest()["generation"] in said
+    failed = Path(w.inst.kg_dir, known_good.FAILED_DIR)
+    assert {p.name: p.read_text() for p in failed.iterdir()} == {Path(k).name: v for k, v in w.files["new"].items()}
+    # Restart=on-failure's next start: the known-good files, let through.
+    assert boot.check("m", w.inst.state_dir, lambda: pytest.fail("reloaded twice"), m.unverified_dir)[0] == boot.GO
+    # The next restart proceeds.
+    assert restart.restart(w.machine())["outcome"] == REST

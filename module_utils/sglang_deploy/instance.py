@@ -18,6 +18,11 @@ from .secret_rule import Redactor, masked
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
+def kg_dir(state_dir: str, name: str) -> str:
+    """Where an instance's known-good generations live (known_good.Store, the unit's boot guard)."""
+    return os.path.join(state_dir, "known-good", name)
+
+
 @dataclass
 class Instance:
     name: str
@@ -70,7 +75,7 @@ class Instance:
 
     @property
     def kg_dir(self) -> str:
-        return os.path.join(self.state_dir, "known-good", self.name)
+        return kg_dir(self.state_dir, self.name)
 
     @property
     def venv(self) -> str | None:

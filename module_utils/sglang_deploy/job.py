@@ -2,8 +2,14 @@
 controller can learn its progress while it runs (sglang_deploy.progress) and a dropped connection never cuts
 it short: the worker always runs to the state machine's defined end and writes its result.
 
-A job is a root-only directory under JOBS_DIR: pid (the worker's), progress.json (progress.Reporter) and
-result.json (the module's result, secrets already stripped), each written atomically. library/sglang_job.py
+A job is a root-only directory under JOBS_DIR: pid (the worker's), unit (the worker's own scope unit, when
+systemd made it), progress.json (progress.Reporter) and result.json (the module's result, secrets already
+stripped), each written atomically.
+
+The worker is moved out of the SSH session's cgroup into a transient scope unit of its own (own_scope): logind
+with KillUserProcesses=yes ends a session by killing every process in its scope, setsid or not, and a restart
+killed mid-way rolls back for nothing, or is killed mid-rollback. Its stdout and stderr are a journal stream,
+so `journalctl -u sglang-deploy-job-...scope` shows what it did. library/sglang_job.py
 reads it, and hands the result over as often as it is asked for it (an answer lost with a dropped connection is
 asked for again): the directory is removed only when the controller acknowledges the result (ack).
 """
@@ -15,6 +21,8 @@ import json
 import os
 import pkgutil
 import shutil
+import socket
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +30,18 @@ from dataclasses import dataclass
 from . import progress
 
 JOBS_DIR = "/run/sglang-deploy/jobs"
+SCOPE_PREFIX = "sglang-deploy-job-"
+JOURNAL_STREAM = "/run/systemd/journal/stdout"
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id(path: str = BOOT_ID) -> str | None:
+    """This boot's id: a job's answers carry it, so that a job gone with a reboot is told from one acknowledged."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,23 @@ class Job:
     @property
     def pid_file(self) -> str:
         return os.path.join(self.dir, "pid")
+
+    @property
+    def unit_file(self) -> str:
+        return os.path.join(self.dir, "unit")
+
+    @property
+    def scope(self) -> str:
+        """The name of the worker's scope unit: the job directory's own name, under SCOPE_PREFIX."""
+        return f"{SCOPE_PREFIX}{os.path.basename(self.dir)}.scope"
+
+    def unit(self) -> str | None:
+        """The worker's scope unit, if systemd made it (else the worker runs in the caller's session: own_scope)."""
+        try:
+            with open(self.unit_file, encoding="ascii") as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
 
     def pid(self) -> int | None:
         try:
@@ -85,7 +122,7 @@ def wait(job: Job, seen: int, wait_s: float, min_s: float, interval: float = 0.0
         waited = time.monotonic() - t0
         seq = (prog or {}).get("seq", 0)
         if (seq > seen and waited >= min_s) or waited >= wait_s:
-            return {"done": False, "job": job.dir, "progress": prog, "seq": seq}
+            return {"done": False, "job": job.dir, "progress": prog, "seq": seq, "boot_id": boot_id()}
         time.sleep(interval)
 
 
@@ -134,40 +171,130 @@ def preload(package) -> None:
         importlib.import_module(f"{package.__name__}.{info.name}")
 
 
+def own_scope(pid: int, name: str, timeout: float = 10.0, proc: str = "/proc") -> str:
+    """pid moved into a new transient scope unit `name` (systemd's StartTransientUnit with PIDs, as
+    `systemd-run --scope` does for a new command), which systemd removes once its process is gone. '' once
+    /proc says the process is in it, else why not (no systemd as PID 1, no busctl, refused)."""
+    argv = [
+        "busctl", "call", "--quiet", f"--timeout={timeout:g}",
+        "org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+        "StartTransientUnit", "ssa(sv)a(sa(sv))", name, "fail",
+        "3", "PIDs", "au", "1", str(pid),
+        "Description", "s", "sglang-deploy restart worker (a detached sglang_server call)",
+        "CollectMode", "s", "inactive-or-failed",
+        "0",
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 5, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"busctl: {exc}"
+    if done.returncode != 0:
+        return f"busctl: {(done.stderr or done.stdout).strip() or f'exit {done.returncode}'}"
+    deadline = time.monotonic() + timeout
+    while True:  # the scope's start job moves the process: on cgroup v1 too, where its cgroup paths say so
+        try:
+            with open(f"{proc}/{pid}/cgroup", encoding="utf-8") as f:
+                if f"/{name}" in f.read():
+                    return ""
+        except OSError as exc:
+            return f"the worker is gone ({exc.strerror})"
+        if time.monotonic() >= deadline:
+            return f"{name} made, but the worker is not in it after {timeout:g}s"
+        time.sleep(0.02)
+
+
+def journal_stream(identifier: str) -> int | None:
+    """A stream to journald (its stdout protocol, as systemd-cat opens it), its lines under `identifier` and the
+    sender's unit; None where there is no journald."""
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(JOURNAL_STREAM)
+            sock.shutdown(socket.SHUT_RD)
+            # identifier, unit id, priority (info), level prefix, forward to syslog, kmsg, console
+            sock.sendall(f"{identifier}\n\n6\n0\n0\n0\n0\n".encode())
+        except OSError:
+            sock.close()
+            return None
+        return sock.detach()
+    except OSError:
+        return None
+
+
+def say(line: str) -> None:
+    """A line to the worker's stderr, its journal stream: fd 2 itself, whatever sys.stderr was made in the caller."""
+    try:
+        os.write(2, line.encode("utf-8", "replace") + b"\n")
+    except OSError:
+        pass
+
+
 def detach(job: Job, work: Callable[[], dict], on_error: Callable[[BaseException], dict]) -> int:
-    """work() in a grandchild in its own session, stdio on /dev/null; its return (or on_error's, if it raised)
-    written to job.result. Returns the worker's pid once its pid file is written."""
+    """work() in a grandchild in its own session and, where systemd runs, its own scope unit (own_scope), stdout
+    and stderr on the journal (else /dev/null); its return (or on_error's, if it raised) written to job.result.
+    The worker waits until this call has tried to make the scope. Returns the worker's pid once its pid file
+    (and unit file, if the scope was made) is written."""
     r, w = os.pipe()
+    go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the intermediate child; the tests see its effects
         try:
             os.close(r)
+            os.close(go_w)
             os.setsid()
             worker = os.fork()
             if worker:
                 os.write(w, str(worker).encode("ascii"))
                 os._exit(0)
             os.close(w)
+            # Nothing runs before the scope is tried. EOF (the module killed meanwhile) goes on all the same:
+            # the state machine, begun or not, ends in a defined state only if it runs.
+            os.read(go_r, 1)
+            os.close(go_r)
             null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
+            out = journal_stream(SCOPE_PREFIX.rstrip("-")) or null
+            os.dup2(null, 0)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
             try:
                 res = work()
             except BaseException as exc:  # the state machine contains its own; anything else still ends here
                 res = on_error(exc)
             write_json(job.result, res)
+            say(f"job {os.path.basename(job.dir)} ended: ok={res.get('ok')}")
         finally:
             os._exit(0)
     os.close(w)
-    os.waitpid(pid, 0)
-    with os.fdopen(r, "rb") as f:
-        raw = f.read()
-    if not raw:
-        raise OSError("the restart's worker could not be started (its fork failed)")
-    worker = int(raw)
-    with open(job.pid_file, "w", encoding="ascii") as f:
-        f.write(str(worker))
+    os.close(go_r)
+    try:
+        os.waitpid(pid, 0)
+        with os.fdopen(r, "rb") as f:
+            raw = f.read()
+        if not raw:
+            raise OSError("the restart's worker could not be started (its fork failed)")
+        worker = int(raw)
+        with open(job.pid_file, "w", encoding="ascii") as f:
+            f.write(str(worker))
+        why = own_scope(worker, job.scope)
+        if why:
+            write_json(os.path.join(job.dir, "scope-error.json"), {"error": why})
+        else:
+            with open(job.unit_file, "w", encoding="ascii") as f:
+                f.write(job.scope)
+    finally:
+        os.write(go_w, b"g")
+        os.close(go_w)
     return worker
+
+
+def worker_unit(job: Job) -> dict:
+    """Where the worker ran: its scope unit, or why it ran in the caller's session (then logind ending that
+    session kills it)."""
+    unit = job.unit()
+    if unit:
+        return {"unit": unit}
+    doc = read_json(os.path.join(job.dir, "scope-error.json")) or {}
+    return {"unit": None, "error": doc.get("error", "unknown")}
 
 
 def start(
@@ -186,10 +313,12 @@ def start(
     machine.progress = progress.Reporter(job.progress, mask=mask)
 
     def work() -> dict:
+        machine.progress.echo = say  # the worker's journal
         on_start()
         res = action()
         res["steps"] = machine.progress.finish()
         res["trail"] = machine.progress.doc["trail"]
+        res["worker"] = worker_unit(job)
         return {"ok": succeeded(res), "res": mask(res)}
 
     def on_error(exc: BaseException) -> dict:
@@ -209,4 +338,18 @@ def answer(module, said: dict) -> None:
         if said["ok"]:
             module.exit_json(**said["res"])
         module.fail_json(**said["res"])
-    module.exit_json(changed=True, sglang_job=said["job"], progress=said["progress"], seq=said["seq"])
+    module.exit_json(
+        changed=True, sglang_job=said["job"], progress=said["progress"], seq=said["seq"], boot_id=said.get("boot_id")
+    )
+
+
+def gone(job: Job, seen_boot: str | None, now_boot: str | None) -> str:
+    """Why a job's directory holds nothing to answer: the host booted since the controller last heard of it
+    (/run is empty after a boot: the worker and its files went with it), or its result was acknowledged."""
+    if seen_boot and now_boot and seen_boot != now_boot:
+        return (
+            f"job: {job.dir} is gone: the host booted during the restart (boot {seen_boot[:8]}, now {now_boot[:8]}), "
+            "and the worker with it. The unit's boot guard started the known-good configuration unless the new one "
+            "had verified; `python -m driver status` says what runs"
+        )
+    return f"job: {job.dir} holds no restart (its result already acknowledged, or never started)"

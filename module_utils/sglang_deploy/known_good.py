@@ -50,6 +50,47 @@ def read_files(paths: list[str]) -> dict[str, str]:
     return files
 
 
+def latest_in(directory: str) -> dict | None:
+    """The newest readable generation in `directory` (its path under "path"); a damaged one is skipped."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
+    except FileNotFoundError:
+        names = []
+    for name in reversed(names):
+        path = os.path.join(directory, name)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                record = json.load(fh)
+            if not isinstance(record, dict) or not set(record) >= REQUIRED:
+                continue
+            record["path"] = path
+            return record
+        except (OSError, ValueError):
+            continue  # a damaged record is skipped, never fatal
+    return None
+
+
+def live_hash(record: dict) -> str | None:
+    """The content hash of the files a generation names, as they are on disk now; None if one is unreadable."""
+    try:
+        return content_hash(read_files(list(record["files"])))
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def restore_files(kg: str, record: dict) -> dict:
+    """Put a generation's files back (the files now live are kept under <kg>/failed/)."""
+    failed = os.path.join(kg, FAILED_DIR)
+    os.makedirs(failed, mode=0o700, exist_ok=True)
+    for path, content in record["files"].items():
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                write_atomic(os.path.join(failed, os.path.basename(path)), fh.read(), 0o600)
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        write_atomic(path, content, 0o600 if path.endswith(".env") else 0o644)
+    return {"generation": record.get("generation"), "failed_kept_in": failed}
+
+
 TMP_SUFFIX = ".sglang-deploy.tmp"  # write_atomic's temporary file, beside the file it becomes
 
 
@@ -101,17 +142,7 @@ class Store:
         return [os.path.join(self.dir, n) for n in names]
 
     def latest(self) -> dict | None:
-        for path in reversed(self.records()):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    record = json.load(fh)
-                if not isinstance(record, dict) or not set(record) >= REQUIRED:
-                    continue
-                record["path"] = path
-                return record
-            except (OSError, ValueError):
-                continue  # a damaged record is skipped, never fatal
-        return None
+        return latest_in(self.dir)
 
     def record(self, started: dict, argv: list[str], verify: dict) -> dict:
         """Record what started as a new generation; returns its summary."""
@@ -160,15 +191,7 @@ class Store:
 
     def restore(self, record: dict) -> dict:
         """Put a generation's files back (the files now live are kept under failed/)."""
-        failed = os.path.join(self.inst.kg_dir, FAILED_DIR)
-        os.makedirs(failed, mode=0o700, exist_ok=True)
-        for path, content in record["files"].items():
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as fh:
-                    write_atomic(os.path.join(failed, os.path.basename(path)), fh.read(), 0o600)
-            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-            write_atomic(path, content, 0o600 if path.endswith(".env") else 0o644)
-        return {"generation": record.get("generation"), "failed_kept_in": failed}
+        return restore_files(self.inst.kg_dir, record)
 
 
 def summary(record: dict) -> dict:

@@ -89,10 +89,12 @@ class Reporter:
 
     TRAIL = 100
 
-    def __init__(self, path: str | None, clock=time.time, mask=lambda doc: doc):
+    def __init__(self, path: str | None, clock=time.time, mask=lambda doc: doc, echo=None):
         self.path = path
         self.clock = clock
         self.mask = mask  # strips secret values (the module's no_log values) before anything is written
+        # A line per phase and step change, for the worker's journal (job.detach); names only, never a log line.
+        self.echo = echo
         self.doc = {
             "seq": 0,
             "phase": "",
@@ -139,6 +141,8 @@ class Reporter:
         self.doc.update(phase=name, step="", detail="", since=round(now, 3), step_since=round(now, 3))
         self._trail(now)
         self._write()
+        if self.echo:
+            self.echo(f"phase {name}")
 
     def step(self, name: str, detail: str = "", last_line: str = "") -> None:
         d = self.doc
@@ -153,6 +157,8 @@ class Reporter:
         if moved:
             self._trail(now)
         self._write()
+        if moved and self.echo:
+            self.echo(f"{d['phase']}: {name} {detail}".rstrip())
 
     def finish(self) -> list[dict]:
         """The steps with their seconds, the last one closed (the trail stays in doc)."""

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import bench as benchmark
-from . import evidence, gpu, outcomes, procinfo, unit
+from . import boot, evidence, gpu, outcomes, procinfo, unit
 from . import progress as load_progress
 from . import stage as staging
 from .checks import Thresholds
@@ -182,6 +182,7 @@ class Machine:
         self.gpu_model: str | None = None  # the instance's GPUs' model, from the preflight's nvidia-smi snapshot
         # Where a detached restart reports its phase and model-load step as it goes (sglang_deploy.progress).
         self.progress: load_progress.Reporter | None = None
+        self.marked = False  # this run marked the unverified window for the unit's boot guard (boot.mark)
 
     # ------------------------------------------------------------------ the phases
 
@@ -351,6 +352,9 @@ class Machine:
         return [{**x, "phase": phase} for phase, d in details for x in d.get("stopped_processes", [])]
 
     def promote(self) -> dict:
+        # From here to the record, what is on disk has not verified: a boot meanwhile starts the known-good one.
+        boot.mark(self.inst.name, self.unverified_dir)
+        self.marked = True
         out = promote(self.inst, reload=lambda: self.systemctl_ok("daemon-reload"))
         if not out["promoted"] and self.ports.show(self.inst.unit).get("NeedDaemonReload") == "yes":
             self.systemctl_ok("daemon-reload")  # the unit's file changed on disk: start what it says
@@ -535,6 +539,11 @@ class Machine:
     @property
     def started_path(self) -> str:
         return os.path.join(os.path.dirname(self.ports.lock_dir), "starts", f"{self.inst.name}.json")
+
+    @property
+    def unverified_dir(self) -> str:
+        """boot.UNVERIFIED_DIR beside the locks (a test's Ports puts them elsewhere)."""
+        return os.path.join(os.path.dirname(self.ports.lock_dir), os.path.basename(boot.UNVERIFIED_DIR))
 
     # ------------------------------------------------------------------ helpers
 
@@ -778,6 +787,12 @@ def end(m: Machine, res: dict) -> None:
     # the end. The lock, the validation, the staging and the preflight run while the old server still serves.
     served = m.served_at if m.served_at is not None else m.ports.clock()
     res["downtime_s"] = round(served - m.touched_at, 3) if m.touched_at is not None else 0.0
+    # The unverified window ends with the run (recorded, rolled back or contained); a multi-node group's with its
+    # last phase, under its lease. A run cut short (SIGKILL, a boot) leaves the mark: the boot guard acts then.
+    if m.marked or (m.lock and m.s.phase in GROUP_ENDS):
+        res["unmark"] = Machine.quietly(lambda: boot.unmark(m.inst.name, m.unverified_dir))
+        if res["unmark"] is None:
+            del res["unmark"]
     if m.lock:
         # A multi-node group's lease (lock.py) is renewed for the gap to its next phase; its last phase ends it.
         lease = m.lock.release(end_group=m.s.phase in GROUP_ENDS)
