@@ -17,6 +17,8 @@ import json
 import os
 import time
 
+from . import durable
+from .durable import write_atomic
 from .instance import Instance, masked
 
 FAILED_DIR = "failed"
@@ -48,21 +50,6 @@ def read_files(paths: list[str]) -> dict[str, str]:
         with open(path, encoding="utf-8") as fh:
             files[path] = fh.read()
     return files
-
-
-TMP_SUFFIX = ".sglang-deploy.tmp"  # write_atomic's temporary file, beside the file it becomes
-
-
-def write_atomic(path: str, content: str, mode: int) -> None:
-    """Write to a temporary file beside it, then rename: a reader sees the old or the new file, never half."""
-    tmp = f"{path}{TMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(content)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def software_of(venv: str | None) -> dict:
@@ -141,8 +128,7 @@ class Store:
         write_atomic(os.path.join(self.dir, generation + ".json"), json.dumps(record, indent=1, sort_keys=True), 0o600)
         self.prune()
         legacy = os.path.join(inst.kg_dir, "record.json")  # the one record before generations held secrets inline
-        if os.path.exists(legacy):
-            os.unlink(legacy)
+        durable.unlink(legacy, missing_ok=True)
         return summary(record)
 
     def next_sequence(self) -> int:
@@ -154,7 +140,7 @@ class Store:
     def prune(self) -> list[str]:
         removed = []
         for path in self.records()[: -self.keep]:
-            os.unlink(path)
+            durable.unlink(path)
             removed.append(path)
         return removed
 

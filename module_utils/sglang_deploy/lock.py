@@ -30,6 +30,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import durable
+from .durable import write_atomic
+
 LOCK_DIR = "/run/sglang-deploy/locks"
 
 # How a group's phase takes the lease (Lease.mode).
@@ -192,8 +195,7 @@ class InstanceLock:
         assert self.lease is not None
         found = read_lease(self.lease_path)
         if found is not None and found.get("token") == self.lease.token:
-            os.unlink(self.lease_path)
-            fsync_dir(os.path.dirname(self.lease_path))
+            durable.unlink(self.lease_path)
         return {"token": self.lease.token, "ended": True}
 
     def release(self, end_group: bool = False) -> dict | None:
@@ -292,41 +294,6 @@ def lost(found: dict | None, now: float, mine: bool, path: str) -> str:
     if not mine:
         return f"was replaced by run {found['token']}'s, expired at {utc(found['expires'])} ({path})"
     return f"expired at {utc(found['expires'])}, {round(now - found['expires'])} s before this phase ({path})"
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """A temporary file beside it (0600), written and fsync'd, renamed over it, then the directory fsync'd: a reader
-    sees the old lease or the new one, never half of one, and the rename survives a crash."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.unlink(tmp)  # a dead writer's (pid reused)
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(os.path.dirname(path))
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def peek(name: str, lock_dir: str = LOCK_DIR, now: float | None = None) -> dict | None:
