@@ -2358,6 +2358,9 @@ def test_instance_record_from_params_env_file_and_venv(tmp_path):
     )
     assert inst.nnodes == 1 and inst.venv is None and inst.api_key() is None and inst.profile_of([]) is None
     assert inst.profile_of(["other"]) is None
+    for bad in ("50%", "a\nb", "a b"):  # the module refuses what the filter would have (issue #30)
+        with pytest.raises(ValueError, match="profile name"):
+            Instance.from_params({**vars(inst), "profile": bad})
     env = tmp_path / "x.env"
     env.write_text('# comment\n\nA="q\\"uote \\$HOME \\\\"\nB=plain\nnot a line\n')
     assert read_env_file(str(env)) == {"A": 'q"uote $HOME \\', "B": "plain"}
