@@ -13,6 +13,8 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from module_utils.sglang_deploy import durable
+
 KEEP = 20
 ENV = "SGLANG_DEPLOY_EVIDENCE_DIR"
 FILE_MODE = 0o600
@@ -32,10 +34,13 @@ def package(run_dir: Path, run_id: int) -> Path | None:
     out = run_dir / f"evidence-{run_id}.tar.gz"
     tmp = out.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    with os.fdopen(fd, "wb") as fh, tarfile.open(fileobj=fh, mode="w:gz") as tar:
-        for f in files:
-            tar.add(f, arcname=f"evidence-{run_id}/{f.relative_to(src)}")
-    os.replace(tmp, out)
+    with os.fdopen(fd, "wb") as fh:
+        with tarfile.open(fileobj=fh, mode="w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=f"evidence-{run_id}/{f.relative_to(src)}")
+        fh.flush()
+        os.fsync(fh.fileno())  # streamed, not held whole in memory for durable.write_atomic: the same steps here
+    durable.rename(tmp, out)
     shutil.rmtree(src, ignore_errors=True)
     return out
 

@@ -21,6 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
+from module_utils.sglang_deploy import durable
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -129,6 +131,7 @@ def private_dir(d: Path, narrow: bool = True) -> Path:
     try:
         d.mkdir(mode=DIR_MODE, parents=True)
         os.chmod(d, DIR_MODE)  # mkdir's mode is cut by the umask; this one is exact
+        durable.fsync_dir(str(d.parent))  # a new run's directory survives a crash with the row that names it
     except FileExistsError:
         if narrow and _ours(d) and d.stat().st_mode & 0o7777 != DIR_MODE:
             os.chmod(d, DIR_MODE)
@@ -143,7 +146,12 @@ def _ours(d: Path) -> bool:
 
 def private_file(f: Path) -> Path:
     """f created 0600 (or an existing one narrowed to 0600)."""
-    os.close(os.open(f, os.O_CREAT | os.O_WRONLY | os.O_APPEND, FILE_MODE))
+    try:
+        os.close(os.open(f, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE))
+        # SQLite fsyncs its journal's directory, never the database's own: a new ledger's name is made durable here
+        durable.fsync_dir(str(f.parent))
+    except FileExistsError:
+        pass
     if f.stat().st_mode & 0o777 != FILE_MODE:
         os.chmod(f, FILE_MODE)
     return f

@@ -31,7 +31,7 @@ from pathlib import Path
 from driver import cli, exitcodes
 from driver.events import NOT_BEGUN
 from module_utils.sglang_deploy import bench as benchmark
-from module_utils.sglang_deploy import outcomes, tune
+from module_utils.sglang_deploy import durable, outcomes, tune
 
 PLAYBOOK = cli.TUNE_PLAYBOOK
 RESTART = cli.PLAYBOOKS["restart"][0]
@@ -492,16 +492,10 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
 
 
 def write_atomic(path: Path, text: str) -> Path:
-    """path with text, whole or not at all: known_good's atomic write (a temporary file beside it, fsynced, then
-    renamed), in a directory made first; its temporary file never left behind."""
-    from module_utils.sglang_deploy.known_good import TMP_SUFFIX
-    from module_utils.sglang_deploy.known_good import write_atomic as atomic
-
+    """path with text, whole or not at all (durable.write_atomic: its temporary file never left behind), in a
+    directory made first."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        atomic(str(path), text, 0o644)  # a profile or a plot: nothing secret in it
-    finally:
-        Path(f"{path}{TMP_SUFFIX}").unlink(missing_ok=True)
+    durable.write_atomic(str(path), text, 0o644)  # a profile or a plot: nothing secret in it
     return path
 
 

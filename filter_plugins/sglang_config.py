@@ -212,6 +212,7 @@ def instance_record(
             f"sglang_instances[{index}].name {name!r}: use lowercase letters, digits, '-' and '_' "
             f"(it names the unit, its files and its lock), not one of {', '.join(RESERVED_NAMES)}"
         )
+    check_profile_names(profiles, profile, f"sglang_instances[{index}] ({name})")
     conf = server_config(instance, profiles, profile, model_path, common_flags, common_env, listen_host, index)
     # The launcher adds the API key from the secrets file in-process: never on the command line.
     prefix = [f"{venv}/bin/python", launcher, launch_module]
@@ -251,6 +252,22 @@ def instance_record(
     }
 
 
+PROFILE_RULE = "is not a name the unit can hold: lowercase letters, digits, '-' and '_' (as an instance's name)"
+
+
+def check_profile_names(profiles: dict, profile: str, instance: str) -> None:
+    """A profile's name goes raw into the unit (Description=, a comment): the instance name's pattern, so a '%'
+    (a specifier) or a newline (a directive of its own) never reaches systemd. Checked before anything renders."""
+    bad = next((str(k) for k in profiles if not NAME.match(str(k))), None)
+    if bad is not None:
+        raise ConfigError(f"sglang_profiles: the profile name {bad!r} {PROFILE_RULE}")
+    if not NAME.match(str(profile)):
+        raise ConfigError(
+            f"{instance}: its profile {profile!r} (sglang_service_instance_profiles, the instance's profile or "
+            f"sglang_profile) {PROFILE_RULE}"
+        )
+
+
 # Characters a unit file cannot hold raw inside a quoted word: a newline or carriage return ends the line (the
 # word's quote then never closes), other control characters are written as C escapes too (systemd.syntax(7)).
 CONTROL = re.compile(r"[\x01-\x08\x0a-\x1f\x7f]")
@@ -284,6 +301,8 @@ def with_tuned(profiles: dict, host_vars) -> dict:
     out = dict(profiles or {})
     for var in sorted(k for k in host_vars if str(k).startswith(TUNED_PREFIX)):
         name = var[len(TUNED_PREFIX) :]
+        if not NAME.match(name):
+            raise ConfigError(f"{var}: the profile name {name!r} {PROFILE_RULE}")
         if name in out:
             raise ConfigError(f"{var}: sglang_profiles has a profile {name!r} already; rename the tuned one")
         if not isinstance(host_vars[var], dict):

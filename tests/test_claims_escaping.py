@@ -283,3 +283,43 @@ def test_the_modules_read_a_multi_line_secret_back_whole(tmp_path):
     path = tmp_path / "secrets.env"
     path.write_text(env_file_line("TOKEN", "line one\nline two") + "\n")
     assert read_env_file(str(path)) == environment_file(path.read_text()) == {"TOKEN": "line one\nline two"}
+
+
+BAD_PROFILE_NAMES = ["50%", "fast\nExecStartPre=/bin/sh -c evil", "two words"]
+
+
+def record_of(profiles: dict, profile: str) -> dict:
+    return instance_record(
+        {"name": "main", "port": 30000, "gpus": [0]},
+        0,
+        profiles,
+        profile,
+        "/models/m",
+        {},
+        {},
+        "0.0.0.0",
+        "/opt/ml-env",
+        "sglang.launch_server",
+        "/etc/sglang",
+        "/usr/local/libexec/sglang-deploy/sglang-launch",
+    )
+
+
+@pytest.mark.parametrize("bad", BAD_PROFILE_NAMES, ids=["percent", "newline", "space"])
+def test_a_profile_name_the_unit_cannot_hold_is_refused_before_rendering(bad):
+    """A profile's name goes raw into the unit's Description=: a '%' is a specifier (systemd-analyze refuses it), a
+    newline starts a directive of its own. Refused as an instance name is, naming the variable and the profile
+    (issue #30); a bad name is refused even when another profile is the one selected."""
+    from filter_plugins.sglang_config import ConfigError, with_tuned
+
+    assert record_of({"fast": {}}, "fast")["profile"] == "fast"
+    for selected in (bad, "fast"):
+        with pytest.raises(ConfigError, match=r"^sglang_profiles: the profile name ") as refused:
+            record_of({"fast": {}, bad: {}}, selected)
+        assert repr(bad) in str(refused.value)
+    with pytest.raises(ConfigError, match=r"^sglang_instances\[0\] \(main\): its profile ") as refused:
+        record_of({"fast": {}}, bad)  # the selected profile, checked before "not in sglang_profiles"
+    assert repr(bad) in str(refused.value)
+    with pytest.raises(ConfigError, match=r"^sglang_tuned_profile_") as refused:
+        with_tuned({"fast": {}}, {f"sglang_tuned_profile_{bad}": {"flags": {}}})
+    assert repr(bad) in str(refused.value)

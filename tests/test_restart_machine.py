@@ -29,6 +29,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.request
 import uuid
 from collections import Counter, defaultdict
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import bench, boot, checks, gpu, http, known_good, lock, outcomes, restart, stage, unit
+from sglang_deploy import bench, boot, checks, gpu, http, known_good, lock, outcomes, procinfo, restart, stage, unit
 from sglang_deploy.checks import Thresholds, flag_value
 from sglang_deploy.instance import Instance, masked, read_env_file
 from sglang_deploy.known_good import Store
@@ -1615,6 +1616,51 @@ def test_lock_describe_and_the_context_manager(tmp_path):
     assert lock.command_of(2**22 + 12345) == "?"
 
 
+def write_holder(lock_dir: Path, **holder) -> None:
+    lock_dir.mkdir(exist_ok=True)
+    (lock_dir / "x.lock").write_text(json.dumps({"operation": "deploy x", **holder}))
+
+
+def test_status_names_a_holder_only_while_the_process_that_took_the_lock_runs(tmp_path):
+    """A holder is its pid, started at the recorded time in this boot: a pid reused by another process (here, this
+    one, with a start time that is not its own) or a holder from another boot is dead (issue #30)."""
+    with InstanceLock("x", "deploy x", lock_dir=str(tmp_path)) as held:
+        holder = json.loads(Path(held.path).read_text())
+        assert holder["start_time"] == procinfo.start_time(os.getpid()) is not None
+        assert holder["boot_id"] == procinfo.boot_id() is not None
+        assert lock.peek("x", str(tmp_path))["start_time"] == holder["start_time"]
+    me, boot = procinfo.start_time(os.getpid()), procinfo.boot_id()
+    write_holder(tmp_path, pid=os.getpid(), start_time=me, boot_id=boot)
+    assert lock.peek("x", str(tmp_path))["pid"] == os.getpid()
+    write_holder(tmp_path, pid=os.getpid(), start_time=me + 1, boot_id=boot)  # the pid, reused
+    assert lock.peek("x", str(tmp_path)) is None
+    write_holder(tmp_path, pid=os.getpid(), start_time=me, boot_id="another boot")
+    assert lock.peek("x", str(tmp_path)) is None
+    write_holder(tmp_path, pid=os.getpid())  # a file an older version wrote: the pid alone, as then
+    assert lock.peek("x", str(tmp_path))["pid"] == os.getpid()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        write_holder(tmp_path, pid=child.pid, start_time=me, boot_id=boot)  # the dead holder's; the pid now sleep's
+        assert lock.peek("x", str(tmp_path)) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert not lock.holder_alive({"pid": True, "start_time": me}) and not lock.holder_alive({"pid": "7"})
+
+
+def test_a_zombie_has_no_start_time(tmp_path):
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while procinfo.read_proc(child.pid, "stat").rsplit(")", 1)[-1].split()[:1] != ["Z"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert procinfo.start_time(child.pid) is None  # its files (a flock) are closed already
+    finally:
+        child.wait()
+    assert procinfo.start_time(child.pid) is None
+
+
 # ---------------------------------------------------------------------------- staging and known-good
 
 
@@ -2358,6 +2404,9 @@ def test_instance_record_from_params_env_file_and_venv(tmp_path):
     )
     assert inst.nnodes == 1 and inst.venv is None and inst.api_key() is None and inst.profile_of([]) is None
     assert inst.profile_of(["other"]) is None
+    for bad in ("50%", "a\nb", "a b"):  # the module refuses what the filter would have (issue #30)
+        with pytest.raises(ValueError, match="profile name"):
+            Instance.from_params({**vars(inst), "profile": bad})
     env = tmp_path / "x.env"
     env.write_text('# comment\n\nA="q\\"uote \\$HOME \\\\"\nB=plain\nnot a line\n')
     assert read_env_file(str(env)) == {"A": 'q"uote $HOME \\', "B": "plain"}

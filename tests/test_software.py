@@ -446,3 +446,44 @@ def test_module_migrates_and_fails_clearly(tmp_path, gens):
 
 def test_module_is_thin():
     assert len(MODULE.read_text().splitlines()) < 100
+
+
+# ---------------------------------------------------------------- what pruning reads, where it is written
+
+
+def role_defaults(role: str) -> dict:
+    return yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text())
+
+
+def references_rendered(overrides: dict, roles=("ml_env", "sglang_service")) -> list[str]:
+    """ml_env_generations_references as Ansible renders it in a play of these roles, the inventory's overrides on top."""
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.template import Templar
+
+    plugins()
+    variables = {k: v for role in roles for k, v in trusted(role_defaults(role)).items()}
+    templar = Templar(loader=DataLoader(), variables={**variables, **overrides})
+    return templar.template(trusted(role_defaults("ml_env")["ml_env_generations_references"]))
+
+
+@pytest.mark.parametrize("roles", [("ml_env", "sglang_service"), ("ml_env",)], ids=["same play", "ml_env alone"])
+def test_pruning_reads_the_records_where_sglang_service_writes_them(tmp_path, gens, roles):
+    """Overriding sglang_service_state_dir (and _config_dir) alone moves the known-good records and the staged
+    units; pruning must look there, or it removes the generation a rollback would put back (issue #30)."""
+    state, config = tmp_path / "state", tmp_path / "config"
+    overrides = {"sglang_service_state_dir": str(state), "sglang_service_config_dir": str(config)}
+    patterns = references_rendered(overrides, roles)
+    assert f"{state}/known-good/**/*.json" in patterns
+    assert f"{config}/pending/*" in patterns
+    assert references_rendered({}, roles)[2:] == ["/etc/sglang/pending/*", "/var/lib/sglang/known-good/**/*.json"]
+    assert references_rendered({"gpu_node_state_dir": "/srv/s"}, roles)[3] == "/srv/s/known-good/**/*.json"
+    for name in ("cur", "recorded", "staged", "old"):
+        make_generation(gens, name, created=f"2026-01-0{1 + len(name) % 9}T00:00:00Z")
+    record = state / "known-good" / "main" / "generations" / "000001-x.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"software": {"venv": f"{gens}/recorded"}}))
+    (config / "pending").mkdir(parents=True)
+    (config / "pending" / "sglang-main.service").write_text(f"ExecStart={gens}/staged/bin/python -m sglang\n")
+    res = prune(str(gens), "cur", keep=1, patterns=patterns)
+    assert sorted(e["name"] for e in res["removed"]) == ["old"]
+    assert by_name(res["kept"])["recorded"].startswith("referenced by " + str(record))

@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import gpu
+from .durable import write_atomic
 from .instance import Instance, read_env_file
 from .secret_rule import MASK, Redactor, argv_secrets, file_secrets, masked, secret_name
 
@@ -521,19 +522,7 @@ def write_bundle(directory: str, name: str, files: dict[str, bytes], wall: float
     while os.path.exists(path):  # two collections in the same millisecond
         n += 1
         path = os.path.join(directory, f"{name}-{n}.tar.gz")
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(buf.getvalue())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(path, buf.getvalue(), 0o600)
     return path
 
 

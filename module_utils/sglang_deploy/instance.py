@@ -49,6 +49,10 @@ class Instance:
         inst = cls(**{k: v for k, v in p.items() if k in names and v is not None})
         if not NAME.match(inst.name):  # it names files and a lock: never a path
             raise ValueError(f"instance name {inst.name!r}: lowercase letters, digits, '-' and '_' only")
+        if not NAME.match(inst.profile):  # it goes raw into the unit's Description= (the filter refuses it first)
+            raise ValueError(
+                f"instance {inst.name}: profile name {inst.profile!r}: lowercase letters, digits, '-' and '_' only"
+            )
         return inst
 
     @property

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import progress
+from .durable import write_atomic
 
 JOBS_DIR = "/run/sglang-deploy/jobs"
 SCOPE_PREFIX = "sglang-deploy-job-"
@@ -157,11 +158,7 @@ def new(instance: str, jobs_dir: str = JOBS_DIR) -> Job:
 
 
 def write_json(path: str, doc: dict) -> None:
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(doc, f, default=str)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(doc, default=str), 0o600)
 
 
 def preload(package) -> None:

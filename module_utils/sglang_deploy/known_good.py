@@ -17,6 +17,8 @@ import json
 import os
 import time
 
+from . import durable
+from .durable import write_atomic
 from .instance import Instance, masked
 
 FAILED_DIR = "failed"
@@ -91,21 +93,6 @@ def restore_files(kg: str, record: dict) -> dict:
     return {"generation": record.get("generation"), "failed_kept_in": failed}
 
 
-TMP_SUFFIX = ".sglang-deploy.tmp"  # write_atomic's temporary file, beside the file it becomes
-
-
-def write_atomic(path: str, content: str, mode: int) -> None:
-    """Write to a temporary file beside it, then rename: a reader sees the old or the new file, never half."""
-    tmp = f"{path}{TMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(content)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def software_of(venv: str | None) -> dict:
     """The software a unit runs: its virtualenv's generation.json and patch manifest hash."""
     if not venv:
@@ -172,8 +159,7 @@ class Store:
         write_atomic(os.path.join(self.dir, generation + ".json"), json.dumps(record, indent=1, sort_keys=True), 0o600)
         self.prune()
         legacy = os.path.join(inst.kg_dir, "record.json")  # the one record before generations held secrets inline
-        if os.path.exists(legacy):
-            os.unlink(legacy)
+        durable.unlink(legacy, missing_ok=True)
         return summary(record)
 
     def next_sequence(self) -> int:
@@ -185,7 +171,7 @@ class Store:
     def prune(self) -> list[str]:
         removed = []
         for path in self.records()[: -self.keep]:
-            os.unlink(path)
+            durable.unlink(path)
             removed.append(path)
         return removed
 

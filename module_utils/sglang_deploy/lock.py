@@ -1,9 +1,12 @@
 """The per-instance operation lock: one restart, rollback or configuration write at a time.
 
 An exclusive, non-blocking flock on /run/sglang-deploy/locks/<instance>.lock, held by the
-module's process for the whole operation. The holder writes who it is (pid, command,
-controller, since) into the file; a second operation is refused at once with that. The
+module's process for the whole operation. The holder writes who it is (pid, its start time and the
+boot id, command, controller, since) into the file; a second operation is refused at once with that. The
 kernel drops the lock when its holder dies, however it dies: a dead holder never blocks.
+Status alone reads the file without the flock (peek): it names the holder only while that process runs, its pid
+started at the recorded time in this boot (holder_alive: a pid reused since is not the holder). A file written before
+the start time was recorded is judged by the pid alone, as it was then.
 
 A multi-node restart is one module call per phase on every node (restart_multinode.yml), so its flock ends with
 each phase. Between its phases the group holds a lease instead (issue #29): <instance>.lease beside the lock (0600,
@@ -29,6 +32,9 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from . import durable, procinfo
+from .durable import write_atomic
 
 LOCK_DIR = "/run/sglang-deploy/locks"
 
@@ -138,6 +144,9 @@ class InstanceLock:
             holder = {
                 "operation": self.operation,
                 "pid": os.getpid(),
+                # with the pid, who holds it: status never takes a process that reused the pid for the holder
+                "start_time": procinfo.start_time(os.getpid()),
+                "boot_id": procinfo.boot_id(),
                 "command": self.command or command_of(os.getpid()),
                 "controller": self.controller,
                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -192,8 +201,7 @@ class InstanceLock:
         assert self.lease is not None
         found = read_lease(self.lease_path)
         if found is not None and found.get("token") == self.lease.token:
-            os.unlink(self.lease_path)
-            fsync_dir(os.path.dirname(self.lease_path))
+            durable.unlink(self.lease_path)
         return {"token": self.lease.token, "ended": True}
 
     def release(self, end_group: bool = False) -> dict | None:
@@ -294,41 +302,6 @@ def lost(found: dict | None, now: float, mine: bool, path: str) -> str:
     return f"expired at {utc(found['expires'])}, {round(now - found['expires'])} s before this phase ({path})"
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """A temporary file beside it (0600), written and fsync'd, renamed over it, then the directory fsync'd: a reader
-    sees the old lease or the new one, never half of one, and the rename survives a crash."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.unlink(tmp)  # a dead writer's (pid reused)
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(os.path.dirname(path))
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def peek(name: str, lock_dir: str = LOCK_DIR, now: float | None = None) -> dict | None:
     """The holder of an instance's lock, if its process is alive, else a multi-node group's lease, valid or
     expired (status shows it). Takes no lock itself, so it can never make a real operation's acquire fail."""
@@ -342,8 +315,7 @@ def peek(name: str, lock_dir: str = LOCK_DIR, now: float | None = None) -> dict 
             holder = read_holder(fd)
         finally:
             os.close(fd)
-        pid = holder.get("pid")
-        holder = holder if isinstance(pid, int) and pid > 0 and os.path.exists(f"/proc/{pid}") else None
+        holder = holder if holder_alive(holder) else None
     path = os.path.join(lock_dir, f"{name}.lease")
     found = read_lease(path)
     if found is None:
@@ -360,6 +332,21 @@ def peek(name: str, lock_dir: str = LOCK_DIR, now: float | None = None) -> dict 
     if lease["expired"]:
         return {"group_lease": lease}
     return {**lease_holder(found, now, path), "group_lease": lease}
+
+
+def holder_alive(holder: dict) -> bool:
+    """Whether the process a lock file names still runs: its pid, started at the recorded time in this boot. A pid
+    reused by another process, or a holder from another boot, is not it. A file an older version wrote (no
+    start_time) is judged as it was then, by the pid alone."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if "start_time" not in holder:
+        return os.path.exists(f"/proc/{pid}")
+    if holder.get("boot_id") and holder["boot_id"] != procinfo.boot_id():
+        return False
+    started = procinfo.start_time(pid)
+    return started is not None and started == holder["start_time"]
 
 
 def command_of(pid: int) -> str:

@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 import time
 
+from .durable import write_atomic
+
 
 class PatchError(Exception):
     """The series cannot be applied; nothing was changed. The message says why and what to do."""
@@ -148,12 +150,7 @@ def read_manifest(path):
 
 def write_manifest(path, manifest):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(manifest, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n", 0o644)
 
 
 def _undo_to_pristine(work, patches, targets, not_pristine, record, package, version):

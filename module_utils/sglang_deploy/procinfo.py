@@ -28,6 +28,25 @@ def read_proc(pid: int, name: str) -> str:
         return ""
 
 
+def start_time(pid: int) -> int | None:
+    """When the process started (field 22 of /proc/<pid>/stat, clock ticks after boot): with the pid, who it is,
+    as a pid alone is not (pids are reused). None when it is gone, hidden or a zombie (it has let go of its files)."""
+    fields = read_proc(pid, "stat").rsplit(")", 1)[-1].split()  # the command, in parentheses, may hold spaces
+    try:
+        return None if fields[0] == "Z" else int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def boot_id() -> str | None:
+    """This boot's id: a start time counts from this boot only."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
 # The launcher (launch.py) passes the API key from this variable, so no command line should hold one; any
 # that does (a server started by hand) is masked wherever a command line is compared, recorded or reported
 # (secret_rule.masked: every secret-named flag).

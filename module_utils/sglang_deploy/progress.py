@@ -25,6 +25,8 @@ import os
 import re
 import time
 
+from .durable import write_atomic
+
 # The model-load steps (the sub-phases of `start`), in the order SGLang takes them.
 WEIGHTS = "loading weights"
 DRAFT_WEIGHTS = "loading draft weights"
@@ -110,11 +112,7 @@ class Reporter:
         self.doc["seq"] += 1
         if not self.path:
             return
-        tmp = f"{self.path}.tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(self.mask(self.doc), f)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(self.mask(self.doc)), 0o600)
 
     def _trail(self, now: float) -> None:
         d = self.doc

@@ -36,10 +36,11 @@ from . import progress as load_progress
 from . import stage as staging
 from .checks import Thresholds
 from .checks import verify as run_checks
+from .durable import write_atomic
 from .gpu import format_offender, may_stop
 from .http import HttpError, generate, healthy
 from .instance import Instance, masked
-from .known_good import Store, content_hash, write_atomic
+from .known_good import Store, content_hash
 from .lock import LEASE_BEGIN, LEASE_CHECK, LEASE_CONTINUE, LEASE_RECOVER, InstanceLock, Lease, Locked, peek
 from .stage import promote, read_text, stage_complete
 from .validate import ValidateError, validate_host

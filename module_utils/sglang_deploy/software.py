@@ -33,6 +33,8 @@ import re
 import shutil
 import time
 
+from . import durable
+
 META_DIR = "sglang-deploy"
 RECORD = "generation.json"
 MANIFEST = "patches.json"
@@ -179,8 +181,18 @@ def remove(path: str) -> None:
     parent, name = os.path.split(path)
     hidden = path if name.startswith(".") and name.endswith(REMOVING) else os.path.join(parent, f".{name}{REMOVING}")
     if hidden != path:
-        os.rename(path, hidden)
-    shutil.rmtree(hidden)
+        durable.rename(path, hidden)
+    durable.rmtree(hidden)
+
+
+def settle(gen_dir: str, current: str, link: str | None) -> None:
+    """The current generation's record and the link on disk before anything is removed: a crash after a
+    removal must not bring back a link to the generation it replaced, or a current one without its record."""
+    for d in (os.path.join(gen_dir, current, META_DIR), os.path.join(gen_dir, current), gen_dir):
+        if os.path.isdir(d):
+            durable.fsync_dir(d)
+    if link:
+        durable.fsync_dir(os.path.dirname(os.path.abspath(link)))
 
 
 def prune(
@@ -192,6 +204,8 @@ def prune(
         return result
     refs, errors = references(gen_dir, patterns)
     decisions = plan(gen_dir, current, keep, refs, link)
+    if not check_mode and any(not d["keep"] for d in decisions):
+        settle(gen_dir, current, link)
     if errors:
         result["warnings"].append("nothing pruned: could not read " + "; ".join(errors))
         for d in decisions:
@@ -253,14 +267,14 @@ def migrate(
         raise SoftwareError(f"{dest} exists already: nothing was changed")
     os.makedirs(gen_dir, mode=0o755, exist_ok=True)
     try:
-        os.rename(link, dest)
+        durable.rename(link, dest)
     except OSError as exc:
         raise SoftwareError(
             f"cannot move {link} to {dest} ({exc}): nothing was changed; both must be on one file system"
         ) from exc
     tmp = f"{link}.{os.getpid()}.tmp"
     os.symlink(dest, tmp)
-    os.replace(tmp, link)
+    durable.rename(tmp, link)
     record = {
         "generation": name,
         "python_version": _python_version(dest),
@@ -274,7 +288,5 @@ def migrate(
     os.makedirs(os.path.join(dest, META_DIR), mode=0o755, exist_ok=True)
     if manifest and os.path.isfile(manifest):
         shutil.copy2(manifest, manifest_path(dest))
-    with open(record_path(dest), "w", encoding="utf-8") as fh:
-        json.dump(record, fh, indent=2, sort_keys=True)
-        fh.write("\n")
+    durable.write_atomic(record_path(dest), json.dumps(record, indent=2, sort_keys=True) + "\n", 0o644)
     return {"changed": True, "generation": name, "msg": msg}

@@ -16,9 +16,10 @@ import json
 import os
 import subprocess
 
-from . import outcomes
+from . import durable, outcomes
+from .durable import write_atomic
 from .instance import Instance
-from .known_good import Store, content_hash, write_atomic
+from .known_good import Store, content_hash
 from .unit import checked
 
 UNIT_MODE, ENV_MODE = 0o644, 0o600
@@ -87,7 +88,7 @@ def stage(inst: Instance, rendered: dict[str, str], secrets: str | None, check_m
         stale = list(inst.pending_files.values()) + [m for m in [manifest_path(inst)] if os.path.exists(m)]
         if stale and not check_mode:
             for path in stale:
-                os.unlink(path)
+                durable.unlink(path)
         res.update(changed=bool(stale), wrote=[], removed_pending=stale)
         targets = {}
     elif Store(inst).latest() is None:
@@ -117,10 +118,10 @@ def stage(inst: Instance, rendered: dict[str, str], secrets: str | None, check_m
                 try:
                     verify_unit(probe, inst.unit)
                 finally:
-                    os.unlink(probe)
+                    durable.unlink(probe)
             # incomplete until the manifest, written last, says what the set is
-            if res["pending"] and os.path.exists(manifest_path(inst)):
-                os.unlink(manifest_path(inst))
+            if res["pending"]:
+                durable.unlink(manifest_path(inst), missing_ok=True)
             for path, content in targets.items():
                 write_atomic(path, content, mode_of(path))
             if res["pending"]:
@@ -149,8 +150,7 @@ def promote(inst: Instance, reload=lambda: checked("daemon-reload")) -> dict:
         with open(path, encoding="utf-8") as fh:
             write_atomic(live, fh.read(), mode_of(live))
     for path in [*pending.values(), manifest_path(inst)]:
-        if os.path.exists(path):
-            os.unlink(path)
+        durable.unlink(path, missing_ok=True)
     if pending:
         reload()
     return {"promoted": sorted(pending)}

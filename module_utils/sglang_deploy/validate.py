@@ -28,6 +28,7 @@ import stat
 import subprocess
 import time
 
+from .durable import write_atomic
 from .outcomes import INVALID_CONFIG
 from .patch import PatchError, dist_info, installed_version
 
@@ -605,12 +606,8 @@ class VerdictCache:
                 return False
             if stat.S_IMODE(st.st_mode) != 0o700:
                 os.chmod(self.directory, 0o700)
-            tmp = f"{self._path(key)}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"key": key, "instance": name, "stored": time.time(), "parse": parse}, fh)
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, self._path(key))
+            doc = {"key": key, "instance": name, "stored": time.time(), "parse": parse}
+            write_atomic(self._path(key), json.dumps(doc), 0o600)
             self.prune()
         except OSError:
             return False
