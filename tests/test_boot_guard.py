@@ -5,9 +5,7 @@ that records the reload. The restart's side of the mark is in test_restart_machi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,10 +25,11 @@ def host(tmp_path):
     """The guard installed beside its package, a systemctl that logs its arguments, one instance's files."""
     libexec = tmp_path / "libexec"
     install_gate(libexec)
-    (libexec / GUARD.name).write_bytes(GUARD.read_bytes())
-    (libexec / GUARD.name).chmod(0o755)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    # As installed, but the systemctl it calls by path is the test's.
+    (libexec / GUARD.name).write_text(GUARD.read_text().replace('"/usr/bin/systemctl"', f'"{bin_dir}/systemctl"'))
+    (libexec / GUARD.name).chmod(0o755)
     (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "systemctl.log"}\n')
     (bin_dir / "systemctl").chmod(0o755)
     files = {"unit": tmp_path / "systemd" / "sglang-m.service", "env": tmp_path / "etc" / "m.env"}
@@ -56,13 +55,13 @@ def record(state: Path, files, contents) -> dict:
     return rec
 
 
-def run(host, *args: str) -> subprocess.CompletedProcess:
-    _, libexec, bin_dir, _ = host
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    env.pop("PYTHONPATH", None)  # the guard finds its package beside itself, as on a host
-    return subprocess.run(
-        [sys.executable, str(libexec / GUARD.name), *args], capture_output=True, text=True, env=env, timeout=60
-    )
+def run(host, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The guard run as systemd runs it: through its shebang (the host's python3), the unit's environment."""
+    _, libexec, _, _ = host
+    env = env or {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "PYTHONUNBUFFERED": "1"}
+    run_dir = str(host[0] / "run")  # never this machine's /run/sglang-deploy
+    argv = [str(libexec / GUARD.name), *args, "--run-dir", run_dir]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
 
 
 def test_the_known_good_configuration_starts_and_nothing_is_reloaded(host):
@@ -89,8 +88,11 @@ def test_an_unverified_configuration_at_boot_is_replaced_by_the_newest_known_goo
     kept = Path(kg_dir(str(tmp / "state"), "m"), known_good.FAILED_DIR)
     assert sorted(p.read_text() for p in kept.iterdir()) == sorted(NEW.values())
     assert oct(files["env"].stat().st_mode & 0o777) == "0o600"  # an env file keeps its mode
+    # verify counts the start the guard refused as no crash (checks.verify reads boot.put_backs)
+    assert boot.put_backs("m", str(tmp / "run" / "put-back")) == {"count": 1, "generation": rec["generation"]}
     again = run(host, "--instance", "m", "--state-dir", str(tmp / "state"))  # Restart=on-failure's start
     assert again.returncode == boot.GO and (tmp / "systemctl.log").read_text() == "daemon-reload\n"
+    assert boot.put_backs("m", str(tmp / "run" / "put-back"))["count"] == 1
 
 
 def test_a_missing_file_counts_as_unverified(host):
@@ -133,3 +135,36 @@ def test_the_machine_marks_where_the_guard_looks():
         ports = Ports()
 
     assert Machine.unverified_dir.fget(Bare) == boot.UNVERIFIED_DIR
+
+
+def test_the_unit_environment_steers_nothing_the_guard_runs_as_root(host):
+    """The guard runs as root (+) with the unit's environment: HOME is the service user's StateDirectory, which
+    the server may write. Python's user site there, or PYTHON* variables, must not run code in it."""
+    tmp, _, bin_dir, files = host
+    write(files, GOOD)
+    record(tmp / "state", files, GOOD)
+    version = subprocess.run(
+        ["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True
+    ).stdout.strip()
+    home = tmp / "home"
+    site = home / ".local" / "lib" / f"python{version}" / "site-packages"
+    site.mkdir(parents=True)
+    owned = tmp / "owned"
+    (site / "usercustomize.py").write_text(f"open({str(owned)!r}, 'w').write('ran')\n")
+    (tmp / "pp").mkdir()
+    (tmp / "pp" / "sitecustomize.py").write_text(f"open({str(owned)!r}, 'w').write('ran')\n")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(tmp / "pp"), "PYTHONNOUSERSITE": ""}
+    out = run(host, "--instance", "m", "--state-dir", str(tmp / "state"), env=env)
+    assert out.returncode == boot.GO, out.stderr
+    assert not owned.exists()
+
+
+def test_a_damaged_newest_generation_is_not_replaced_by_an_older_one(host):
+    tmp, _, _, files = host
+    write(files, GOOD)
+    record(tmp / "state", files, {**GOOD, "env": 'P="older"\n'})
+    gens = Path(kg_dir(str(tmp / "state"), "m"), "generations")
+    (gens / "000002-x-damaged.json").write_text("{not json")
+    out = run(host, "--instance", "m", "--state-dir", str(tmp / "state"))
+    assert out.returncode == boot.GO and "000002-x-damaged.json) is unreadable" in out.stdout
+    assert {k: p.read_text() for k, p in files.items()} == GOOD  # what runs is not touched

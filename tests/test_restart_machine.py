@@ -1884,8 +1884,11 @@ def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
     start = restart.restart(w.machine(phase="start"))
     serving(w, "new")
     assert w.pending() == []
+    marker = Path(w.machine().unverified_dir, "m")
+    assert marker.exists()  # unverified until the group's record: a rank started again meanwhile is let through
     confirm = restart.restart(w.machine(phase="confirm"))
     assert start["outcome"] == outcomes.STARTED and confirm["outcome"] == outcomes.VERIFIED
+    assert marker.exists()
     # Nothing is recorded before every rank is confirmed (the record phase, the next task over every node).
     assert len(w.generations()) == before
     if rank == 0:  # rank 0 serves: it generated and verified in its start phase
@@ -1899,6 +1902,7 @@ def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
         assert confirm["verify"]["node_rank"] == 1
     record = restart.restart(w.machine(phase="record"))
     assert record["outcome"] == REST and [p["phase"] for p in record["phases"]][-2:] == ["record", "record"]
+    assert not marker.exists()
     assert len(w.generations()) == before + 1
     rec = json.loads(Path(w.generations()[-1]).read_text())
     assert rec["profile"] == "new" and rec["argv"] == w.running["new"]
@@ -3120,3 +3124,20 @@ def test_a_restart_cut_short_after_promote_leaves_the_mark_and_a_boot_puts_the_k
     assert boot.check("m", w.inst.state_dir, lambda: pytest.fail("reloaded twice"), m.unverified_dir)[0] == boot.GO
     # The next restart proceeds.
     assert restart.restart(w.machine())["outcome"] == REST
+
+
+def test_a_mark_a_killed_run_left_is_ended_by_the_next_run_that_holds_the_lock(tmp_path, handlers):
+    w = build(tmp_path)
+    m = w.machine()
+    m.promote()  # the worker SIGKILLed here, no boot: the mark stays, the unverified files live
+    marker = Path(m.unverified_dir, "m")
+    assert marker.exists()
+    res = restart.rollback(w.machine())  # the operator's rollback, under the lock
+    assert res["outcome"] == outcomes.ROLLED_BACK and not marker.exists()
+    boot.mark("m", m.unverified_dir)  # another killed run's
+    assert restart.restart(w.machine(check_mode=True))["outcome"] == outcomes.WOULD_RESTART
+    assert marker.exists()  # check mode changes nothing
+    # A refusal after the lock ends it too (the guard then holds the next start to the known-good files).
+    w.host.foreign = True
+    assert restart.restart(w.machine())["outcome"] == outcomes.GPUS_NOT_CLEAN
+    assert not marker.exists()

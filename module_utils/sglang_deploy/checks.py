@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from . import http
+from . import boot, http
 from .gpu import format_offender
 from .instance import Instance, masked
 from .unit import state
@@ -126,10 +126,17 @@ def verify(inst: Instance, t: Thresholds, ports, patch_manifest: str | None = No
     """Every check on the running instance; never raises for what the server does."""
     c = Checks()
     props = ports.show(inst.unit)
+    # Starts the boot guard refused (an unverified configuration replaced by the known-good one) are no crash.
+    guard = boot.put_backs(inst.name, boot.beside(ports.lock_dir, boot.PUT_BACK_DIR))
+    by_guard = (
+        f" ({guard['count']} by the boot guard, which put back known-good generation {guard['generation']})"
+        if guard["count"]
+        else ""
+    )
     c.add(
         "unit",
-        props["ActiveState"] == "active" and props["SubState"] == "running" and props["NRestarts"] == 0,
-        f"{inst.unit} {state(props)}, restarted {props['NRestarts']} times since started",
+        props["ActiveState"] == "active" and props["SubState"] == "running" and props["NRestarts"] <= guard["count"],
+        f"{inst.unit} {state(props)}, restarted {props['NRestarts']} times since started{by_guard}",
     )
     running = ports.cmdline(props["MainPID"]) if props["MainPID"] else []
     profile = inst.profile_of(running)

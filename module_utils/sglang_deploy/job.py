@@ -21,28 +21,26 @@ import json
 import os
 import pkgutil
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import progress
+from . import procinfo, progress
 from .durable import write_atomic
 
 JOBS_DIR = "/run/sglang-deploy/jobs"
 SCOPE_PREFIX = "sglang-deploy-job-"
 JOURNAL_STREAM = "/run/systemd/journal/stdout"
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
-def boot_id(path: str = BOOT_ID) -> str | None:
-    """This boot's id: a job's answers carry it, so that a job gone with a reboot is told from one acknowledged."""
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
+def boot_id() -> str | None:
+    """This boot of the host: the kernel's boot id and PID 1's start. A job's answers carry it, so that a job gone
+    with a reboot is told from one acknowledged; PID 1's part tells a container booted again (same kernel)."""
+    kernel = procinfo.boot_id()
+    return f"{kernel}/{procinfo.start_time(1)}" if kernel else None
 
 
 @dataclass(frozen=True)
@@ -263,6 +261,7 @@ def detach(job: Job, work: Callable[[], dict], on_error: Callable[[BaseException
             os._exit(0)
     os.close(w)
     os.close(go_r)
+    worker = None
     try:
         os.waitpid(pid, 0)
         with os.fdopen(r, "rb") as f:
@@ -278,8 +277,17 @@ def detach(job: Job, work: Callable[[], dict], on_error: Callable[[BaseException
         else:
             with open(job.unit_file, "w", encoding="ascii") as f:
                 f.write(job.scope)
-    finally:
         os.write(go_w, b"g")
+    except BaseException:
+        # This call fails, so the controller never learns the job: the worker, which has done nothing yet, must not
+        # restart anything. (Only this process killed outright closes the pipe unsent: then the worker goes on.)
+        if worker is not None:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except OSError:
+                pass
+        raise
+    finally:
         os.close(go_w)
     return worker
 
@@ -346,7 +354,7 @@ def gone(job: Job, seen_boot: str | None, now_boot: str | None) -> str:
     if seen_boot and now_boot and seen_boot != now_boot:
         return (
             f"job: {job.dir} is gone: the host booted during the restart (boot {seen_boot[:8]}, now {now_boot[:8]}), "
-            "and the worker with it. The unit's boot guard started the known-good configuration unless the new one "
-            "had verified; `python -m driver status` says what runs"
+            "and the worker with it. An enabled unit's boot guard starts its known-good configuration in place of "
+            "one that never verified; `python -m driver status` says what runs"
         )
     return f"job: {job.dir} holds no restart (its result already acknowledged, or never started)"

@@ -183,7 +183,6 @@ class Machine:
         self.gpu_model: str | None = None  # the instance's GPUs' model, from the preflight's nvidia-smi snapshot
         # Where a detached restart reports its phase and model-load step as it goes (sglang_deploy.progress).
         self.progress: load_progress.Reporter | None = None
-        self.marked = False  # this run marked the unverified window for the unit's boot guard (boot.mark)
 
     # ------------------------------------------------------------------ the phases
 
@@ -355,7 +354,6 @@ class Machine:
     def promote(self) -> dict:
         # From here to the record, what is on disk has not verified: a boot meanwhile starts the known-good one.
         boot.mark(self.inst.name, self.unverified_dir)
-        self.marked = True
         out = promote(self.inst, reload=lambda: self.systemctl_ok("daemon-reload"))
         if not out["promoted"] and self.ports.show(self.inst.unit).get("NeedDaemonReload") == "yes":
             self.systemctl_ok("daemon-reload")  # the unit's file changed on disk: start what it says
@@ -371,6 +369,7 @@ class Machine:
         """systemctl start, then wait until ready; fail fast when the new invocation fails or exits."""
         i, p = self.inst, self.ports
         self.started = self.store.snapshot()
+        boot.forget_put_backs(i.name, boot.beside(p.lock_dir, boot.PUT_BACK_DIR))
         p.systemctl("reset-failed", i.unit)
         before = p.show(i.unit).get("InvocationID")
         self.systemctl_ok("start", "--no-block", i.unit)
@@ -543,8 +542,7 @@ class Machine:
 
     @property
     def unverified_dir(self) -> str:
-        """boot.UNVERIFIED_DIR beside the locks (a test's Ports puts them elsewhere)."""
-        return os.path.join(os.path.dirname(self.ports.lock_dir), os.path.basename(boot.UNVERIFIED_DIR))
+        return boot.beside(self.ports.lock_dir, boot.UNVERIFIED_DIR)
 
     # ------------------------------------------------------------------ helpers
 
@@ -788,9 +786,10 @@ def end(m: Machine, res: dict) -> None:
     # the end. The lock, the validation, the staging and the preflight run while the old server still serves.
     served = m.served_at if m.served_at is not None else m.ports.clock()
     res["downtime_s"] = round(served - m.touched_at, 3) if m.touched_at is not None else 0.0
-    # The unverified window ends with the run (recorded, rolled back or contained); a multi-node group's with its
-    # last phase, under its lease. A run cut short (SIGKILL, a boot) leaves the mark: the boot guard acts then.
-    if m.marked or (m.lock and m.s.phase in GROUP_ENDS):
+    # The unverified window ends with the run that holds the lock (recorded, rolled back, contained, or refused:
+    # then a mark a killed run left goes too, and the guard holds the next start to the known-good files); a
+    # multi-node group's with its last phase only. A run cut short (SIGKILL, a boot) leaves it: the guard acts then.
+    if m.lock and not m.s.check_mode and (m.s.phase == "all" or m.s.phase in GROUP_ENDS):
         res["unmark"] = Machine.quietly(lambda: boot.unmark(m.inst.name, m.unverified_dir))
         if res["unmark"] is None:
             del res["unmark"]

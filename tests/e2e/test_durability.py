@@ -74,7 +74,7 @@ def test_a_restart_whose_ssh_session_is_killed_completes_verified_and_the_driver
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     [row] = [r for r in json.loads(out)["rows"] if r["host"] == NODE]
-    assert row["outcome"] == outcomes.RESTARTED, row
+    assert row["result"] == outcomes.RESTARTED, row
     # The worker ran in a scope of its own, not the session's, to its end.
     units = podman_exec(
         node,
@@ -121,4 +121,4 @@ def test_a_power_loss_between_promote_and_verify_boots_the_known_good_configurat
     # The next restart proceeds (nothing held: no lock, no stale mark, the staged set consumed).
     code, doc, p = run("restart")
     assert code == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert [r["outcome"] for r in doc["rows"] if r["host"] == NODE] == [outcomes.RESTARTED]
+    assert [r["result"] for r in doc["rows"] if r["host"] == NODE] == [outcomes.RESTARTED]
