@@ -178,6 +178,21 @@ def masked(argv: list[str]) -> list[str]:
     return out
 
 
+def named_secrets(obj) -> list[str]:
+    """The values of secret-named keys at any depth of a mapping or list (an instance record's env: HF_TOKEN)."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if secret_name(k) and secret_value(v):
+                out.append(v)
+            else:
+                out += named_secrets(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out += named_secrets(v)
+    return out
+
+
 def file_secrets(text: str) -> list[str]:
     """Values of secret-named assignments in a unit or environment file (Environment="HF_TOKEN=...")."""
     out = []
