@@ -6,7 +6,7 @@ module_utils/sglang_deploy/secret_rule.py, the one secret rule. A value is secre
 (an option with ``no_log: true`` in a role's meta/argument_specs.yml) or its name says so (secret_rule.secret_name:
 sglang_service_secret_env, sglang_service_api_key, HF_TOKEN), at any depth of a JSON or YAML `-e`. The `-e` values
 are the ones the driver's own parser (driver/cli.py) reads, so every spelling argparse accepts is found (-e X, -eX,
--ve X, -veX, --extra-vars=X, --extra X); `@file` arguments stay paths.
+-ve X, -veX, --extra-vars=X, --extra X); `@file` arguments stay paths, the secrets in their files are remembered.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class Redactor:
         """One `-e` argument as ansible-playbook reads it: @file, JSON or YAML, or key=value pairs."""
         stripped = text.strip()
         if stripped.startswith("@"):
+            self.from_file(stripped[1:])
             return text
         if stripped[:1] in ("{", "["):
             parsed = _structured(stripped)
@@ -100,18 +101,34 @@ class Redactor:
         except Exception:
             return self.whole(text)
         raw = pairs.pop("_raw_params", None)  # words that are no key=value: may be the rest of a secret
+        # Ansible takes `hf_token: v`, `hf_token = v` or `hf_token\=v` as words too (a variable _raw_params): a
+        # secret-named assignment among them, as the one rule's patterns read it, withholds them all.
+        raw_secret = bool(raw) and secret_rule.patterns(raw) != raw
         secret = [k for k in pairs if is_secret(k)]
         out = {k: secret_rule.MASK if k in secret else self.data(v) for k, v in pairs.items()}
-        if not secret and out == pairs:
+        if not secret and not raw_secret and out == pairs:
             return text
+        if raw_secret:
+            for value in secret_rule.file_secrets(raw):
+                self.keep(value)
         for k in secret:
             whole = f"{pairs[k]} {raw}" if raw else pairs[k]  # a JSON value with spaces is split by Ansible too
             parsed = _structured(whole) if whole.lstrip()[:1] in ("{", "[") else None
             self.keep(parsed if parsed is not None else whole)
-        if raw and secret:
+        if raw and (secret or raw_secret):
             raw = secret_rule.MASK
         words = [f"{k}={shlex.quote(str(v)) if k not in secret else v}" for k, v in out.items()]
         return " ".join(words + ([raw] if raw else []))
+
+    def from_file(self, path: str) -> None:
+        """An `-e @file`: its path stays in the argv, its secret values are remembered (read with Ansible's own
+        loader, as ansible-playbook reads it) to be scrubbed from the events, the terminal and --json."""
+        from ansible.parsing.dataloader import DataLoader
+
+        try:
+            self.data(DataLoader().load_from_file(path))
+        except Exception:  # unreadable (missing, vaulted): ansible-playbook says so; nothing to keep
+            return
 
     def whole(self, text: str) -> str:
         """An `-e` that cannot be parsed: withheld whole, for no name in it can be read to say it holds no secret."""

@@ -57,16 +57,41 @@ def run(
     """
     import ansible_runner  # heavy: kept off the CLI's start-up path
 
-    cmdline = []
-    for ev in job.extravars or []:
-        cmdline += ["-e", ev]
-    if job.check:
-        cmdline += ["--check", "--diff"]
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(open_private(record)) if record else None
+        # 0700 (mkdtemp), removed however the run ends (an exception, KeyboardInterrupt): it holds the -e files.
         private = Path(tempfile.mkdtemp(prefix="sglang-deploy-runner-"))
         stack.callback(shutil.rmtree, private, ignore_errors=True)
+        cmdline = extravars_args(job.extravars or [], private / "extravars")
+        if job.check:
+            cmdline += ["--check", "--diff"]
         return _run(ansible_runner, job, cmdline, private, sink, on_event, cancelled)
+
+
+def extravars_args(extravars: list[str], directory: Path) -> list[str]:
+    """ansible-playbook's -e arguments, each value in a file of its own (0600, in directory, made 0700) given as
+    -e @file: a value on a command line is readable by every local user (/proc/PID/cmdline) for the whole run.
+
+    Each file holds what Ansible would have read from the argument (ansible.utils.vars.load_extra_vars): YAML or
+    JSON as written; key=value pairs as Ansible's own parse_kv splits them, in JSON. Files are given in order,
+    so later ones win as later -e do. An @file of the operator's own stays as it is: a path."""
+    from ansible.parsing.splitter import parse_kv
+
+    directory.mkdir(mode=0o700)
+    out = []
+    for i, ev in enumerate(extravars):
+        if not ev:
+            continue  # Ansible skips an empty -e
+        if ev.startswith("@"):
+            out += ["-e", ev]
+            continue
+        # YAML/JSON as written; '/' or '.' too, which Ansible refuses (a file needs '@') and still refuses from it.
+        content = ev if ev[0] in "[{/." else json.dumps(parse_kv(ev))
+        path = directory / f"{i:03d}.vars"
+        with open(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "w", encoding="utf-8") as fh:
+            fh.write(content)
+        out += ["-e", f"@{path}"]
+    return out
 
 
 def open_private(path: Path):

@@ -120,7 +120,7 @@ from ansible.module_utils.common.parameters import remove_values
 from ansible.module_utils.sglang_deploy import bench, outcomes
 from ansible.module_utils.sglang_deploy import job as jobs
 from ansible.module_utils.sglang_deploy.checks import Thresholds
-from ansible.module_utils.sglang_deploy.instance import Instance, parse_env
+from ansible.module_utils.sglang_deploy.instance import Instance, env_secrets, parse_env
 from ansible.module_utils.sglang_deploy.restart import (
     MULTINODE_PHASES,
     Machine,
@@ -192,6 +192,7 @@ def main() -> None:
         supports_check_mode=True,
     )
     p = module.params
+    module.no_log_values.update(in_env := env_secrets(p["instance"], p["env_content"]))  # before any failure
     if not 0 < p["gpu_interval"] <= 0.25:
         module.fail_json(
             msg=f"gpu_interval is {p['gpu_interval']}: poll at least every 0.25 s", outcome=outcomes.INVALID_CONFIG
@@ -209,11 +210,10 @@ def main() -> None:
         module.fail_json(msg=f"instance: not a rendered instance record ({exc})", outcome=outcomes.INVALID_CONFIG)
     # SGLang logs its server_args (the API key included, as a repr) and a journal tail goes into failures: every
     # secret, this run's too (a rotated key), is stripped from what this module returns, in every form it takes.
-    redact = inst.redactor(parse_env(p["secrets_content"] or "").values())
+    redact = inst.redactor([*parse_env(p["secrets_content"] or "").values(), *in_env])
     module.no_log_values.update(redact.raw)
-    rendered = None
-    if p["unit_content"] is not None and p["env_content"] is not None:
-        rendered = {inst.unit_path: p["unit_content"], inst.env_path: p["env_content"]}
+    both = p["unit_content"] is not None and p["env_content"] is not None
+    rendered = {inst.unit_path: p["unit_content"], inst.env_path: p["env_content"]} if both else None
     settings = Settings(
         check_mode=module.check_mode,
         rendered=rendered if p["action"] == "restart" else None,

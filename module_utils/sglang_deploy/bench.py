@@ -18,6 +18,7 @@ import time
 import urllib.request
 
 from .http import OPENER, HttpError
+from .secret_rule import clip
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -93,7 +94,7 @@ def level(
                 r = request(base, f"sglang-deploy tune request {n}: count", max_new_tokens, api_key, timeout)
             except HttpError as exc:
                 with lock:
-                    failures.append(str(exc)[:300])
+                    failures.append(clip(str(exc), 300))
                 if stop is not None:
                     stop.set()
                 continue
@@ -185,7 +186,7 @@ def run(
         try:
             request(base, f"sglang-deploy tune warm-up {n}", max_new_tokens, api_key, timeout)
         except HttpError as exc:
-            warm_failed.append(str(exc)[:300])
+            warm_failed.append(clip(str(exc), 300))
             stop.set()
             break
     levels = [level(base, c, requests, max_new_tokens, api_key, timeout, request, stop) for c in concurrency]

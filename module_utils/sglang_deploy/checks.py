@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from . import boot, http
 from .gpu import format_offender
 from .instance import Instance, masked
+from .secret_rule import clip
 from .unit import state
 
 
@@ -178,7 +179,7 @@ def http_checks(inst: Instance, t: Thresholds, c: Checks, extra: dict) -> None:
         c.add("health_generate", False, str(exc))
     try:
         gen = http.generate(inst.base, t.prompt, t.max_new_tokens, api_key=key)
-        c.add("generate", True, f"{gen['completion_tokens']} tokens: {gen['text'][:60]!r}")
+        c.add("generate", True, f"{gen['completion_tokens']} tokens: {clip(gen['text'], 60)!r}")
     except http.HttpError as exc:
         c.add("generate", False, str(exc))
         return

@@ -13,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 
+from .secret_rule import Redactor, clip, patterns
+
 
 class HttpError(RuntimeError):
     """``cause``: the error underneath when the server did not answer (ConnectionRefusedError: nothing listens
@@ -49,11 +51,11 @@ def request(url: str, body: dict | None = None, timeout: float = 30.0, api_key: 
         raise HttpError(f"{url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}", cause=cause) from exc
 
 
-def json_of(url: str, data: bytes) -> dict:
+def json_of(url: str, data: bytes, redact=patterns) -> dict:
     try:
         out = json.loads(data)
     except ValueError as exc:
-        raise HttpError(f"{url}: not JSON ({exc}): {data[:200].decode(errors='replace')!r}") from exc
+        raise HttpError(f"{url}: not JSON ({exc}): {clip(data.decode(errors='replace'), 200, redact)!r}") from exc
     if not isinstance(out, dict):
         raise HttpError(f"{url}: expected a JSON object, got {type(out).__name__}")
     return out
@@ -63,7 +65,7 @@ def get_json(url: str, timeout: float = 30.0, api_key: str | None = None) -> dic
     code, data = request(url, timeout=timeout, api_key=api_key)
     if code != 200:
         raise HttpError(f"{url}: HTTP {code}")
-    return json_of(url, data)
+    return json_of(url, data, Redactor([api_key]).text)
 
 
 def generate(base: str, prompt: str, max_new_tokens: int, timeout: float = 120.0, api_key: str | None = None) -> dict:
@@ -75,9 +77,10 @@ def generate(base: str, prompt: str, max_new_tokens: int, timeout: float = 120.0
     }
     code, data = request(f"{base}/generate", body, timeout=timeout, api_key=api_key)
     seconds = time.monotonic() - t0
+    redact = Redactor([api_key]).text  # a server may echo the key it was sent: masked before a body is cut
     if code != 200:
-        raise HttpError(f"{base}/generate: HTTP {code}: {data[:300].decode(errors='replace')}")
-    out = json_of(f"{base}/generate", data)
+        raise HttpError(f"{base}/generate: HTTP {code}: {clip(data.decode(errors='replace'), 300, redact)}")
+    out = json_of(f"{base}/generate", data, redact)
     meta = out.get("meta_info") if isinstance(out.get("meta_info"), dict) else {}
     text = out.get("text") or ""
     try:
@@ -85,7 +88,9 @@ def generate(base: str, prompt: str, max_new_tokens: int, timeout: float = 120.0
     except (TypeError, ValueError):
         tokens = 0
     if not isinstance(text, str) or not text or not tokens:
-        raise HttpError(f"{base}/generate answered without generating: {data[:300].decode(errors='replace')}")
+        raise HttpError(
+            f"{base}/generate answered without generating: {clip(data.decode(errors='replace'), 300, redact)}"
+        )
     return {
         "text": text,
         "completion_tokens": tokens,

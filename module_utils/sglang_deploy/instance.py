@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .procinfo import API_KEY_VAR
-from .secret_rule import Redactor, masked
+from .secret_rule import Redactor, file_secrets, masked, named_secrets
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
@@ -108,6 +108,13 @@ class Instance:
         if masked(running) == masked(self.argv):
             return self.profile
         return next((name for name, a in self.profiles_argv.items() if masked(a) == masked(running)), None)
+
+
+def env_secrets(record: dict, env_content: str | None = None) -> list[str]:
+    """The values of secret-named variables of a rendered instance's env (sglang_server_env, a profile's or the
+    instance's own: HF_TOKEN), in its record and its env file's content: a module's no_log values, for both are
+    its arguments (invocation.module_args) and may be in what it returns."""
+    return [*named_secrets(record.get("env")), *file_secrets(env_content or "")]
 
 
 def read_env_file(path: str) -> dict[str, str]:

@@ -24,6 +24,9 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
+
+from .secret_rule import clip, patterns
 
 from .durable import write_atomic
 
@@ -48,7 +51,8 @@ BAR = re.compile(
 class LoadWatch:
     """Reads the journal's new lines and keeps the model-load step and its bar: step, detail (n/m, %)."""
 
-    def __init__(self) -> None:
+    def __init__(self, redact: Callable[[str], str] = patterns) -> None:
+        self.redact = redact  # masks a line before its tail is cut (secret_rule.clip)
         self.step = ""
         self.detail = ""
         self.loads = 0  # "Load weight begin." lines seen: 1 the target, 2 the draft
@@ -62,7 +66,7 @@ class LoadWatch:
             if not line.strip():
                 continue
             segment = line.rsplit("\r", 1)[-1].strip() or line.strip()
-            self.last_line = segment[-300:]
+            self.last_line = clip(segment, 300, self.redact, last=True)  # SGLang's ServerArgs line is long
             if LOAD_BEGIN.search(line):
                 self.loads += 1
                 self.step, self.detail = (WEIGHTS if self.loads == 1 else DRAFT_WEIGHTS), ""

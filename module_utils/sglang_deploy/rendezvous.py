@@ -37,6 +37,7 @@ import time
 
 from . import nccl_worker
 from .nccl import worker_source
+from .secret_rule import clip
 from .validate import listening_inodes, socket_holders
 
 MIB = nccl_worker.MIB
@@ -199,7 +200,7 @@ def port_state(
     found = inodes(port)
     if found:
         held = holders(found)
-        listed = [{"pid": pid, "unit": u, "cmdline": cmd[:160]} for pid, (u, cmd) in sorted(held.items())]
+        listed = [{"pid": pid, "unit": u, "cmdline": clip(cmd, 160)} for pid, (u, cmd) in sorted(held.items())]
         if held and all(h[0] == unit for h in held.values()):
             return {"state": "own", "holders": listed, "error": None}
         return {"state": "taken", "holders": [h for h in listed if h["unit"] != unit], "error": None}
@@ -504,7 +505,7 @@ def say_hello(
                         answer = answer or "a process answers there without a word: not rank 0's check"
                         continue
                     if not first.startswith(BANNER):
-                        answer = f"something else answers there (it said {first[:60]!r}, not rank 0's check)"
+                        answer = f"something else answers there (it said {clip(first, 60)!r}, not rank 0's check)"
                         continue
                     if first.split()[-1] != instance:
                         answer = f"rank 0's check there is for instance {first.split()[-1]}, not {instance}: two instances share dist_init_addr?"

@@ -42,6 +42,7 @@ from .http import HttpError, generate, healthy
 from .instance import Instance, masked
 from .known_good import Store, content_hash
 from .lock import LEASE_BEGIN, LEASE_CHECK, LEASE_CONTINUE, LEASE_RECOVER, InstanceLock, Lease, Locked, peek
+from .secret_rule import clip
 from .stage import promote, read_text, stage_complete
 from .validate import ValidateError, validate_host
 
@@ -140,7 +141,7 @@ class LoadFollower:
 
     def __init__(self, m: Machine):
         self.m = m
-        self.watch = load_progress.LoadWatch()
+        self.watch = load_progress.LoadWatch(m.inst.redactor().text)  # the secrets file's values known too
         self.cursor: str | None = None
         self.next_read = 0.0
 
@@ -877,7 +878,7 @@ def measure(m: Machine, res: dict) -> None:
         res["bench"], res["bench_error"] = None, benchmark.INTERRUPTED
         raise
     except Exception as exc:  # contained: the restart stands, the combination has no measurement
-        res["bench"], res["bench_error"] = None, f"the benchmark could not run: {exc!r}"[:600]
+        res["bench"], res["bench_error"] = None, clip(f"the benchmark could not run: {exc!r}", 600)
     res["gpu_model"] = m.gpu_model
 
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from . import http, outcomes
+from .secret_rule import Redactor, clip
 
 RUNNING_METRIC = "sglang:num_running_reqs"
 QUEUE_METRIC = "sglang:num_queue_reqs"
@@ -195,6 +196,8 @@ class Router:
     ):
         self.url = normalize(url)
         self.api_key = api_key or None
+        # A router may echo the key it was sent: its answers are masked with it known before they are cut.
+        self.redact = Redactor([self.api_key]).text
         self.timeout = timeout
         self.poll = poll
         self.clock = clock
@@ -209,16 +212,16 @@ class Router:
         if code == 401:
             raise RouterError(f"{method} {url}: HTTP 401: the router requires its API key (sglang_router_api_key)")
         try:
-            doc = http.json_of(url, data) if data.strip() else {}
+            doc = http.json_of(url, data, self.redact) if data.strip() else {}
         except http.HttpError:
-            doc = {"raw": data[:300].decode(errors="replace")}
+            doc = {"raw": clip(data.decode(errors="replace"), 300, self.redact)}
         return code, doc
 
     def workers(self) -> list[dict]:
         """Every worker the router lists: {id, url, healthy} (and the router's own fields)."""
         code, doc = self._call("GET", "/workers")
         if code != 200 or not isinstance(doc.get("workers"), list):
-            raise RouterError(f"GET {self.url}/workers: HTTP {code}: {str(doc)[:300]}")
+            raise RouterError(f"GET {self.url}/workers: HTTP {code}: {clip(str(doc), 300, self.redact)}")
         out = []
         for w in doc["workers"]:
             if isinstance(w, dict) and w.get("url"):
@@ -248,7 +251,7 @@ class Router:
         url = posted(worker_url)
         code, doc = self._call("POST", "/workers", {"url": url})
         if code not in (200, 201, 202):
-            raise RouterError(f"POST {self.url}/workers {url}: HTTP {code}: {str(doc)[:300]}")
+            raise RouterError(f"POST {self.url}/workers {url}: HTTP {code}: {clip(str(doc), 300, self.redact)}")
         return str(doc.get("worker_id") or ""), True
 
     def not_listed(self, worker_url: str, listing: list[dict]) -> RouterError:
@@ -276,7 +279,9 @@ class Router:
             if code == 404:  # removed meanwhile
                 continue
             if code not in (200, 202, 204):
-                raise RouterError(f"DELETE {self.url}/workers/{wid} ({w['url']}): HTTP {code}: {str(doc)[:300]}")
+                raise RouterError(
+                    f"DELETE {self.url}/workers/{wid} ({w['url']}): HTTP {code}: {clip(str(doc), 300, self.redact)}"
+                )
             ids.append(wid)
         return ids
 

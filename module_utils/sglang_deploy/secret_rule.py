@@ -24,7 +24,7 @@ import json
 import re
 import shlex
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 # The one replacement everywhere. Known-good records hash the argv masked with it: another text changes their hashes.
 MASK = "<secret>"
@@ -78,8 +78,27 @@ def secret_value(value) -> bool:
 # over one logged 40k-character prompt, before a rollback) and is at most 201 characters long.
 ASSIGN = re.compile(
     r"""(?<![\w.])(?P<name>[A-Za-z_][\w.\-]{0,200})(?P<nq>['"]?)(?P<sep>[ \t]*[=:][ \t]*)"""
-    r"""(?P<val>'(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*"|[^\s,;)}\]'"]+)"""
+    r"""(?P<val>'(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*"|[^\s,;()}\]'"]+)"""
 )
+# A secret-named bare value runs on past a '(' (ab(cd is one password); any other stops there, so that the
+# assignment inside is found: server_args=ServerArgs(api_key='k'), as SGLang logs it at start.
+BARE = re.compile(r"""[^\s,;)}\]'"]+""")
+
+
+def _assignments(text: str):
+    """(name, the value's start and end, the quote, the value inside it) of each assignment ASSIGN finds, and of
+    those inside a quoted value of another name (Environment="HF_TOKEN=k"), scanned once more from its quote."""
+    pos = 0
+    while (m := ASSIGN.search(text, pos)) is not None:
+        quote, bare = _unquoted(m["val"])
+        start, end = m.span("val")
+        if not quote and secret_name(m["name"]):
+            end = BARE.match(text, start).end()
+            bare = text[start:end]
+        yield m, start, end, quote, bare
+        pos = start + 1 if quote and not secret_name(m["name"]) else end
+
+
 # --flag value, and the flag and its value as items of a list ('--api-key', 'x').
 FLAG = re.compile(r"""(?P<flag>--[A-Za-z][\w\-]*)(?P<sep>[ \t]+|['"]?[ \t]*,[ \t]*['"]?)(?P<val>[^\s'",\]]+)""")
 BEARER = re.compile(r"(?i)\b(?P<kind>bearer)[ \t]+(?P<val>[A-Za-z0-9._~+/=\-]{8,})")
@@ -97,13 +116,6 @@ def _unquoted(val: str) -> tuple[str, str]:
     return "", val
 
 
-def _assign(m: re.Match) -> str:
-    quote, bare = _unquoted(m["val"])
-    if not secret_name(m["name"]) or not secret_value(bare):
-        return m.group(0)
-    return f"{m['name']}{m['nq']}{m['sep']}{quote}{MASK}{quote}"
-
-
 def _flag(m: re.Match) -> str:
     if not secret_name(m["flag"]) or m["val"].startswith("--") or not secret_value(m["val"]):
         return m.group(0)
@@ -113,11 +125,25 @@ def _flag(m: re.Match) -> str:
 def patterns(text: str) -> str:
     """text with every secret-looking value replaced: secret-named assignments and flags, bearer tokens,
     Authorization headers, URL credentials."""
-    text = ASSIGN.sub(_assign, text)
+    out, pos = [], 0
+    for m, start, end, quote, bare in _assignments(text):
+        if secret_name(m["name"]) and secret_value(bare):
+            out += [text[pos:start], f"{quote}{MASK}{quote}"]
+            pos = end
+    text = "".join(out) + text[pos:]
     text = FLAG.sub(_flag, text)
     text = BEARER.sub(lambda m: f"{m['kind']} {MASK}", text)
     text = AUTHORIZATION.sub(lambda m: f"{m['head']}{m['kind'] or ''}{MASK}", text)
     return URL_CREDENTIALS.sub(MASK + "@", text)
+
+
+def clip(text: str, n: int, redact: Callable[[str], str] = patterns, last: bool = False) -> str:
+    """text masked, then cut to its first n characters (its last n with last). Cut first, a secret split at the
+    cut escapes both the patterns (its name is cut away) and a known value's mask (only part of it is left).
+
+    redact: a Redactor's text where one is at hand (it knows the values as well); the patterns otherwise."""
+    text = redact(text)
+    return text[-n:] if last else text[:n]
 
 
 def argv_secrets(argv: list[str]) -> list[str]:
@@ -152,11 +178,25 @@ def masked(argv: list[str]) -> list[str]:
     return out
 
 
+def named_secrets(obj) -> list[str]:
+    """The values of secret-named keys at any depth of a mapping or list (an instance record's env: HF_TOKEN)."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if secret_name(k) and secret_value(v):
+                out.append(v)
+            else:
+                out += named_secrets(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out += named_secrets(v)
+    return out
+
+
 def file_secrets(text: str) -> list[str]:
     """Values of secret-named assignments in a unit or environment file (Environment="HF_TOKEN=...")."""
     out = []
-    for m in ASSIGN.finditer(text):
-        _, val = _unquoted(m["val"])
+    for m, _, _, _, val in _assignments(text):
         if secret_name(m["name"]) and secret_value(val):
             out.append(val)
     return out

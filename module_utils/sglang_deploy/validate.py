@@ -31,6 +31,7 @@ import time
 from .durable import write_atomic
 from .outcomes import INVALID_CONFIG
 from .patch import PatchError, dist_info, installed_version
+from .secret_rule import clip
 
 # Runs under the virtualenv's Python: SGLang's own parser and environment registry, once for
 # every argv given (one import of SGLang for all the host's instances).
@@ -410,7 +411,7 @@ def check_port(port, unit, origin):
     others = {pid: h for pid, h in holders.items() if h[0] != unit}
     if holders and not others:
         return []
-    who = "; ".join(f"pid {pid} ({u}: {cmd[:120]})" for pid, (u, cmd) in sorted(others.items()))
+    who = "; ".join(f"pid {pid} ({u}: {clip(cmd, 120)})" for pid, (u, cmd) in sorted(others.items()))
     message = f"port {port} is already in use by {who or 'a process not visible here'}: "
     return [problem("port", origin, message + f"choose another port ({origin}) or stop that process")]
 
@@ -485,7 +486,7 @@ def count_gpus(run=subprocess.run):
     except subprocess.TimeoutExpired as exc:
         raise ValidateError("nvidia-smi did not answer within 60 s: the host's GPUs could not be counted") from exc
     if proc.returncode != 0:
-        why = (proc.stderr or proc.stdout).strip()[-500:]
+        why = clip((proc.stderr or proc.stdout).strip(), 500, last=True)
         raise ValidateError(f"nvidia-smi failed (exit {proc.returncode}): {why}: the host's GPUs could not be counted")
     return sum(1 for line in proc.stdout.splitlines() if line.strip())
 
@@ -505,11 +506,15 @@ def run_parser(python, argvs, timeout=PARSE_TIMEOUT_S):
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ValidateError(f"could not run SGLang's parser with {python}: {exc}") from exc
     if proc.returncode != 0:
-        raise ValidateError(f"could not run SGLang's parser with {python}: {proc.stderr.strip()[-2000:]}")
+        raise ValidateError(
+            f"could not run SGLang's parser with {python}: {clip(proc.stderr.strip(), 2000, last=True)}"
+        )
     try:
         out = json.loads(proc.stdout)
     except ValueError as exc:
-        raise ValidateError(f"SGLang's parser under {python} answered no JSON: {proc.stdout.strip()[-500:]}") from exc
+        raise ValidateError(
+            f"SGLang's parser under {python} answered no JSON: {clip(proc.stdout.strip(), 500, last=True)}"
+        ) from exc
     return [{**r, "options": out["options"], "env_names": out["env_names"]} for r in out["results"]]
 
 

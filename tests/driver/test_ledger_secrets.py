@@ -128,10 +128,80 @@ def test_a_directory_the_user_named_is_left_as_it_is_but_the_ledger_in_it_is_pri
         (["-e", "{unparsable: [ x"], ["-e", M]),  # no name can be read in it to say it holds no secret
         (["--profile", "p", "-i", "inventory/prod"], ["--profile", "p", "-i", "inventory/prod"]),
         (["-e", "api_key_file=/etc/k DB_PASS=hunter22"], ["-e", f"api_key_file=/etc/k DB_PASS={M}"]),
+        # Ansible's parse_kv reads these as words (a variable _raw_params), not key=value, and still takes them.
+        (["-e", "hf_token = v1234567"], ["-e", M]),
+        (["-e", "hf_token: v1234567"], ["-e", M]),
+        (["-e", "x=1 hf_token: v1234567"], ["-e", f"x=1 {M}"]),
+        (["-e", "hf_token\\=v1234567"], ["-e", M]),
+        (["-e", "---\nhf_token: v1234567"], ["-e", M]),
+        (["-e", "k=v k2=v2"], ["-e", "k=v k2=v2"]),
+        (["-e", "just some words"], ["-e", "just some words"]),
     ],
 )
 def test_extra_vars_are_redacted_in_every_form(argv, recorded):
     assert redact.Redactor().argv(["status", *argv]) == ["status", *recorded]
+
+
+@pytest.mark.parametrize(
+    "text", ["hf_token = v1234567", "hf_token: v1234567", "hf_token\\=v1234567", "x=1 hf_token: v1234567"]
+)
+def test_a_secret_ansible_reads_as_words_is_kept_to_be_scrubbed(text):
+    """Ansible takes these -e (parse_kv: the variable _raw_params): the value is scrubbed from the events too."""
+    from ansible.parsing.splitter import parse_kv
+
+    assert "_raw_params" in parse_kv(text), "Ansible's own reading of it"
+    r = redact.Redactor()
+    r.argv(["status", "-e", text])
+    assert r.secrets == {"v1234567"}
+    assert r.scrub({"msg": "token v1234567"}) == {"msg": f"token {M}"}
+
+
+@pytest.mark.parametrize("suffix", ["yml", "json"])
+def test_an_extra_vars_file_is_read_with_ansibles_loader_and_its_secrets_scrubbed(tmp_path, suffix):
+    """-e @file: the path stays in the recorded argv, the file's secret-named values (at any depth, declared
+    no_log or named so) are remembered, to be scrubbed from the events, the terminal and --json."""
+    doc = {"sglang_service_secret_env": {"HF_TOKEN": "hf_FILESECRET1"}, "db": {"password": "FILESECRET2"}, "n": 3}
+    path = tmp_path / f"vars.{suffix}"
+    path.write_text(json.dumps(doc) if suffix == "json" else "---\n" + json.dumps(doc).replace('"', ""))
+    r = redact.Redactor()
+    assert r.argv(["status", "-e", f"@{path}", f"-e@{path}"]) == ["status", "-e", f"@{path}", f"-e@{path}"]
+    assert r.secrets == {"hf_FILESECRET1", "FILESECRET2"}
+    event = {"res": {"msg": "HF_TOKEN=hf_FILESECRET1 p=" + json.dumps("FILESECRET2")}}
+    assert "FILESECRET" not in json.dumps(r.scrub(event))
+
+
+def test_an_unreadable_extra_vars_file_stays_a_path(tmp_path):
+    r = redact.Redactor()
+    assert r.argv(["status", "-e", f"@{tmp_path}/missing.json"]) == ["status", "-e", f"@{tmp_path}/missing.json"]
+    assert r.secrets == set()
+
+
+def test_an_extra_vars_file_secret_reaches_no_record_and_no_output(tmp_path, ledger_path, monkeypatch, capsys):
+    """python -m driver status -e @file --json, its playbook (ansible-runner, faked) echoing the file's secret:
+    the recorded stream, --json and the terminal hold none of it."""
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(
+        "all:\n  children:\n    sglang_nodes:\n      hosts:\n        n1: {ansible_connection: local}\n"
+    )
+    secrets = tmp_path / "secrets.yml"
+    secrets.write_text(f"sglang_service_api_key: {json.dumps(ODD)}\n")
+
+    def fake_run(**kwargs):
+        res = {"failed": True, "msg": f"ServerArgs(api_key={ODD!r})", "failure": {"journal_tail": escaped_lines(ODD)}}
+        kwargs["event_handler"]({"event": "verbose", "stdout": f"fatal: api_key={ODD!r}"})
+        kwargs["event_handler"](
+            {"event": "runner_on_failed", "event_data": {"host": "n1", "task": "t", "task_action": "x", "res": res}}
+        )
+        return SimpleNamespace(status="failed", rc=2)
+
+    monkeypatch.setitem(sys.modules, "ansible_runner", SimpleNamespace(run=fake_run))
+    code = cli.main(["status", "-i", str(inventory), "--json", "-e", f"@{secrets}"])
+    out, err = capsys.readouterr()
+    assert code != 0 and json.loads(out)["run_id"] == 1
+    stream = (ledger_path.parent / "runs" / "1" / "events.jsonl").read_text()
+    assert M in stream, "the events were recorded, scrubbed"
+    for where, text in {"events": stream, "stdout": out, "stderr": err}.items():
+        assert "Zq9" not in text and base64.b64encode(ODD.encode()).decode() not in text, where
 
 
 # Every spelling argparse accepts for -e (#30: `-ve KEY=SECRET` was stored in plaintext), found by the driver's
