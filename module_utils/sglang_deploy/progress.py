@@ -26,9 +26,8 @@ import re
 import time
 from collections.abc import Callable
 
-from .secret_rule import clip, patterns
-
 from .durable import write_atomic
+from .secret_rule import clip, patterns
 
 # The model-load steps (the sub-phases of `start`), in the order SGLang takes them.
 WEIGHTS = "loading weights"
