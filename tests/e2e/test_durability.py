@@ -12,6 +12,7 @@ At the end `main` is back to deployed, never verified."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -37,20 +38,36 @@ def drive(deployed, tmp_path_factory):
     back_to_deployed(the_lab, host["container"], NODE)
 
 
-def node_now(node: str) -> str:
-    return podman_exec(node, "date", "+%s").strip()
+def cursor(node: str) -> str:
+    """The node's journal position now: what the restart under test writes comes after it (a time in seconds
+    would take in the last lines of the restart before)."""
+    out = podman_exec(node, "journalctl", "-n", "0", "--show-cursor", "-o", "cat")
+    return out.strip().rsplit("-- cursor: ", 1)[-1]
 
 
-def wait_for_phase(node: str, since: str, phase: str, proc, timeout: float = 120) -> None:
+def worker_lines(node: str, after: str, *fmt: str) -> str:
+    return podman_exec(
+        node, "journalctl", "-t", "sglang-deploy-job", f"--after-cursor={after}", *(fmt or ("-o", "cat"))
+    )
+
+
+def wait_for_phase(node: str, after: str, phase: str, proc, timeout: float = 120) -> None:
     """Until the restart's worker says, in its journal (its scope's), that it has entered `phase`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        said = podman_exec(node, "journalctl", "-t", "sglang-deploy-job", "--since", f"@{since}", "-o", "cat")
-        if f"phase {phase}" in said.splitlines():
+        if f"phase {phase}" in worker_lines(node, after).splitlines():
             return
         assert proc.poll() is None, proc.communicate()[0][-3000:]  # ended before: nothing to cut short
         time.sleep(0.2)
     raise AssertionError(f"the restart's worker never reached {phase}")
+
+
+def wait_serving(node: str, timeout: float = 120) -> None:
+    probe = f"import urllib.request as u; u.urlopen('http://127.0.0.1:{PORT}/health', timeout=2)"
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["podman", "exec", node, "python3", "-c", probe], capture_output=True).returncode != 0:
+        assert time.monotonic() < deadline, podman_exec(node, "journalctl", "-u", "sglang-main", "-b", "-n", "30")
+        time.sleep(0.5)
 
 
 def live_hash(node: str, record: dict) -> str:
@@ -66,9 +83,9 @@ def newest_record(node: str) -> dict:
 def test_a_restart_whose_ssh_session_is_killed_completes_verified_and_the_driver_reports_it(drive):
     run, host = drive
     node = host["container"]
-    since = node_now(node)
+    after = cursor(node)
     proc = run("restart", "-e", main_with(env={"LAB_STANDIN_LOAD_S": "12"}), popen=True)
-    wait_for_phase(node, since, "start", proc)
+    wait_for_phase(node, after, "start", proc)
     # Every session of the user Ansible connects as, ended as logind ends them: their processes killed.
     podman_exec(node, "loginctl", "terminate-user", "ansible")
     out, err = proc.communicate(timeout=600)
@@ -76,17 +93,7 @@ def test_a_restart_whose_ssh_session_is_killed_completes_verified_and_the_driver
     [row] = [r for r in json.loads(out)["rows"] if r["host"] == NODE]
     assert row["result"] == outcomes.RESTARTED, row
     # The worker ran in a scope of its own, not the session's, to its end.
-    units = podman_exec(
-        node,
-        "journalctl",
-        "-t",
-        "sglang-deploy-job",
-        "--since",
-        f"@{since}",
-        "-o",
-        "json",
-        "--output-fields=_SYSTEMD_UNIT,MESSAGE",
-    )
+    units = worker_lines(node, after, "-o", "json", "--output-fields=_SYSTEMD_UNIT,MESSAGE")
     said = [json.loads(line) for line in units.splitlines()]
     assert {e["_SYSTEMD_UNIT"] for e in said} == {e["_SYSTEMD_UNIT"] for e in said[:1]}
     assert said[0]["_SYSTEMD_UNIT"].startswith("sglang-deploy-job-main-") and said[-1]["MESSAGE"].endswith("ok=True")
@@ -97,10 +104,10 @@ def test_a_power_loss_between_promote_and_verify_boots_the_known_good_configurat
     run, host = drive
     node = host["container"]
     good = newest_record(node)
-    since = node_now(node)
+    after = cursor(node)
     # A long load: the power goes while the new configuration is on disk and never verified.
     proc = run("restart", "-e", main_with(env={"LAB_STANDIN_LOAD_S": "120"}), popen=True)
-    wait_for_phase(node, since, "start", proc)
+    wait_for_phase(node, after, "start", proc)
     assert live_hash(node, good) != good["config_hash"]  # promoted: the unverified files are live
     labmod.podman("kill", node)
     labmod.podman("start", node)
@@ -114,9 +121,11 @@ def test_a_power_loss_between_promote_and_verify_boots_the_known_good_configurat
         assert time.monotonic() < deadline, podman_exec(node, "journalctl", "-u", "sglang-main", "-b", "-n", "30")
         time.sleep(0.5)
     assert live_hash(node, good) == good["config_hash"]
+    wait_serving(node)
     guard = podman_exec(node, "journalctl", "-b", "-t", "sglang-boot-guard", "-o", "cat")
     assert f"known-good generation {good['generation']} put back" in guard, guard
-    code, doc, p = run("verify")
+    assert podman_exec(node, "sh", "-c", "ls /run/sglang-deploy/unverified 2>/dev/null || true").strip() == ""
+    code, doc, p = run("verify")  # its drift check: what runs is what group_vars render, the known-good profile
     assert code == 0, p.stdout[-3000:]
     # The next restart proceeds (nothing held: no lock, no stale mark, the staged set consumed).
     code, doc, p = run("restart")
