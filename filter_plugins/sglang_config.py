@@ -13,7 +13,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "module_utils"))
 from sglang_deploy.instance import NAME
 from sglang_deploy.router import worker_url
-from sglang_deploy.secret_rule import REFUSED_FLAGS
+from sglang_deploy.secret_rule import REFUSED_FLAGS, secret_name, secret_value
 from sglang_deploy.tune import SPEC, TUNED_PREFIX, GridError, fingerprint, plan
 
 
@@ -130,6 +130,13 @@ def server_config(
                 env.pop(name, None)
                 env_origins.pop(name, None)
                 continue
+            if secret_name(name) and secret_value(value):
+                # The env file is configuration: recorded in every known-good generation and rolled back.
+                raise ConfigError(
+                    f"{where}.{name}: a secret in the instance's env file, which every known-good generation "
+                    f"records and a rollback puts back; set sglang_service_secret_env.{name} instead (a root-only "
+                    "secrets file, always the current value, never recorded)"
+                )
             env[name] = "1" if value is True else "0" if value is False else str(value)
             env_origins[name] = f"{where}.{name}"
     if "CUDA_VISIBLE_DEVICES" in env:

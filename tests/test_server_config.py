@@ -175,3 +175,23 @@ def test_multi_node_settings_are_checked(inst, message):
     with pytest.raises(ConfigError) as exc:
         render(instance={**INSTANCE, **inst})
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "layer,where",
+    [("instance", "sglang_instances[0].env.HF_TOKEN"), ("common", "sglang_server_env.HF_TOKEN")],
+)
+def test_a_secret_named_env_value_is_refused_for_the_secrets_file(layer, where):
+    """The env file is recorded in every known-good generation and rolled back: a token there would be kept in
+    plain text up to sglang_service_known_good_keep times, and an old one put back by a rollback."""
+    env = {"HF_TOKEN": "hf_abcdefgh12345", "NCCL_DEBUG": "WARN"}
+    with pytest.raises(ConfigError) as exc:
+        if layer == "instance":
+            render(instance={**INSTANCE, "env": env})
+        else:
+            server_config(INSTANCE, PROFILES, "eagle3_topk1", "/m", GROUP_VARS["sglang_server_flags"], env)
+    assert str(exc.value).startswith(f"{where}: a secret in the instance's env file")
+    assert "sglang_service_secret_env.HF_TOKEN" in str(exc.value) and "hf_abcdefgh12345" not in str(exc.value)
+    # Unset, or names that only look alike, are configuration as before.
+    cfg = render(instance={**INSTANCE, "env": {"HF_TOKEN": "", "SGLANG_MAX_TOKENS": "4096", "NCCL_DEBUG": "WARN"}})
+    assert cfg["env"]["SGLANG_MAX_TOKENS"] == "4096" and cfg["env"]["HF_TOKEN"] == ""
