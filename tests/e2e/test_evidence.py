@@ -12,14 +12,12 @@ file, its configuration rendered again from group_vars), and its evidence remove
 
 from __future__ import annotations
 
-import io
 import json
 import sqlite3
-import tarfile
 
 import pytest
 
-from support.e2e import back_to_deployed, driver_runner, podman_exec
+from support.e2e import back_to_deployed, driver_runner, members, podman_exec
 
 pytestmark = pytest.mark.lab
 
@@ -31,24 +29,6 @@ GPUS = 8
 def instance(**env: str) -> str:
     main = {"name": "main", "port": 30000, "gpus": list(range(GPUS)), "env": env}
     return json.dumps({"sglang_instances": [main], "sglang_service_api_key": SECRET})
-
-
-def members(path: str) -> dict[str, bytes]:
-    """Every file of the run's tar.gz and of each host bundle inside it, by name (host bundles' as host/member)."""
-    out: dict[str, bytes] = {}
-    with tarfile.open(path) as outer:
-        for m in outer.getmembers():
-            if not m.isfile():
-                continue
-            data = outer.extractfile(m).read()
-            out[m.name] = data
-            if m.name.endswith(".tar.gz"):
-                host = m.name.split("/")[1]
-                with tarfile.open(fileobj=io.BytesIO(data)) as inner:
-                    for n in inner.getmembers():
-                        if n.isfile():
-                            out[f"{host}/{n.name}"] = inner.extractfile(n).read()
-    return out
 
 
 @pytest.fixture(scope="module")

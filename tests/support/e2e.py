@@ -4,11 +4,13 @@ podman on its nodes. The fixtures (the lab, deployed once) are in tests/e2e/conf
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import lab as labmod
@@ -31,6 +33,7 @@ __all__ = [
     "lab_gpu_state",
     "labmod",
     "main_with",
+    "members",
     "podman_exec",
     "recap",
     "refused",
@@ -144,3 +147,21 @@ def back_to_deployed(the_lab, container: str, host: str) -> None:
         "sglang_service_configure",
         inventory=the_lab.inventory,
     )
+
+
+def members(path: str) -> dict[str, bytes]:
+    """Every file of the run's tar.gz and of each host bundle inside it, by name (host bundles' as host/member)."""
+    out: dict[str, bytes] = {}
+    with tarfile.open(path) as outer:
+        for m in outer.getmembers():
+            if not m.isfile():
+                continue
+            data = outer.extractfile(m).read()
+            out[m.name] = data
+            if m.name.endswith(".tar.gz"):
+                host = m.name.split("/")[1]
+                with tarfile.open(fileobj=io.BytesIO(data)) as inner:
+                    for n in inner.getmembers():
+                        if n.isfile():
+                            out[f"{host}/{n.name}"] = inner.extractfile(n).read()
+    return out
