@@ -24,7 +24,7 @@ import yaml
 
 from driver import interrupts
 from support import rollout, wait_for
-from support.e2e import driver_runner, labmod, podman_exec
+from support.e2e import driver_runner, labmod, podman_exec, wait_ssh
 from support.rollout import KEY, ROUTER, ROUTER_PORT, Load, in_node, router_workers
 
 pytestmark = pytest.mark.lab
@@ -214,6 +214,7 @@ def test_a_replica_node_down_is_reported_unreachable_taken_out_of_the_router_and
         subprocess.run(["podman", "start", down], check=True, capture_output=True)
         labmod.up(the_lab, nodes=len(NODES), gpus=8, timeout=120)  # the node's SSH port is published anew
         write_inventory(the_lab, "rollout-hosts.yml", {h: [RO] for h in NODES})
+        wait_ssh(inventory, "lab-node2")
     out = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert code == 8, out  # exitcodes.UNREACHABLE
     rows = rows_by_host(doc)
@@ -392,6 +393,7 @@ def test_a_replica_unreachable_over_ssh_that_serves_stays_in_the_router(fleet):
     finally:
         stats = load.stop()
         podman_exec(cut, "systemctl", "start", "ssh.service")
+        wait_ssh(inventory, "lab-node2")
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert code == 8, out  # exitcodes.UNREACHABLE
     assert rows_by_host(doc)["lab-node1"]["result"] == "restarted", out
@@ -447,6 +449,7 @@ def test_an_ssh_blip_during_a_replicas_restart_ends_defined_and_back_in_the_rout
             podman_exec(node, "systemctl", "start", "ssh.service")
     finally:
         code, out, err = driver.wait(400)
+        wait_ssh(inventory, "lab-node2")
     assert code in (0, 8), out[-3000:] + err[-3000:]
     doc = json.loads(out)
     if code == 0:

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import lab as labmod
@@ -165,3 +166,18 @@ def members(path: str) -> dict[str, bytes]:
                         if n.isfile():
                             out[f"{host}/{n.name}"] = inner.extractfile(n).read()
     return out
+
+
+def wait_ssh(inventory, host: str, timeout: float = 240) -> float:
+    """Until Ansible reaches `host` again after its sshd was stopped or its node restarted; the seconds it took.
+    With logind on the node (KillUserProcesses=yes), a connection right after sshd came back was seen to fail
+    for about a minute ("mux_client_request_session: read from master failed"): what follows starts from a host
+    Ansible reaches, as an operator's next command would after the outage."""
+    t0 = time.monotonic()
+    while True:
+        proc = ansible("ansible", host, "-m", "ansible.builtin.ping", inventory=inventory, check=False)
+        if proc.returncode == 0:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{host} not reachable over SSH after {timeout:.0f} s:\n{proc.stdout[-2000:]}")
+        time.sleep(1)
