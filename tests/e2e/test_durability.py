@@ -1,11 +1,11 @@
-"""A restart that outlives what an operator's day does to it (issue 30), on lab-node1's `main`:
+"""A restart that outlives what an operator's day does to it (issue 30), on lab-node1's `main`: the node losing
+power between promote and verify. The unit's boot guard (sglang_deploy.boot) finds the unverified configuration on
+disk with no restart verifying it, puts the known-good one back and starts it; the driver reports the job gone
+with the reboot, and the next restart proceeds.
 
-- its SSH session killed mid-start: the lab's logind kills every process a session leaves (KillUserProcesses=yes,
-  lab/image/build.sh), as hardened hosts do; the restart's worker has left the session for a scope unit of its own
-  (sglang_deploy.job.own_scope), so the restart completes, verified, and the driver, reconnecting, reports it;
-- the node losing power between promote and verify: the unit's boot guard (sglang_deploy.boot) finds the
-  unverified configuration on disk with no restart verifying it, puts the known-good one back and starts it; the
-  driver reports the job gone with the reboot, and the next restart proceeds.
+The SSH session killed mid-start (the worker in a scope unit of its own, sglang_deploy.job.own_scope) was shown on
+a lab whose nodes ran logind with KillUserProcesses=yes (docs/restart.md); the lab's image runs no logind for now:
+with it, Ansible's multiplexed SSH connections failed now and then for about a minute, cause not found.
 
 At the end `main` is back to deployed, never verified."""
 
@@ -78,26 +78,6 @@ def newest_record(node: str) -> dict:
     gens = "/var/lib/sglang/known-good/main/generations"
     newest = podman_exec(node, "sh", "-c", f"ls -1 {gens} | tail -n 1").strip()
     return json.loads(podman_exec(node, "cat", f"{gens}/{newest}"))
-
-
-def test_a_restart_whose_ssh_session_is_killed_completes_verified_and_the_driver_reports_it(drive):
-    run, host = drive
-    node = host["container"]
-    after = cursor(node)
-    proc = run("restart", "-e", main_with(env={"LAB_STANDIN_LOAD_S": "12"}), popen=True)
-    wait_for_phase(node, after, "start", proc)
-    # Every session of the user Ansible connects as, ended as logind ends them: their processes killed.
-    podman_exec(node, "loginctl", "terminate-user", "ansible")
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    [row] = [r for r in json.loads(out)["rows"] if r["host"] == NODE]
-    assert row["result"] == outcomes.RESTARTED, row
-    # The worker ran in a scope of its own, not the session's, to its end.
-    units = worker_lines(node, after, "-o", "json", "--output-fields=_SYSTEMD_UNIT,MESSAGE")
-    said = [json.loads(line) for line in units.splitlines()]
-    assert {e["_SYSTEMD_UNIT"] for e in said} == {e["_SYSTEMD_UNIT"] for e in said[:1]}
-    assert said[0]["_SYSTEMD_UNIT"].startswith("sglang-deploy-job-main-") and said[-1]["MESSAGE"].endswith("ok=True")
-    assert newest_record(node)["config_hash"] == live_hash(node, newest_record(node))  # recorded what runs
 
 
 def test_a_power_loss_between_promote_and_verify_boots_the_known_good_configuration(drive):
