@@ -15,7 +15,7 @@ import os
 
 from .durable import write_atomic
 from .instance import NAME, kg_dir
-from .known_good import latest_in, live_hash, restore_files
+from .known_good import latest_in, live_hash, record_paths, restore_files
 
 UNVERIFIED_DIR = "/run/sglang-deploy/unverified"
 # What the guard put back this boot, per instance: verify counts the restarts it caused as no crash (put_backs).
@@ -81,7 +81,7 @@ def check(
     record = latest_in(generations)
     if record is None:
         return GO, f"{name}: no known-good generation to hold the configuration to: it starts"
-    newest = max((n for n in os.listdir(generations) if n.endswith(".json")), default="")
+    newest = os.path.basename(record_paths(generations)[-1])
     files = record.get("files")
     if os.path.basename(record["path"]) != newest or not (
         isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())

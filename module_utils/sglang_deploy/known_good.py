@@ -52,14 +52,18 @@ def read_files(paths: list[str]) -> dict[str, str]:
     return files
 
 
-def latest_in(directory: str) -> dict | None:
-    """The newest readable generation in `directory` (its path under "path"); a damaged one is skipped."""
+def record_paths(directory: str) -> list[str]:
+    """The generation files in `directory`, oldest first (their names start with a sequence number)."""
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
     except FileNotFoundError:
         names = []
-    for name in reversed(names):
-        path = os.path.join(directory, name)
+    return [os.path.join(directory, n) for n in names]
+
+
+def latest_in(directory: str) -> dict | None:
+    """The newest readable generation in `directory` (its path under "path"); a damaged one is skipped."""
+    for path in reversed(record_paths(directory)):
         try:
             with open(path, encoding="utf-8") as fh:
                 record = json.load(fh)
@@ -122,11 +126,7 @@ class Store:
         return {"files": files, "config_hash": content_hash(files)}
 
     def records(self) -> list[str]:
-        try:
-            names = sorted(n for n in os.listdir(self.dir) if n.endswith(".json"))
-        except FileNotFoundError:
-            names = []
-        return [os.path.join(self.dir, n) for n in names]
+        return record_paths(self.dir)
 
     def latest(self) -> dict | None:
         return latest_in(self.dir)
