@@ -80,8 +80,9 @@ molecule: image ## every molecule scenario (create, converge, idempotence, check
 # molecule, then the end-to-end tests of E2E_REST on a lab of their own. The lab stream waits on servers, SSH and
 # systemd about half its time, and was the longer by far: the rest stream takes the modules below once molecule is
 # done, which would otherwise leave a core idle. Their containers (labels, names), networks and ports never meet.
-# Each line is prefixed with its stream; the coverage of every run is combined, then held to the floors.
-E2E_REST := tests/e2e/test_tune.py tests/e2e/test_rollout_groups.py tests/e2e/test_durability.py tests/e2e/test_secrets.py
+# Each line is prefixed with its stream; the coverage of every run is combined, then held to the floors. Each
+# e2e run's every test time is in .lab-tests/{lab,rest}.xml (JUnit XML), to balance the streams by.
+E2E_REST := tests/e2e/test_tune.py tests/e2e/test_rollout_groups.py tests/e2e/test_restart_multinode.py tests/e2e/test_durability.py tests/e2e/test_secrets.py
 test: ## every test: (lint, unit tests, molecule, E2E_REST) beside the other lab tests, then the coverage floors
 	@rm -f .coverage .coverage.lab .coverage.lab-rest .coverage.unit
 	@$(MAKE) --no-print-directory -j2 test-lab test-rest
@@ -95,7 +96,7 @@ RECAP = grep -E '^(lab  |rest )\| (Using --randomly-seed=|(FAILED|ERROR) tests/|
 
 test-lab: image
 	@mkdir -p .lab-tests; SECONDS=0; COVERAGE_FILE=$(CURDIR)/.coverage.lab $(BIN)/python -m pytest -m lab --cov --cov-report= \
-		$(foreach f,$(E2E_REST),--ignore=$(f)) $(PYTEST_ARGS) 2>&1 | sed -u 's/^/lab  | /' | tee .lab-tests/lab-stream.log \
+		--junitxml=.lab-tests/lab.xml $(foreach f,$(E2E_REST),--ignore=$(f)) $(PYTEST_ARGS) 2>&1 | sed -u 's/^/lab  | /' | tee .lab-tests/lab-stream.log \
 		|| rc=$$?; $(call RECAP,.lab-tests/lab-stream.log); echo "lab  | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
 
 test-rest: image
@@ -103,7 +104,7 @@ test-rest: image
 		&& COVERAGE_FILE=$(CURDIR)/.coverage.unit $(BIN)/python -m pytest -m "not lab" --cov --cov-report= $(PYTEST_ARGS) \
 		&& $(MOLECULE) test --all \
 		&& SGD_E2E_LAB=sgd-e2e-rest COVERAGE_FILE=$(CURDIR)/.coverage.lab-rest $(BIN)/python -m pytest -m lab --cov \
-			--cov-report= $(PYTEST_ARGS) $(E2E_REST); } 2>&1 | sed -u 's/^/rest | /' | tee .lab-tests/rest-stream.log \
+			--cov-report= --junitxml=.lab-tests/rest.xml $(PYTEST_ARGS) $(E2E_REST); } 2>&1 | sed -u 's/^/rest | /' | tee .lab-tests/rest-stream.log \
 		|| rc=$$?; $(call RECAP,.lab-tests/rest-stream.log); echo "rest | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
 
 upgrade-check: setup ## does the patch series apply to SGLANG_CANDIDATE? (fetches its wheel, changes nothing)

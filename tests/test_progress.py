@@ -590,3 +590,20 @@ def test_a_detach_that_fails_after_the_fork_kills_the_worker_before_it_does_anyt
         assert time.monotonic() < deadline, f"worker {pid} still runs"
         time.sleep(0.01)
     assert not ran.exists() and jobs.read_json(job.result) is None  # the controller never learns it: nothing ran
+
+
+def test_the_scope_move_says_why_it_failed_when_busctl_is_missing_or_the_worker_is_gone(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no busctl at all (a host without systemd's tools)
+    assert jobs.own_scope(4242, "sglang-deploy-job-main-1-2.scope", 0.1, str(tmp_path)).startswith("busctl: ")
+    fake_busctl(tmp_path / "bin", "exit 0\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    # Made, but the worker died before /proc could say where it is.
+    assert jobs.own_scope(4242, "x.scope", 0.1, str(tmp_path / "proc")).startswith("the worker is gone")
+
+
+def test_a_job_without_pid_or_unit_files_is_neither_alive_nor_in_a_scope(tmp_path):
+    job = jobs.new("main", str(tmp_path / "jobs"))
+    assert job.pid() is None and not job.alive() and job.unit() is None
+    with open(job.pid_file, "w") as f:
+        f.write("999999999")  # above any pid_max: no /proc entry
+    assert job.pid() == 999999999 and not job.alive()
