@@ -9,6 +9,7 @@ import time
 
 from driver import exitcodes
 from driver.events import NOT_BEGUN, WAITS, Tracker
+from module_utils.sglang_deploy import job as jobs
 from module_utils.sglang_deploy import outcomes
 
 # Results shown green: the host ended well, or the instance serves (a restart's rollback shows yellow).
@@ -193,6 +194,12 @@ def summary(tracker: Tracker, exit_code: int, run_id: int | None, svg: str | Non
 def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> None:
     if tracker.command == "status":
         console.print(status_table(tracker, exit_code))
+        for h in sorted(tracker.hosts.values(), key=lambda x: x.name):
+            for name, res in sorted(h.instances.items()):
+                for j in res.get("jobs") or []:  # restart workers the host still holds
+                    console.print(f"{h.name}/{name}: {jobs.describe(j)}", markup=False, highlight=False)
+                    for line in j.get("journal") or []:
+                        console.print(f"    {line}", markup=False, highlight=False, style="dim")
         for h in tracker.hosts.values():
             for f in h.failures:
                 console.print(f"{h.name}: {f.task}: {f.message}", markup=False, highlight=False)

@@ -109,6 +109,7 @@ group_lease: {description: "With I(group_token): the lease renewed (token, expir
 steps: {description: "With detach, each model-load step of each start: phase, step, detail, seconds.", type: list, returned: detach}
 sglang_job: {description: "With detach, the job still running: its directory (progress and seq say how far).", type: str, returned: detach}
 bench: {description: "With I(bench): sglang_deploy.bench.run's result; null when it could not run (bench_error).", type: dict, returned: restarted}
+jobs: {description: "status - the instance's restart workers the host still holds (job.of_instance): state (running, ended, lost), phase, step, unit, journal.", type: list, returned: status}
 gpu_model: {description: "With I(bench), the GPUs' model as the preflight's nvidia-smi names them.", type: str, returned: restarted}
 """
 

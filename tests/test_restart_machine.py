@@ -3111,17 +3111,24 @@ def test_a_restart_cut_short_after_promote_leaves_the_mark_and_a_boot_puts_the_k
     m.promote()  # then the host goes down: the worker's defined ending never runs
     assert w.live() == w.files["new"] and Path(m.unverified_dir, "m").exists()
     reloads = []
+    put_back = boot.beside(m.ports.lock_dir, boot.PUT_BACK_DIR)  # never this machine's /run/sglang-deploy
     # Still this boot (the mark is there): a start is the restart's own, nothing put back.
-    assert boot.check("m", w.inst.state_dir, reloads.append, m.unverified_dir)[0] == boot.GO
+    assert boot.check("m", w.inst.state_dir, reloads.append, m.unverified_dir, put_back)[0] == boot.GO
     Path(m.unverified_dir, "m").unlink()  # what a boot does to /run
-    status, said = boot.check("m", w.inst.state_dir, lambda: reloads.append("daemon-reload"), m.unverified_dir)
+    status, said = boot.check(
+        "m", w.inst.state_dir, lambda: reloads.append("daemon-reload"), m.unverified_dir, put_back
+    )
     assert status == boot.PUT_BACK and reloads == ["daemon-reload"]
     assert w.live() == w.files["good"]
     assert "never verified" in said and Store(w.inst).latest()["generation"] in said
     failed = Path(w.inst.kg_dir, known_good.FAILED_DIR)
     assert {p.name: p.read_text() for p in failed.iterdir()} == {Path(k).name: v for k, v in w.files["new"].items()}
     # Restart=on-failure's next start: the known-good files, let through.
-    assert boot.check("m", w.inst.state_dir, lambda: pytest.fail("reloaded twice"), m.unverified_dir)[0] == boot.GO
+    assert (
+        boot.check("m", w.inst.state_dir, lambda: pytest.fail("reloaded twice"), m.unverified_dir, put_back)[0]
+        == boot.GO
+    )
+    assert boot.put_backs("m", put_back)["count"] == 1  # the refused start, for verify to allow
     # The next restart proceeds.
     assert restart.restart(w.machine())["outcome"] == REST
 
@@ -3141,3 +3148,44 @@ def test_a_mark_a_killed_run_left_is_ended_by_the_next_run_that_holds_the_lock(t
     w.host.foreign = True
     assert restart.restart(w.machine())["outcome"] == outcomes.GPUS_NOT_CLEAN
     assert not marker.exists()
+
+
+def test_status_names_the_instances_restart_workers_running_ended_uncollected_or_killed(tmp_path, monkeypatch):
+    from sglang_deploy import job
+
+    w = build(tmp_path, new=None)
+    m = w.machine()
+    jobs_dir = boot.beside(m.ports.lock_dir, job.JOBS_DIR)
+    journal = tmp_path / "bin"
+    journal.mkdir()  # journalctl answering for the scope units: the worker's last lines
+    (journal / "journalctl").write_text('#!/bin/sh\nfor a; do u="$a"; done\necho "phase start"; echo "job of $u"\n')
+    (journal / "journalctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{journal}:{os.environ['PATH']}")
+
+    def made(name: str, ns: int, pid: int, unit: str | None = None) -> job.Job:
+        j = job.Job(os.path.join(jobs_dir, f"{name}-{ns}-{pid}"))
+        os.makedirs(j.dir)
+        Path(j.pid_file).write_text(str(pid))
+        if unit:
+            Path(j.unit_file).write_text(unit)
+        return j
+
+    running = made("m", 3_000_000_000, os.getpid(), "sglang-deploy-job-m-3000000000-1.scope")  # this pid runs
+    job.write_json(running.progress, {"seq": 4, "phase": "start", "step": "loading weights"})
+    ended = made("m", 1_000_000_000, 999_999_999)
+    job.write_json(ended.result, {"ok": False, "res": {"outcome": "rolled_back", "msg": "m: start failed"}})
+    lost = made("m", 2_000_000_000, 999_999_999)
+    job.write_json(lost.progress, {"seq": 1, "phase": "stop"})
+    made("m-2", 1_500_000_000, os.getpid())  # another instance's, whose name begins with this one's
+    made("m", 4, 5).remove()  # acknowledged: nothing left
+    out = restart.status(m)
+    assert out["errors"] == []
+    assert [(j["job"], j["state"]) for j in out["jobs"]] == [
+        (ended.dir, "ended"), (lost.dir, "lost"), (running.dir, "running")
+    ]  # fmt: skip
+    assert out["jobs"][0]["outcome"] == "rolled_back" and out["jobs"][0]["journal"] == []  # no unit: no journal
+    assert out["jobs"][2]["journal"] == ["phase start", "job of sglang-deploy-job-m-3000000000-1.scope"]
+    msg = out["msg"]
+    assert "a restart's worker ended (pid 999999999), its result never collected: rolled_back: m: start failed" in msg
+    assert f"a restart's worker (pid 999999999) was killed during stop, without a result: {lost.dir}" in msg
+    assert "a restart's worker runs in sglang-deploy-job-m-3000000000-1.scope: start, loading weights" in msg

@@ -302,6 +302,61 @@ def worker_unit(job: Job) -> dict:
     return {"unit": None, "error": doc.get("error", "unknown")}
 
 
+def of_instance(name: str, jobs_dir: str | None = None, lines: int = 5) -> list[dict]:
+    """The restart and rollback workers of instance `name` this host still holds, oldest first: one running
+    (another controller's, or one whose controller was cut off), or ended with a result no controller collected,
+    or killed without one. Each with where it got to and the last lines of its journal, for `driver status`."""
+    jobs_dir = jobs_dir or JOBS_DIR
+    try:
+        names = os.listdir(jobs_dir)
+    except OSError:
+        return []
+    found = []
+    for entry in sorted(names, key=lambda e: e.rsplit("-", 2)[1:]):
+        owner, _, rest = entry.rpartition("-")[0].rpartition("-")
+        if owner != name or not rest.isdigit():  # <instance>-<ns>-<pid> (new()); another instance's, or not a job
+            continue
+        job = Job(os.path.join(jobs_dir, entry))
+        end, prog = read_json(job.result), read_json(job.progress) or {}
+        state = "ended" if end is not None else "running" if job.alive() else "lost"
+        doc = {
+            "job": job.dir,
+            "state": state,
+            "pid": job.pid(),
+            "unit": job.unit(),
+            "started": int(rest) / 1e9,
+            "phase": prog.get("phase"),
+            "step": prog.get("step"),
+        }
+        if end is not None:
+            res = end.get("res") or {}
+            doc.update(ok=end.get("ok"), outcome=res.get("outcome"), msg=res.get("msg"))
+        doc["journal"] = journal_tail(doc["unit"], lines) if doc["unit"] else []
+        found.append(doc)
+    return found
+
+
+def describe(j: dict) -> str:
+    """One restart worker the host holds (of_instance), as `driver status` says it."""
+    where = f" in {j['unit']}" if j.get("unit") else f" (pid {j.get('pid')})"
+    at = f"{j.get('phase') or 'its start'}" + (f", {j['step']}" if j.get("step") else "")
+    if j["state"] == "running":
+        return f"a restart's worker runs{where}: {at}"
+    if j["state"] == "lost":
+        return f"a restart's worker{where} was killed during {at}, without a result: {j['job']}"
+    return f"a restart's worker ended{where}, its result never collected: {j.get('outcome')}: {j.get('msg')}"
+
+
+def journal_tail(unit: str, lines: int) -> list[str]:
+    """The last lines the worker wrote to its journal stream (its phases, load steps and end, masked as written)."""
+    argv = ["journalctl", "--no-pager", "-q", "-o", "cat", "-n", str(lines), "-u", unit]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return done.stdout.splitlines()[-lines:] if done.returncode == 0 else []
+
+
 def start(
     machine,
     action: Callable[[], dict],

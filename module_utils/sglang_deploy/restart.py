@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import bench as benchmark
-from . import boot, evidence, gpu, outcomes, procinfo, unit
+from . import boot, evidence, gpu, job, outcomes, procinfo, unit
 from . import progress as load_progress
 from . import stage as staging
 from .checks import Thresholds
@@ -1150,11 +1150,17 @@ def status(m: Machine) -> dict:
         out["pending"] = m.pending
         out["lock"] = peek(i.name, p.lock_dir)
 
-    for name, fn in (("unit", unit_part), ("gpus", gpu_part), ("http", http_part), ("known_good", known_good_part)):
+    def jobs_part() -> None:
+        out["jobs"] = job.of_instance(i.name, boot.beside(p.lock_dir, job.JOBS_DIR))
+
+    parts = (("unit", unit_part), ("gpus", gpu_part), ("http", http_part), ("known_good", known_good_part))
+    for name, fn in (*parts, ("jobs", jobs_part)):
         part(name, fn)
     out["errors"] = errors
-    out["msg"] = f"{i.name}: {out.get('state', '?')}, profile {out.get('running_profile') or '?'}" + (
-        f"; errors: {'; '.join(errors)}" if errors else ""
+    out["msg"] = (
+        f"{i.name}: {out.get('state', '?')}, profile {out.get('running_profile') or '?'}"
+        + "".join(f"; {job.describe(j)}" for j in out.get("jobs") or [])
+        + (f"; errors: {'; '.join(errors)}" if errors else "")
     )
     return out
 

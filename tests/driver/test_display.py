@@ -154,3 +154,23 @@ def test_a_playbooks_own_report_is_shown_under_the_summary_and_kept_in_json(caps
     out = capsys.readouterr().out
     assert all(line in out for line in lines)
     assert tracker.result(exitcodes.INTERRUPTED)["report"] == lines
+
+
+def test_status_prints_each_restart_worker_the_host_holds_with_its_journal(capsys, wide):
+    res = {
+        "instance": "main",
+        "outcome": outcomes.STATUS,
+        "state": "active/running",
+        "jobs": [
+            {"job": "/run/sglang-deploy/jobs/main-1-2", "state": "running", "pid": 2, "phase": "start",
+             "step": "loading weights", "unit": "sglang-deploy-job-main-1-2.scope", "journal": ["phase start"]},
+            {"job": "/run/sglang-deploy/jobs/main-0-9", "state": "ended", "pid": 9, "unit": None, "phase": "verify",
+             "step": None, "outcome": "rolled_back", "msg": "main: rolled back", "journal": []},
+        ],
+    }  # fmt: skip
+    tracker = fed("status", event("runner_item_on_ok", "node-a", "sglang_server", res=res), event("playbook_on_stats"))
+    display.summary(tracker, 0, run_id=None)
+    out = capsys.readouterr().out
+    assert "node-a/main: a restart's worker runs in sglang-deploy-job-main-1-2.scope: start, loading weights" in out
+    assert "\n    phase start\n" in out
+    assert "node-a/main: a restart's worker ended (pid 9), its result never collected: rolled_back: main: rolled back" in out
