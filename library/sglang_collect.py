@@ -45,7 +45,7 @@ host: {description: The host's name as it knows itself., type: str, returned: al
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.sglang_deploy.evidence import collect, redactor_for
-from ansible.module_utils.sglang_deploy.instance import Instance
+from ansible.module_utils.sglang_deploy.instance import Instance, env_secrets
 
 
 def main() -> None:
@@ -64,6 +64,7 @@ def main() -> None:
         supports_check_mode=True,
     )
     p = module.params
+    module.no_log_values.update(env_secrets(p["instance"]))  # before any failure (#30)
     if p["budget_s"] <= 0 or p["keep"] < 1:
         module.fail_json(msg=f"budget_s ({p['budget_s']}) must be above 0 and keep ({p['keep']}) at least 1")
     try:

@@ -57,6 +57,7 @@ allreduce: {description: "meet - {ok, error, timed_out, sizes, sum_ok, seconds, 
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.sglang_deploy import outcomes
+from ansible.module_utils.sglang_deploy.instance import env_secrets
 from ansible.module_utils.sglang_deploy.rendezvous import check, meet
 
 
@@ -73,6 +74,7 @@ def main() -> None:
         supports_check_mode=True,
     )
     p = module.params
+    module.no_log_values.update(env_secrets(p["instance"]))  # before any failure (#30)
     if not 0 < p["timeout_s"] <= 60:
         module.fail_json(
             outcome=outcomes.INVALID_CONFIG,

@@ -33,7 +33,7 @@ wrote: {description: Files written., type: list, returned: success}
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.sglang_deploy import outcomes
-from ansible.module_utils.sglang_deploy.instance import Instance
+from ansible.module_utils.sglang_deploy.instance import Instance, env_secrets
 from ansible.module_utils.sglang_deploy.lock import InstanceLock, Locked
 from ansible.module_utils.sglang_deploy.stage import stage
 
@@ -52,6 +52,7 @@ def main() -> None:
         supports_check_mode=True,
     )
     p = module.params
+    module.no_log_values.update(env_secrets(p["instance"], p["env_content"]))  # before any failure (#30)
     try:
         inst = Instance.from_params({**p["instance"], "state_dir": p["state_dir"]})
     except (TypeError, ValueError) as exc:

@@ -53,6 +53,7 @@ plan:
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.sglang_deploy.instance import env_secrets
 from ansible.module_utils.sglang_deploy.validate import ValidateError, validate_host
 
 
@@ -82,6 +83,8 @@ def main():
         supports_check_mode=True,
     )
     p = module.params
+    for record in p["records"]:  # before any failure (#30)
+        module.no_log_values.update(env_secrets(record))
     name = p["records"][0].get("name") if p["records"] else None
     if len(p["records"]) != len(p["plan"].get("combinations") or []):
         module.fail_json(msg="records and the plan's combinations differ in number", instance=name)

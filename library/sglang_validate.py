@@ -90,6 +90,7 @@ seconds:
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.sglang_deploy.instance import env_secrets
 from ansible.module_utils.sglang_deploy.validate import ValidateError, validate_host
 
 
@@ -106,6 +107,8 @@ def main():
         supports_check_mode=True,
     )
     p = module.params
+    for record in p["instances"]:  # before any failure (#30)
+        module.no_log_values.update(env_secrets(record))
     try:
         result = validate_host(
             p["instances"],

@@ -29,3 +29,24 @@ def test_a_secret_named_env_value_is_in_no_module_result(tmp_path, early):
     assert SECRET not in text
     env = res["invocation"]["module_args"]["instance"]["env"]
     assert env["NCCL_ALGO"] == "Ring" and env["HF_TOKEN"] != SECRET, "masked, the rest kept"
+
+
+def every_module_args(tmp_path, inst: dict) -> dict[str, dict]:
+    """Each other module that takes rendered instance records, with arguments it refuses or that fail fast."""
+    return {
+        "sglang_collect": {"instance": inst, "budget_s": 0},
+        "sglang_rendezvous": {"step": "check", "instance": inst, "host": "h", "timeout_s": 0},
+        "sglang_stage": {"instance": inst, "unit_content": "", "env_content": f'HF_TOKEN="{SECRET}"\n'},
+        "sglang_validate": {"instances": [inst], "service_user": "no-such-user-here"},
+        "sglang_tune": {"plan": {"combinations": []}, "records": [inst], "service_user": "no-such-user-here"},
+    }
+
+
+@pytest.mark.parametrize("module", list(every_module_args(None, {})))
+def test_no_module_taking_an_instance_record_returns_its_secret_named_env_value(tmp_path, module):
+    inst = instance_record(tmp_path, env={"HF_TOKEN": SECRET, "NCCL_ALGO": "Ring"})
+    rc, res = run_module(module, every_module_args(tmp_path, inst)[module], tmp_path)
+    assert SECRET not in json.dumps(res), res
+    args = res["invocation"]["module_args"]
+    record = args["instance"] if "instance" in args else (args.get("instances") or args["records"])[0]
+    assert record["env"]["NCCL_ALGO"] == "Ring" and record["env"]["HF_TOKEN"] != SECRET, "masked, the rest kept"

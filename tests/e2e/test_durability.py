@@ -1,11 +1,16 @@
-"""A restart that outlives what an operator's day does to it (issue 30), on lab-node1's `main`: the node losing
-power between promote and verify. The unit's boot guard (sglang_deploy.boot) finds the unverified configuration on
-disk with no restart verifying it, puts the known-good one back and starts it; the driver reports the job gone
-with the reboot, and the next restart proceeds.
+"""A restart that outlives what an operator's day does to it (issue 30), on lab-node1's `main`:
 
-The SSH session killed mid-start (the worker in a scope unit of its own, sglang_deploy.job.own_scope) was shown on
-a lab whose nodes ran logind with KillUserProcesses=yes (docs/restart.md); the lab's image runs no logind for now:
-with it, Ansible's multiplexed SSH connections failed now and then for about a minute, cause not found.
+- its SSH session killed mid-start: the worker runs in a scope unit of its own (sglang_deploy.job.own_scope), so
+  it completes verified, and the driver, reconnecting, reports it;
+- the node losing power between promote and verify: the unit's boot guard (sglang_deploy.boot) finds the
+  unverified configuration on disk with no restart verifying it, puts the known-good one back and starts it;
+  the driver reports the job gone with the reboot, and the next restart proceeds.
+
+The lab's nodes run no logind (docs/lab.md: with it, Ansible's multiplexed SSH connections failed now and then
+for about a minute, cause not found). Without it an SSH session's processes live in ssh.service's cgroup, so the
+session kill is logind's KillUserProcesses=yes done by hand: every process of that cgroup but the listener gets
+SIGTERM, then SIGKILL (logind: the session scope stopped, SIGKILL after its stop timeout). It was also shown on a
+lab that ran logind (`loginctl terminate-user ansible`), and went red there with the scope move disabled.
 
 At the end `main` is back to deployed, never verified."""
 
@@ -78,6 +83,45 @@ def newest_record(node: str) -> dict:
     gens = "/var/lib/sglang/known-good/main/generations"
     newest = podman_exec(node, "sh", "-c", f"ls -1 {gens} | tail -n 1").strip()
     return json.loads(podman_exec(node, "cat", f"{gens}/{newest}"))
+
+
+# Every process of ssh.service but its listener (by /proc/PID/cgroup: cgroup v1 or v2): the sessions' sshd, shells
+# and what they run. Prints those it found, then those left after SIGTERM, a second, and SIGKILL.
+KILL_SESSIONS = """
+listener=$(systemctl show -P MainPID ssh.service)
+sessions() {
+  for d in /proc/[0-9]*; do
+    grep -qs '/ssh.service$' "$d/cgroup" && [ "${d#/proc/}" != "$listener" ] && echo "${d#/proc/}"
+  done
+}
+found=$(sessions)
+echo $found
+kill -s TERM $found 2>/dev/null
+sleep 1
+kill -s KILL $(sessions) 2>/dev/null
+echo "left:" $(sessions)
+"""
+
+
+def test_a_restart_whose_ssh_session_is_killed_completes_verified_and_the_driver_reports_it(drive):
+    run, host = drive
+    node = host["container"]
+    after = cursor(node)
+    proc = run("restart", "-e", main_with(env={"LAB_STANDIN_LOAD_S": "12"}), popen=True)
+    wait_for_phase(node, after, "start", proc)
+    # Every SSH session on the node ended as logind ends one: all its processes killed, the listener left.
+    found, left = podman_exec(node, "sh", "-c", KILL_SESSIONS).strip().split("\n")
+    assert found.split() and left == "left:", (found, left)  # Ansible's session was there, and is gone
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    [row] = [r for r in json.loads(out)["rows"] if r["host"] == NODE]
+    assert row["result"] == outcomes.RESTARTED, row
+    # The worker ran to its end in a scope of its own, not the session's.
+    said = [json.loads(line) for line in worker_lines(node, after, "-o", "json").splitlines()]
+    units = {e.get("_SYSTEMD_UNIT") for e in said}
+    assert len(units) == 1 and units.pop().startswith("sglang-deploy-job-main-"), said
+    assert said[-1]["MESSAGE"].endswith("ok=True")
+    assert newest_record(node)["config_hash"] == live_hash(node, newest_record(node))  # recorded what runs
 
 
 def test_a_power_loss_between_promote_and_verify_boots_the_known_good_configuration(drive):
