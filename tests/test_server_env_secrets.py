@@ -46,6 +46,7 @@ def every_module_args(tmp_path, inst: dict) -> dict[str, dict]:
 def test_no_module_taking_an_instance_record_returns_its_secret_named_env_value(tmp_path, module):
     inst = instance_record(tmp_path, env={"HF_TOKEN": SECRET, "NCCL_ALGO": "Ring"})
     rc, res = run_module(module, every_module_args(tmp_path, inst)[module], tmp_path)
+    assert rc == 1 and res["failed"], res  # a failure: the result that says most
     assert SECRET not in json.dumps(res), res
     args = res["invocation"]["module_args"]
     record = args["instance"] if "instance" in args else (args.get("instances") or args["records"])[0]

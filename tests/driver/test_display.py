@@ -173,4 +173,7 @@ def test_status_prints_each_restart_worker_the_host_holds_with_its_journal(capsy
     out = capsys.readouterr().out
     assert "node-a/main: a restart's worker runs in sglang-deploy-job-main-1-2.scope: start, loading weights" in out
     assert "\n    phase start\n" in out
-    assert "node-a/main: a restart's worker ended (pid 9), its result never collected: rolled_back: main: rolled back" in out
+    assert (
+        "node-a/main: a restart's worker ended (pid 9), its result never collected: rolled_back: main: rolled back"
+        in out
+    )
