@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
 
 from . import durable
 from .durable import write_atomic
@@ -61,19 +62,23 @@ def record_paths(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in names]
 
 
-def latest_in(directory: str) -> dict | None:
-    """The newest readable generation in `directory` (its path under "path"); a damaged one is skipped."""
+def newest_first(directory: str) -> Iterator[dict]:
+    """The readable generations in `directory`, newest first (each with its path under "path"); a damaged one is
+    skipped, never fatal."""
     for path in reversed(record_paths(directory)):
         try:
             with open(path, encoding="utf-8") as fh:
                 record = json.load(fh)
-            if not isinstance(record, dict) or not set(record) >= REQUIRED:
-                continue
-            record["path"] = path
-            return record
         except (OSError, ValueError):
-            continue  # a damaged record is skipped, never fatal
-    return None
+            continue
+        if isinstance(record, dict) and set(record) >= REQUIRED:
+            record["path"] = path
+            yield record
+
+
+def latest_in(directory: str) -> dict | None:
+    """The newest readable generation in `directory` (its path under "path"); a damaged one is skipped."""
+    return next(newest_first(directory), None)
 
 
 def live_hash(record: dict) -> str | None:
@@ -130,6 +135,11 @@ class Store:
 
     def latest(self) -> dict | None:
         return latest_in(self.dir)
+
+    def rollback_target(self) -> dict | None:
+        """What an operator's rollback puts back: the newest generation whose files are not the ones on disk now.
+        The newest is what runs after a restart that verified: putting it back would change nothing."""
+        return next((r for r in newest_first(self.dir) if live_hash(r) != r["config_hash"]), None)
 
     def record(self, started: dict, argv: list[str], verify: dict) -> dict:
         """Record what started as a new generation; returns its summary."""

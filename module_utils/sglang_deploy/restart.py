@@ -1028,18 +1028,17 @@ def rollback(m: Machine) -> dict:
             return res
         if refused(m, res, (LOCK,)):
             return res
-        record = m.store.latest()
+        newest, record = m.store.latest(), m.store.rollback_target()
         if record is None:
-            res.update(
-                outcome=outcomes.REFUSED,
-                failure={
-                    "phase": outcomes.RESTORE,
-                    "cause": (
-                        f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
-                        "it succeeds. Nothing was touched."
-                    ),
-                },
+            cause = (
+                f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
+                "it succeeds. Nothing was touched."
+                if newest is None
+                else f"every known-good generation of {m.inst.name} kept in {m.store.dir} is the configuration on disk "
+                f"now (the newest, {newest.get('generation')}, verified): there is no other to roll back to. "
+                "Nothing was touched."
             )
+            res.update(outcome=outcomes.REFUSED, failure={"phase": outcomes.RESTORE, "cause": cause})
             return res
         res["rollback"] = {
             "attempted": True,
