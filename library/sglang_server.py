@@ -231,7 +231,7 @@ def main() -> None:
         said = jobs.start(
             machine,
             lambda: ACTIONS[p["action"]](machine),
-            lambda res: succeeded(p["action"], res),
+            lambda res: outcomes.succeeded(p["action"], res["outcome"]),
             mask=lambda doc: remove_values(redact.scrub(doc), module.no_log_values),
             every=p["progress_every"],
             on_start=install_signal_handlers,
@@ -240,11 +240,7 @@ def main() -> None:
     if p["action"] in ("restart", "rollback"):
         install_signal_handlers()
     res = ACTIONS[p["action"]](machine)
-    jobs.answer(module, {"done": True, "ok": succeeded(p["action"], res), "res": redact.scrub(res)})
-
-
-def succeeded(action: str, res: dict) -> bool:
-    return res["outcome"] in outcomes.SUCCESS or (action == "rollback" and res["outcome"] == outcomes.ROLLED_BACK)
+    jobs.answer(module, {"done": True, "ok": outcomes.succeeded(p["action"], res["outcome"]), "res": redact.scrub(res)})
 
 
 if __name__ == "__main__":

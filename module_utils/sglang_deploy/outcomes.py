@@ -36,6 +36,12 @@ SUCCESS = frozenset({RESTARTED, WOULD_RESTART, WOULD_ROLL_BACK, STOPPED, STARTED
 NOTHING_TOUCHED = frozenset({GPUS_NOT_CLEAN, LOCKED, INVALID_CONFIG, REFUSED})
 ALL = SUCCESS | NOTHING_TOUCHED | {ROLLED_BACK, NOT_RECOVERED, VERIFY_FAILED}
 
+
+def succeeded(action: str, outcome: str) -> bool:
+    """Whether sglang_server's task succeeds: a success, or an operator's rollback that rolled back."""
+    return outcome in SUCCESS or (action == "rollback" and outcome == ROLLED_BACK)
+
+
 # ---------------------------------------------------------------- phases
 LOCK = "lock"
 VALIDATE = "validate"  # SGLang's parser and the host's checks, in the restart's own call (its verdict cached)
