@@ -21,7 +21,7 @@ MOLECULE ?= molecule
 COV := --cov --cov-report=term
 COV_FLOOR := 80
 
-.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint lint-only pytest unit e2e molecule upgrade-check lock lock-sglang clean
+.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint lint-only pytest unit e2e molecule upgrade-check lock lock-sglang mutate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -106,6 +106,11 @@ test-rest: image
 		&& SGD_E2E_LAB=sgd-e2e-rest COVERAGE_FILE=$(CURDIR)/.coverage.lab-rest $(BIN)/python -m pytest -m lab --cov \
 			--cov-report= --junitxml=.lab-tests/rest.xml $(PYTEST_ARGS) $(E2E_REST); } 2>&1 | sed -u 's/^/rest | /' | tee .lab-tests/rest-stream.log \
 		|| rc=$$?; $(call RECAP,.lab-tests/rest-stream.log); echo "rest | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
+
+# Mutation testing (issue #31; not part of make test: its time is in docs/testing.md). MUTATE_FILES narrows it to
+# some of tools/mutate.py's SCOPE (sglang_deploy/known_good.py ...); results in docs/bench/mutation.json.
+mutate: setup ## mutmut over the operations core: killed, survived and the score per file (MUTATE_FILES=...)
+	@$(BIN)/python tools/mutate.py $(if $(MUTATE_FILES),--files $(MUTATE_FILES))
 
 upgrade-check: setup ## does the patch series apply to SGLANG_CANDIDATE? (fetches its wheel, changes nothing)
 	@test -n "$(SGLANG_CANDIDATE)" || { echo "usage: make upgrade-check SGLANG_CANDIDATE=X.Y.Z" >&2; exit 2; }
