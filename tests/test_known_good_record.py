@@ -151,3 +151,24 @@ def test_a_restore_makes_the_directories_a_file_lives_in_0755(inst, tmp_path):
     assert Path(moved).read_text() == record["files"][moved]
     assert stat.S_IMODE(os.stat(Path(moved).parent).st_mode) == 0o755  # read by all, written by root alone
     assert out == {"generation": record["generation"], "failed_kept_in": str(Path(inst.kg_dir, known_good.FAILED_DIR))}
+
+
+def test_the_hashes_a_generation_stores_are_the_same_in_every_release():
+    """Generations written by one release are compared by the next (a rollback's drift check, the boot guard, an
+    operator diffing two records): the hashes are a stored format, pinned here by value."""
+    import hashlib
+
+    files = {"/etc/systemd/system/sglang-m.service": "[Service]\n", "/etc/sglang/m.env": "A=1\n"}
+    joined = b"/etc/sglang/m.env\0A=1\n\0/etc/systemd/system/sglang-m.service\0[Service]\n\0"  # sorted by path
+    assert known_good.content_hash(files) == hashlib.sha256(joined).hexdigest()[:16]
+    argv = ["/v/bin/python", "-m", "sglang.launch_server", "--api-key", "k"]
+    masked = "/v/bin/python\0-m\0sglang.launch_server\0--api-key\0<secret>"
+    assert known_good.argv_hash(argv) == hashlib.sha256(masked.encode()).hexdigest()[:16]
+
+
+def test_a_record_with_exactly_the_fields_a_rollback_needs_is_read(inst):
+    store = Store(inst)
+    Path(store.dir).mkdir(parents=True)
+    minimal = {"argv": ["python"], "files": {}, "profile": "p", "config_hash": "0" * 16}
+    Path(store.dir, "000001-x.json").write_text(json.dumps(minimal))
+    assert store.latest() == {**minimal, "path": str(Path(store.dir, "000001-x.json"))}
