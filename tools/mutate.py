@@ -66,20 +66,25 @@ EQUIVALENT = {
     },
 }
 SOURCE_DIRS = ["sglang_deploy", "driver", "filter_plugins"]
-ALSO_COPY = [
-    "module_utils", "lab", "tests", "library", "action_plugins", "roles", "playbooks", "inventory", "tools",
-    "group_vars", "patches", "pytest.ini", "ansible.cfg",
-]  # fmt: skip
+
+
+def tracked() -> list[str]:
+    # tracked, and new files not ignored (what the next commit may hold)
+    argv = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, check=True).stdout
+    return [raw.decode() for raw in out.split(b"\0") if raw]
 
 
 def stage_tree() -> None:
     """The tracked tree copied into STAGE (mutants/ and mutmut's cache kept), sglang_deploy/ at the top."""
     STAGE.mkdir(exist_ok=True)
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
-    for raw in filter(None, files):
-        rel = raw.decode()
+    for rel in tracked():
         src, dst = REPO / rel, STAGE / rel
-        if src.is_file() and (not dst.exists() or dst.read_bytes() != src.read_bytes()):
+        if src.is_symlink():  # playbooks/group_vars
+            if not dst.is_symlink():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.symlink_to(os.readlink(src))
+        elif src.is_file() and (not dst.exists() or dst.read_bytes() != src.read_bytes()):
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
     link = STAGE / "sglang_deploy"
@@ -97,9 +102,14 @@ def config(files: list[str]) -> str:
     )
     lines = ["[mutmut]", "source_paths =", *(f"    {d}/" for d in SOURCE_DIRS)]
     lines += ["do_not_mutate =", *(f"    {p}" for p in others)]
-    lines += ["also_copy =", *(f"    {p}" for p in ALSO_COPY if (STAGE / p).exists())]
+    # Everything else tracked, as it is: the tests run playbooks, read docs, roles and the lab's files.
+    tops = sorted({p.split("/", 1)[0] for p in tracked()} - set(SOURCE_DIRS))
+    lines += ["also_copy =", *(f"    {p}" for p in tops)]
     # pytest-randomly off (each mutant's tests in file order); the lab's tests are e2e, never run per mutant.
-    lines += ["pytest_add_cli_args =", *(f"    {a}" for a in ("-p", "no:randomly", "-p", "no:cacheprovider"))]
+    # Left out: the tests of this checkout's own .venv (the doctor's, and py-spy found in it), which the copy has not.
+    away = ["--ignore=tests/test_doctor.py", "--deselect=tests/test_evidence.py::test_real_py_spy_dumps_every_rank"]
+    args = ["-p", "no:randomly", "-p", "no:cacheprovider", *away]
+    lines += ["pytest_add_cli_args =", *(f"    {a}" for a in args)]
     lines += ["pytest_add_cli_args_test_selection =", *(f"    {a}" for a in ("-m", "not lab", "tests"))]
     return "\n".join(lines) + "\n"
 
@@ -154,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     run = subprocess.run([str(MUTMUT), "run", "--max-children", str(args.jobs)], cwd=STAGE, check=False)
     seconds = round(time.monotonic() - t0, 1)
     got = results(args.files)
-    print(f"{'file':36} {'mutants':>7} {'killed':>6} {'survived':>8} {'no tests':>8} {'score':>6}")
+    print(f"{'file':36} {'mutants':>7} {'killed':>6} {'survived':>8} {'equiv.':>6} {'no tests':>8} {'score':>6}")
     for rel, r in got.items():
         score = "-" if r["score"] is None else f"{r['score']}%"
         print(
-            f"{rel:36} {r['mutants']:7} {r['killed'] + r['timeout']:6} {r['survived']:8} {r['no_tests']:8} {score:>6}"
+            f"{rel:36} {r['mutants']:7} {r['killed']:6} {r['survived']:8} {r['equivalent']:6} {r['no_tests']:8} {score:>6}"
         )
     print(f"{seconds} s, {args.jobs} at once (mutmut exit {run.returncode})")
     if not args.no_write:
