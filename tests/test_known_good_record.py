@@ -131,7 +131,18 @@ def test_a_generation_that_is_not_a_whole_record_is_skipped_for_the_one_before(i
     store = Store(inst)
     store.record(store.snapshot(), inst.argv, {})
     good = store.latest()["generation"]
-    for n, body in enumerate(['["argv", "files", "profile", "config_hash"]', '{"argv": [], "files": {}}', "{"], 2):
+    ok = json.loads(Path(store.records()[0]).read_text())
+    damaged = [
+        '["argv", "files", "profile", "config_hash"]',  # not a record
+        '{"argv": [], "files": {}}',  # fields missing
+        "{",  # cut short
+        json.dumps({**ok, "files": ["x"]}),  # files not path -> text
+        json.dumps({**ok, "files": {"/a": 7}}),
+        json.dumps({**ok, "files": {}}),
+        json.dumps({**ok, "config_hash": "0" * 16}),  # files edited by hand: the hash is not theirs
+        json.dumps({**ok, "argv": "python"}),
+    ]
+    for n, body in enumerate(damaged, 2):
         Path(store.dir, f"{n:06d}-x.json").write_text(body)
         assert store.latest()["generation"] == good, body  # a list, a record lacking a field, cut short: skipped
     assert [r["generation"] for r in known_good.newest_first(store.dir)] == [good]
@@ -169,6 +180,7 @@ def test_the_hashes_a_generation_stores_are_the_same_in_every_release():
 def test_a_record_with_exactly_the_fields_a_rollback_needs_is_read(inst):
     store = Store(inst)
     Path(store.dir).mkdir(parents=True)
-    minimal = {"argv": ["python"], "files": {}, "profile": "p", "config_hash": "0" * 16}
+    files = {"/etc/m.env": "A=1\n"}
+    minimal = {"argv": ["python"], "files": files, "profile": "p", "config_hash": known_good.content_hash(files)}
     Path(store.dir, "000001-x.json").write_text(json.dumps(minimal))
     assert store.latest() == {**minimal, "path": str(Path(store.dir, "000001-x.json"))}

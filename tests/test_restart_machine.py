@@ -3178,13 +3178,18 @@ def test_status_names_the_instances_restart_workers_running_ended_uncollected_or
     job.write_json(lost.progress, {"seq": 1, "phase": "stop"})
     made("m-2", 1_500_000_000, os.getpid())  # another instance's, whose name begins with this one's
     made("m", 4, 5).remove()  # acknowledged: nothing left
+    Path(jobs_dir, "m-5-6").write_text("a file, not a job")  # entries that are no job of new()'s
+    os.makedirs(os.path.join(jobs_dir, "m-7-abc"))
+    odd = made("m", 2_500_000_000, 999_999_999)  # its files not JSON objects: read as absent, never fatal
+    Path(odd.progress).write_text("[1]")
+    Path(odd.result).write_text('["not", "a", "result"]')
     out = restart.status(m)
     assert out["errors"] == []
     assert [(j["job"], j["state"]) for j in out["jobs"]] == [
-        (ended.dir, "ended"), (lost.dir, "lost"), (running.dir, "running")
+        (ended.dir, "ended"), (lost.dir, "lost"), (odd.dir, "lost"), (running.dir, "running")
     ]  # fmt: skip
     assert out["jobs"][0]["outcome"] == "rolled_back" and out["jobs"][0]["journal"] == []  # no unit: no journal
-    assert out["jobs"][2]["journal"] == ["phase start", "job of sglang-deploy-job-m-3000000000-1.scope"]
+    assert out["jobs"][3]["journal"] == ["phase start", "job of sglang-deploy-job-m-3000000000-1.scope"]
     msg = out["msg"]
     assert "a restart's worker ended (pid 999999999), its result never collected: rolled_back: m: start failed" in msg
     assert f"a restart's worker (pid 999999999) was killed during stop, without a result: {lost.dir}" in msg
@@ -3208,3 +3213,15 @@ def test_operator_rollback_with_only_the_live_configuration_recorded_is_refused(
     res = restart.rollback(w.machine())
     assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
     assert w.host.systemctl_calls() == [] and w.lock_free()
+
+
+def test_operator_rollback_skips_a_damaged_older_generation_and_touches_nothing(tmp_path, handlers):
+    w = build(tmp_path)
+    assert restart.restart(w.machine())["outcome"] == REST  # generations: good, then new (on disk, serving)
+    older = Path(Store(w.inst).records()[0])
+    older.write_text(json.dumps({**json.loads(older.read_text()), "files": ["x"]}))  # damaged by hand
+    calls = len(w.host.systemctl_calls())
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
+    assert w.host.systemctl_calls()[calls:] == [] and w.lock_free()  # never stopped nor disabled
+    serving(w, "new")

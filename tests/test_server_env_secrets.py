@@ -51,3 +51,14 @@ def test_no_module_taking_an_instance_record_returns_its_secret_named_env_value(
     args = res["invocation"]["module_args"]
     record = args["instance"] if "instance" in args else (args.get("instances") or args["records"])[0]
     assert record["env"]["NCCL_ALGO"] == "Ring" and record["env"]["HF_TOKEN"] != SECRET, "masked, the rest kept"
+
+
+def test_a_short_value_of_a_secret_named_flag_is_not_masked_all_over_the_result(tmp_path):
+    """HF_HUB_DISABLE_IMPLICIT_TOKEN=1 is a Hugging Face switch, not a secret: as a no_log value, every 1 in the
+    result (a GPU index, a count) became a mask."""
+    inst = instance_record(tmp_path, env={"HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "HF_TOKEN": SECRET})
+    rc, res = run_module("sglang_collect", {"instance": inst, "budget_s": 0}, tmp_path)
+    assert rc == 1 and SECRET not in json.dumps(res)
+    assert res["invocation"]["module_args"]["instance"]["gpus"] == [0, 1], (
+        res
+    )  # not [0, "VALUE_SPECIFIED_IN_NO_LOG..."]

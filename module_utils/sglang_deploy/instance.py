@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .procinfo import API_KEY_VAR
-from .secret_rule import Redactor, file_secrets, masked, named_secrets
+from .secret_rule import WEAK_MIN, Redactor, file_secrets, masked, named_secrets
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
@@ -113,8 +113,11 @@ class Instance:
 def env_secrets(record: dict, env_content: str | None = None) -> list[str]:
     """The values of secret-named variables of a rendered instance's env (sglang_server_env, a profile's or the
     instance's own: HF_TOKEN), in its record and its env file's content: a module's no_log values, for both are
-    its arguments (invocation.module_args) and may be in what it returns."""
-    return [*named_secrets(record.get("env")), *file_secrets(env_content or "")]
+    its arguments (invocation.module_args) and may be in what it returns. Found by name only, a value shorter than
+    WEAK_MIN is left out, as the Redactor leaves it: Ansible masks a no_log value everywhere, and a flag's "1" would
+    turn every 1 in the result (GPU indices, counts) into a mask."""
+    found = [*named_secrets(record.get("env")), *file_secrets(env_content or "")]
+    return [v for v in found if len(v) >= WEAK_MIN]
 
 
 def read_env_file(path: str) -> dict[str, str]:

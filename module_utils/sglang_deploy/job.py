@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import shutil
 import signal
 import socket
@@ -305,35 +306,44 @@ def worker_unit(job: Job) -> dict:
 def of_instance(name: str, jobs_dir: str | None = None, lines: int = 5) -> list[dict]:
     """The restart and rollback workers of instance `name` this host still holds, oldest first: one running
     (another controller's, or one whose controller was cut off), or ended with a result no controller collected,
-    or killed without one. Each with where it got to and the last lines of its journal, for `driver status`."""
+    or killed without one. Each with where it got to and the last lines of its journal, for `driver status`.
+    A job acknowledged while this reads it is left out; an entry that is no job of new()'s is never one."""
     jobs_dir = jobs_dir or JOBS_DIR
     try:
         names = os.listdir(jobs_dir)
     except OSError:
         return []
+    mine = re.compile(re.escape(name) + r"-(\d+)-(\d+)")  # new(): <instance>-<ns>-<pid>
     found = []
-    for entry in sorted(names, key=lambda e: e.rsplit("-", 2)[1:]):
-        owner, _, rest = entry.rpartition("-")[0].rpartition("-")
-        if owner != name or not rest.isdigit():  # <instance>-<ns>-<pid> (new()); another instance's, or not a job
-            continue
+    for entry in sorted(names, key=lambda e: [int(x) if x.isdigit() else -1 for x in e.rsplit("-", 2)[1:]]):
+        match = mine.fullmatch(entry)
         job = Job(os.path.join(jobs_dir, entry))
-        end, prog = read_json(job.result), read_json(job.progress) or {}
+        if not match or not os.path.isdir(job.dir):
+            continue
+        end, prog = _doc(read_json(job.result)), _doc(read_json(job.progress)) or {}
         state = "ended" if end is not None else "running" if job.alive() else "lost"
+        if state == "lost" and not os.path.isdir(job.dir):
+            continue  # acknowledged between the listing and the reads: its controller has it
         doc = {
             "job": job.dir,
             "state": state,
             "pid": job.pid(),
             "unit": job.unit(),
-            "started": int(rest) / 1e9,
+            "started": int(match.group(1)) / 1e9,
             "phase": prog.get("phase"),
             "step": prog.get("step"),
         }
         if end is not None:
-            res = end.get("res") or {}
+            res = _doc(end.get("res")) or {}
             doc.update(ok=end.get("ok"), outcome=res.get("outcome"), msg=res.get("msg"))
         doc["journal"] = journal_tail(doc["unit"], lines) if doc["unit"] else []
         found.append(doc)
     return found
+
+
+def _doc(value) -> dict | None:
+    """A JSON document that is an object, else None (a file written by hand, or by something else)."""
+    return value if isinstance(value, dict) else None
 
 
 def describe(j: dict) -> str:

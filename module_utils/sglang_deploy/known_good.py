@@ -62,8 +62,24 @@ def record_paths(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in names]
 
 
+def whole(record) -> bool:
+    """Whether a generation is one a rollback can put back: its fields there, its files path -> text, and its hash
+    theirs (a record edited or cut short by hand is not, and must not be restored half)."""
+    if not isinstance(record, dict) or not set(record) >= REQUIRED:
+        return False
+    files = record["files"]
+    return (
+        isinstance(files, dict)
+        and bool(files)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+        and record["config_hash"] == content_hash(files)
+        and isinstance(record["argv"], list)
+        and isinstance(record["profile"], str)
+    )
+
+
 def newest_first(directory: str) -> Iterator[dict]:
-    """The readable generations in `directory`, newest first (each with its path under "path"); a damaged one is
+    """The whole generations in `directory`, newest first (each with its path under "path"); a damaged one is
     skipped, never fatal."""
     for path in reversed(record_paths(directory)):
         try:
@@ -71,7 +87,7 @@ def newest_first(directory: str) -> Iterator[dict]:
                 record = json.load(fh)
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and set(record) >= REQUIRED:
+        if whole(record):
             record["path"] = path
             yield record
 
