@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from sglang_deploy.instance import Instance
 from sglang_deploy.known_good import Store
+from support.modules import instance_record
 
 CONFIGS = st.integers(0, 3)  # few enough that configurations recur, as profiles do
 SOFTWARE = st.integers(0, 2)  # the unit names its virtualenv: a software generation is part of the files
@@ -61,19 +62,8 @@ class Model:
 
 
 def instance(root: Path) -> Instance:
-    return Instance(
-        name="m",
-        unit="sglang-m.service",
-        unit_path=str(root / "systemd" / "sglang-m.service"),
-        env_path=str(root / "etc" / "m.env"),
-        secrets_path=str(root / "etc" / "secrets" / "m.env"),
-        pending_dir=str(root / "etc" / "pending"),
-        port=30000,
-        gpus=[0],
-        argv=["/opt/sglang-sw0/bin/python", "-m", "sglang.launch_server"],
-        profile="p0",
-        state_dir=str(root / "state"),
-    )
+    argv = ["/opt/sglang-sw0/bin/python", "-m", "sglang.launch_server"]
+    return Instance.from_params(instance_record(root, argv=argv, profile="p0", state_dir=str(root / "state")))
 
 
 def put(inst: Instance, config: tuple[int, int]) -> None:

@@ -20,6 +20,7 @@ import pytest
 from sglang_deploy import known_good
 from sglang_deploy.instance import Instance
 from sglang_deploy.known_good import Store
+from support.modules import instance_record
 
 UNIT = "sglang-m.service"
 ARGV = ["/opt/venv-a/bin/python", "-m", "sglang.launch_server", "--api-key", "k-SECRET", "--port", "30000"]
@@ -31,18 +32,9 @@ def inst(tmp_path) -> Instance:
     venv_meta.mkdir(parents=True)
     (venv_meta / "generation.json").write_text(json.dumps({"generation": "sw-7", "sglang_version": "0.5.23"}))
     (venv_meta / "patches.json").write_text("[]")
-    inst = Instance(
-        name="m",
-        unit=UNIT,
-        unit_path=str(tmp_path / "systemd" / UNIT),
-        env_path=str(tmp_path / "etc" / "m.env"),
-        secrets_path=str(tmp_path / "etc" / "secrets" / "m.env"),
-        pending_dir=str(tmp_path / "etc" / "pending"),
-        port=30000,
-        gpus=[0],
-        argv=[str(tmp_path / "opt" / "venv-a" / "bin" / "python"), *ARGV[1:]],
-        profile="eagle3",
-        state_dir=str(tmp_path / "state"),
+    argv = [str(tmp_path / "opt" / "venv-a" / "bin" / "python"), *ARGV[1:]]
+    inst = Instance.from_params(
+        instance_record(tmp_path, argv=argv, profile="eagle3", state_dir=str(tmp_path / "state"))
     )
     for path, text in ((inst.unit_path, "[Service]\nExecStart=/opt/venv-a/bin/python\n"), (inst.env_path, "A=1\n")):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
