@@ -8,6 +8,8 @@ summary the module returns are each a contract, so each is checked here as writt
 
 from __future__ import annotations
 
+import calendar
+import hashlib
 import json
 import os
 import re
@@ -49,7 +51,17 @@ VERIFY = {
 }
 
 
-def test_a_generation_holds_what_started_its_software_and_its_checks_root_only(inst):
+@pytest.fixture
+def not_utc(monkeypatch):
+    """A host whose local time is not UTC (the record's times are UTC all the same); put back after."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_a_generation_holds_what_started_its_software_and_its_checks_root_only(inst, not_utc):
     store = Store(inst)
     before = time.time()
     said = store.record(store.snapshot(), inst.argv, VERIFY)
@@ -67,7 +79,7 @@ def test_a_generation_holds_what_started_its_software_and_its_checks_root_only(i
             "venv": str(Path(inst.argv[0]).parent.parent),
             "generation": "sw-7",
             "sglang_version": "0.5.23",
-            "patch_manifest_sha256": known_good.file_sha256(str(Path(inst.venv, "sglang-deploy", "patches.json"))),
+            "patch_manifest_sha256": hashlib.sha256(b"[]").hexdigest(),  # patches.json's bytes
         },
         "recorded_at": record["recorded_at"],
         "tokens_per_s": 812.5,
@@ -77,7 +89,7 @@ def test_a_generation_holds_what_started_its_software_and_its_checks_root_only(i
     }
     # recorded_at is the UTC time of the record; the generation's name is sequence-time-hash, the same time.
     at = time.strptime(record["recorded_at"], "%Y-%m-%dT%H:%M:%SZ")
-    assert before - 1 <= time.mktime(at) - time.timezone <= time.time() + 1
+    assert before - 1 <= calendar.timegm(at) <= time.time() + 1
     assert re.fullmatch(r"000001-\d{8}T\d{6}Z-[0-9a-f]{16}", record["generation"])
     assert record["generation"].split("-")[1] == time.strftime("%Y%m%dT%H%M%SZ", at)
     assert record["generation"].endswith(record["config_hash"]) and Path(path).name == record["generation"] + ".json"
@@ -108,6 +120,13 @@ def test_the_summary_names_the_generation_its_configuration_and_its_software(ins
     }
 
 
+def test_five_generations_are_kept_unless_told_otherwise(inst):
+    store = Store(inst)
+    for _ in range(6):
+        store.record(store.snapshot(), inst.argv, {})
+    assert [Path(p).name[:6] for p in store.records()] == [f"{n:06d}" for n in range(2, 7)]
+
+
 def test_the_numbers_continue_after_pruning_and_a_prune_says_what_it_removed(inst):
     store = Store(inst, keep=2)
     for _ in range(3):
@@ -127,6 +146,7 @@ def test_a_generation_that_is_not_a_whole_record_is_skipped_for_the_one_before(i
     damaged = [
         '["argv", "files", "profile", "config_hash"]',  # not a record
         '{"argv": [], "files": {}}',  # fields missing
+        '{"argv": []}',
         "{",  # cut short
         json.dumps({**ok, "files": ["x"]}),  # files not path -> text
         json.dumps({**ok, "files": {"/a": 7}}),
@@ -159,8 +179,6 @@ def test_a_restore_makes_the_directories_a_file_lives_in_0755(inst, tmp_path):
 def test_the_hashes_a_generation_stores_are_the_same_in_every_release():
     """Generations written by one release are compared by the next (a rollback's drift check, the boot guard, an
     operator diffing two records): the hashes are a stored format, pinned here by value."""
-    import hashlib
-
     files = {"/etc/systemd/system/sglang-m.service": "[Service]\n", "/etc/sglang/m.env": "A=1\n"}
     joined = b"/etc/sglang/m.env\0A=1\n\0/etc/systemd/system/sglang-m.service\0[Service]\n\0"  # sorted by path
     assert known_good.content_hash(files) == hashlib.sha256(joined).hexdigest()[:16]

@@ -49,6 +49,7 @@ CORE = ["sglang_deploy/restart.py", "sglang_deploy/known_good.py", "sglang_deplo
 # survives is reported, to be looked at again.
 _SPLIT = "n.split('-', k)[0] is the same first field for any k >= 1 (or none)"
 _UTF8 = "'UTF-8' and 'utf-8' name one codec"
+_NOW = "time.gmtime(None) is time.gmtime(time.time()): the same UTC time, a microsecond on"
 _LOCALE = "encoding left to the locale: UTF-8 on every host this runs on (Debian's C.UTF-8, PEP 538/540)"
 EQUIVALENT = {
     "sglang_deploy/known_good.py": {
@@ -62,7 +63,15 @@ EQUIVALENT = {
         "x_newest_first__mutmut_6": _LOCALE,
         "x_restore_files__mutmut_18": _LOCALE,
         "x_restore_files__mutmut_20": _LOCALE,
-        "xǁStoreǁrecord__mutmut_15": "time.gmtime(None) is time.gmtime(time.time()): the same UTC time",
+        "xǁStoreǁrecord__mutmut_15": _NOW,
+        "xǁStoreǁrecord__mutmut_49": _NOW,
+        "xǁStoreǁrecord__mutmut_81": _NOW,
+        "x_read_files__mutmut_3": _LOCALE,
+        "x_read_files__mutmut_5": _LOCALE,
+        "x_read_files__mutmut_7": _UTF8,
+        "x_software_of__mutmut_13": _LOCALE,
+        "x_software_of__mutmut_15": _LOCALE,
+        "x_software_of__mutmut_23": _UTF8,
     },
 }
 SOURCE_DIRS = ["sglang_deploy", "driver", "filter_plugins"]
@@ -153,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", nargs="*", default=SCOPE, help="the files to mutate (default: the scope)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
     ap.add_argument("--floor", type=float, default=90.0, help="the least score of each core file (percent)")
+    ap.add_argument(
+        "--fresh", action="store_true", help="test every mutant again (after new tests), not only changed code"
+    )
     ap.add_argument("--no-write", action="store_true", help=f"print only; leave {OUT.relative_to(REPO)} as it is")
     args = ap.parse_args(argv)
     unknown = [f for f in args.files if f not in SCOPE]
@@ -160,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--files: {', '.join(unknown)} not in the scope ({', '.join(SCOPE)})")
     stage_tree()
     (STAGE / "setup.cfg").write_text(config(args.files))
+    if args.fresh:  # mutmut re-tests only what changed: its results for these files forgotten
+        (STAGE / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)  # which test reaches what, anew
+        for rel in args.files:
+            for stale in (rel, f"{rel}.meta"):  # the mutated copy too: mutmut makes both again
+                (STAGE / "mutants" / stale).unlink(missing_ok=True)
     t0 = time.monotonic()
     run = subprocess.run([str(MUTMUT), "run", "--max-children", str(args.jobs)], cwd=STAGE, check=False)
     seconds = round(time.monotonic() - t0, 1)
