@@ -34,7 +34,7 @@ PLAYBOOKS = {
     ),
     "rollback": (
         "playbooks/rollback.yml",
-        "put back the newest known-good generation that is not on disk now (the one before the last verified restart), restart and verify it",
+        "put back the known-good generation before the one serving (the newest, if the unit is stopped), restart and verify it",
     ),
     "preflight": (
         "playbooks/preflight.yml",

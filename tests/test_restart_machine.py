@@ -3225,3 +3225,13 @@ def test_operator_rollback_skips_a_damaged_older_generation_and_touches_nothing(
     assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
     assert w.host.systemctl_calls()[calls:] == [] and w.lock_free()  # never stopped nor disabled
     serving(w, "new")
+
+
+def test_operator_rollback_of_a_contained_instance_starts_the_newest_generation_on_disk(tmp_path, handlers):
+    w = build(tmp_path, rollback=False)
+    w.host.behave("new", crash_at_start=True)
+    assert restart.restart(w.machine())["outcome"] == N  # contained: stopped, the known-good files on disk
+    stopped(w)
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", res
+    serving(w, "good")

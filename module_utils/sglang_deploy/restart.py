@@ -1028,7 +1028,11 @@ def rollback(m: Machine) -> dict:
             return res
         if refused(m, res, (LOCK,)):
             return res
-        newest, record = m.store.latest(), m.store.rollback_target()
+        # Serving, the configuration on disk is what runs: the one before it is wanted. Stopped (contained, which
+        # leaves the known-good files on disk, or stopped by hand), the newest is.
+        props = Machine.quietly_value(lambda: m.ports.show(m.inst.unit)) or {}
+        newest = m.store.latest()
+        record = m.store.rollback_target() if props.get("ActiveState") == "active" else newest
         if record is None:
             cause = (
                 f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
