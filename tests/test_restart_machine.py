@@ -3196,37 +3196,6 @@ def test_status_names_the_instances_restart_workers_running_ended_uncollected_or
     assert "a restart's worker runs in sglang-deploy-job-m-3000000000-1.scope: start, loading weights" in msg
 
 
-def test_operator_rollback_after_a_verified_restart_puts_the_generation_before_it_back(tmp_path, handlers):
-    w = build(tmp_path)
-    assert restart.restart(w.machine())["outcome"] == REST  # new verified and recorded: the newest generation
-    serving(w, "new")
-    res = restart.rollback(w.machine())
-    assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", res  # not new again: nothing to undo
-    serving(w, "good")
-    assert w.live() == w.files["good"] and Store(w.inst).latest()["profile"] == "good"  # recorded anew
-    # Rolled back once more: the newest not on disk is new's generation (the good one on disk now is skipped).
-    assert restart.rollback(w.machine())["rollback"]["to_profile"] == "new"
-
-
-def test_operator_rollback_with_only_the_live_configuration_recorded_is_refused(tmp_path, handlers):
-    w = build(tmp_path, new=None)  # one generation: the good files, on disk and running
-    res = restart.rollback(w.machine())
-    assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
-    assert w.host.systemctl_calls() == [] and w.lock_free()
-
-
-def test_operator_rollback_skips_a_damaged_older_generation_and_touches_nothing(tmp_path, handlers):
-    w = build(tmp_path)
-    assert restart.restart(w.machine())["outcome"] == REST  # generations: good, then new (on disk, serving)
-    older = Path(Store(w.inst).records()[0])
-    older.write_text(json.dumps({**json.loads(older.read_text()), "files": ["x"]}))  # damaged by hand
-    calls = len(w.host.systemctl_calls())
-    res = restart.rollback(w.machine())
-    assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
-    assert w.host.systemctl_calls()[calls:] == [] and w.lock_free()  # never stopped nor disabled
-    serving(w, "new")
-
-
 def test_operator_rollback_of_a_contained_instance_starts_the_newest_generation_on_disk(tmp_path, handlers):
     w = build(tmp_path, rollback=False)
     w.host.behave("new", crash_at_start=True)
