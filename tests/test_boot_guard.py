@@ -159,12 +159,19 @@ def test_the_unit_environment_steers_nothing_the_guard_runs_as_root(host):
     assert not owned.exists()
 
 
-def test_a_damaged_newest_generation_is_not_replaced_by_an_older_one(host):
+DAMAGED = [
+    "{not json",
+    '{"argv": [], "files": {"/etc/m.env": 7}, "profile": "p", "config_hash": "0"}',  # files not path -> text
+]
+
+
+@pytest.mark.parametrize("body", DAMAGED, ids=["cut-short", "files-not-text"])
+def test_a_damaged_newest_generation_is_not_replaced_by_an_older_one(host, body):
     tmp, _, _, files = host
     write(files, GOOD)
     record(tmp / "state", files, {**GOOD, "env": 'P="older"\n'})
     gens = Path(kg_dir(str(tmp / "state"), "m"), "generations")
-    (gens / "000002-x-damaged.json").write_text("{not json")
+    (gens / "000002-x-damaged.json").write_text(body)
     out = run(host, "--instance", "m", "--state-dir", str(tmp / "state"))
     assert out.returncode == boot.GO and "000002-x-damaged.json) is unreadable" in out.stdout
     assert {k: p.read_text() for k, p in files.items()} == GOOD  # what runs is not touched

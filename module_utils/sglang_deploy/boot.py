@@ -82,11 +82,9 @@ def check(
     if record is None:
         return GO, f"{name}: no known-good generation to hold the configuration to: it starts"
     newest = os.path.basename(record_paths(generations)[-1])
-    files = record.get("files")
-    if os.path.basename(record["path"]) != newest or not (
-        isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
-    ):
-        # Never an older generation over what may be the newest verified one: a damaged record is not held to.
+    if os.path.basename(record["path"]) != newest:
+        # latest_in skips a damaged record (known_good.whole): never an older generation over what may be the newest
+        # verified one.
         return GO, f"{name}: the newest known-good generation ({newest}) is unreadable: not held to an older one"
     if live_hash(record) == record["config_hash"]:
         return GO, f"{name}: the configuration on disk is known-good generation {record.get('generation')}"
