@@ -21,7 +21,7 @@ MOLECULE ?= molecule
 COV := --cov --cov-report=term
 COV_FLOOR := 80
 
-.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint lint-only pytest unit e2e molecule upgrade-check lock lock-sglang mutate clean
+.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint lint-only pytest unit e2e molecule upgrade-check lock lock-sglang mutate mutate-ci clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -102,6 +102,7 @@ test-lab: image
 test-rest: image
 	@mkdir -p .lab-tests; SECONDS=0; { { $(MAKE) --no-print-directory lint-only || { echo "lint failed"; false; }; } \
 		&& COVERAGE_FILE=$(CURDIR)/.coverage.unit $(BIN)/python -m pytest -m "not lab" --cov --cov-report= $(PYTEST_ARGS) \
+		&& $(BIN)/python tools/mutate.py --ci \
 		&& $(MOLECULE) test --all \
 		&& SGD_E2E_LAB=sgd-e2e-rest COVERAGE_FILE=$(CURDIR)/.coverage.lab-rest $(BIN)/python -m pytest -m lab --cov \
 			--cov-report= --junitxml=.lab-tests/rest.xml $(PYTEST_ARGS) $(E2E_REST); } 2>&1 | sed -u 's/^/rest | /' | tee .lab-tests/rest-stream.log \
@@ -111,6 +112,9 @@ test-rest: image
 # some of tools/mutate.py's SCOPE (sglang_deploy/known_good.py ...); results in docs/bench/mutation.json.
 mutate: setup ## mutmut over the operations core: killed, survived and the score per file (MUTATE_FILES=...)
 	@$(BIN)/python tools/mutate.py $(if $(MUTATE_FILES),--files $(MUTATE_FILES))
+
+mutate-ci: ## make test's subset: the mutants of the core functions changed since docs/bench/mutation.json
+	@$(BIN)/python tools/mutate.py --ci
 
 upgrade-check: setup ## does the patch series apply to SGLANG_CANDIDATE? (fetches its wheel, changes nothing)
 	@test -n "$(SGLANG_CANDIDATE)" || { echo "usage: make upgrade-check SGLANG_CANDIDATE=X.Y.Z" >&2; exit 2; }

@@ -32,7 +32,10 @@ PLAYBOOKS = {
         "playbooks/status.yml",
         "every instance at a glance: unit, profile, drift, GPU memory, health, accept length",
     ),
-    "rollback": ("playbooks/rollback.yml", "put the last-known-good configuration back, restart and verify it"),
+    "rollback": (
+        "playbooks/rollback.yml",
+        "put back the known-good generation before the one serving (the newest, if the unit is stopped), restart and verify it",
+    ),
     "preflight": (
         "playbooks/preflight.yml",
         "before a restart: NCCL all-reduce bandwidth on each instance's GPUs against a floor, and each multi-node "

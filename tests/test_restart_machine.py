@@ -479,9 +479,9 @@ class Host:
         """The unit as the test finds it: loaded, enabled, running and healthy (no call recorded)."""
         self.reload()
         self.unit.file_state = "enabled"
-        self.launch(Behaviour())
+        self.launch(Behaviour(), guarded=False)  # started before the test, whatever the guard would say now
 
-    def launch(self, b: Behaviour | None = None) -> None:
+    def launch(self, b: Behaviour | None = None, guarded: bool = True) -> None:
         u = self.unit
         u.pending_start = 0
         u.invocation, u.restarts, u.exit_us, u.status = uuid.uuid4().hex, 0, 0, 0
@@ -492,6 +492,26 @@ class Host:
         # ExecStartPre's line, in the same invocation; then systemd's from the main process before its exec (podman
         # gives no UTS namespace), under the main process's _PID.
         self.journals[u.invocation] += [GATE_LINE, f"{UNIT}: {PRE_EXEC_LINE}"]
+        # The unit's first ExecStartPre, as root: the boot guard (boot.py) on every start, not only a boot's.
+        status, said = (
+            (boot.GO, "")
+            if not guarded
+            else boot.check(
+                self.inst.name,
+                self.inst.state_dir,
+                reload=self.reload,
+                directory=boot.beside(self.lock_dir, boot.UNVERIFIED_DIR),
+                put_back_dir=boot.beside(self.lock_dir, boot.PUT_BACK_DIR),
+            )
+        )
+        if status != boot.GO:  # this start fails; Restart=on-failure starts the files put back, later
+            u.active, u.sub, u.pid, u.restarts = "activating", "auto-restart", 0, u.restarts + 1
+            u.code, u.status, u.exit_us = "exited", status, int(self.t * 1e6)
+            self.journals[u.invocation] += [
+                f"sglang-boot-guard: {said}",
+                f"{UNIT}: Control process exited, code=exited, status={status}/TEMPFAIL",
+            ]
+            return
         if b.crash_at_start:
             self.crash(CRASH_AT_START)
             return
@@ -3194,6 +3214,37 @@ def test_status_names_the_instances_restart_workers_running_ended_uncollected_or
     assert "a restart's worker ended (pid 999999999), its result never collected: rolled_back: m: start failed" in msg
     assert f"a restart's worker (pid 999999999) was killed during stop, without a result: {lost.dir}" in msg
     assert "a restart's worker runs in sglang-deploy-job-m-3000000000-1.scope: start, loading weights" in msg
+
+
+def test_operator_rollback_after_a_verified_restart_puts_the_generation_before_it_back(tmp_path, handlers):
+    w = build(tmp_path)
+    assert restart.restart(w.machine())["outcome"] == REST  # new verified and recorded: the newest generation
+    serving(w, "new")
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", res  # not new again: nothing to undo
+    serving(w, "good")
+    assert w.live() == w.files["good"] and Store(w.inst).latest()["profile"] == "good"  # recorded anew
+    # Rolled back once more: the newest not on disk is new's generation (the good one on disk now is skipped).
+    assert restart.rollback(w.machine())["rollback"]["to_profile"] == "new"
+
+
+def test_operator_rollback_with_only_the_live_configuration_recorded_is_refused(tmp_path, handlers):
+    w = build(tmp_path, new=None)  # one generation: the good files, on disk and running
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
+    assert w.host.systemctl_calls() == [] and w.lock_free()
+
+
+def test_operator_rollback_skips_a_damaged_older_generation_and_touches_nothing(tmp_path, handlers):
+    w = build(tmp_path)
+    assert restart.restart(w.machine())["outcome"] == REST  # generations: good, then new (on disk, serving)
+    older = Path(Store(w.inst).records()[0])
+    older.write_text(json.dumps({**json.loads(older.read_text()), "files": ["x"]}))  # damaged by hand
+    calls = len(w.host.systemctl_calls())
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
+    assert w.host.systemctl_calls()[calls:] == [] and w.lock_free()  # never stopped nor disabled
+    serving(w, "new")
 
 
 def test_operator_rollback_of_a_contained_instance_starts_the_newest_generation_on_disk(tmp_path, handlers):

@@ -8,18 +8,26 @@ the package at the top. Code the tests reach through another name (`module_utils
 counts as "no tests", never as killed.
 
     python tools/mutate.py [--files sglang_deploy/known_good.py ...] [--jobs N]
+    python tools/mutate.py --ci [--budget SECONDS]
 
 writes docs/bench/mutation.json (per file: killed, survived with each survivor's name, no tests, timeouts, score,
-and the run's seconds) and prints the table docs/testing.md carries. Exit 1 when a file in --floor-files (the
-operations core) scores under --floor.
+each mutated function's hash, and the run's seconds) and prints the table docs/testing.md carries. Exit 1 when a
+core file scores under --floor.
+
+--ci (make test): the core's functions whose code is not the code the record was measured on (mutmut's own hash of
+each function), and only those, are mutated and tested, within --budget; exit 1 on a survivor not argued equivalent,
+or when the record itself holds one. A clean clone has no mutmut cache: the record is what CI compares against.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +59,8 @@ _SPLIT = "n.split('-', k)[0] is the same first field for any k >= 1 (or none)"
 _UTF8 = "'UTF-8' and 'utf-8' name one codec"
 _NOW = "time.gmtime(None) is time.gmtime(time.time()): the same UTC time, a microsecond on"
 _LOCALE = "encoding left to the locale: UTF-8 on every host this runs on (Debian's C.UTF-8, PEP 538/540)"
+# A class of survivors, told apart by the mutant's code (prose_only), not listed by name: the wording of a message.
+PROSE = "the wording of a message to a person (a string with a space, wrapped in XX or its case changed)"
 EQUIVALENT = {
     "sglang_deploy/known_good.py": {
         "xǁStoreǁnext_sequence__mutmut_6": _SPLIT,
@@ -123,6 +133,34 @@ def config(files: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _functions(rel: str) -> dict[str, ast.FunctionDef]:
+    """Every function of mutmut's mutated copy of `rel` (each mutant is one, beside its __mutmut_orig), by name."""
+    tree = ast.parse((STAGE / "mutants" / rel).read_text())
+    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+
+
+def prose_only(functions: dict[str, ast.FunctionDef], name: str) -> bool:
+    """Whether mutant `name` changes nothing but the wording of a message: one string with a space in it, wrapped
+    in XX or changed in case (mutmut's string mutations), every other node and field as it was."""
+    orig, mutant = functions.get(name.split("__mutmut_")[0] + "__mutmut_orig"), functions.get(name)
+    if orig is None or mutant is None:
+        return False
+    a, b = list(ast.walk(orig))[1:], list(ast.walk(mutant))[1:]  # [0]: the function itself, named apart
+    if len(a) != len(b):
+        return False
+    changed = []
+    for x, y in zip(a, b, strict=True):
+        if type(x) is not type(y):
+            return False
+        fields = [(f, v) for f, v in ast.iter_fields(x) if not isinstance(v, (ast.AST, list))]
+        if any(getattr(y, f) != v for f, v in fields):
+            changed.append((x, y))
+    if len(changed) != 1 or not isinstance(changed[0][0], ast.Constant):
+        return False
+    was, now = changed[0][0].value, changed[0][1].value
+    return isinstance(was, str) and " " in was.strip() and now in (f"XX{was}XX", was.upper(), was.lower())
+
+
 def results(files: list[str]) -> dict[str, dict]:
     """Each file's counts from mutmut's own .meta files, by mutmut's own reading of an exit code."""
     os.chdir(STAGE)  # mutmut reads its setup.cfg on import
@@ -137,8 +175,10 @@ def results(files: list[str]) -> dict[str, dict]:
             by.setdefault(status_by_exit_code[code], []).append(key)
         short = {key: key.rsplit(".", 1)[-1] for key in codes}  # the name without its module
         why = EQUIVALENT.get(rel, {})
+        functions = _functions(rel) if by.get("survived") else {}
+        wording = sorted(short[k] for k in by.get("survived", []) if prose_only(functions, short[k]))
         killed = len(by.get("killed", [])) + len(by.get("timeout", []))  # out of time: the tests caught it too
-        survived = sorted(short[k] for k in by.get("survived", []) if short[k] not in why)
+        survived = sorted(short[k] for k in by.get("survived", []) if short[k] not in why and short[k] not in wording)
         equivalent = {short[k]: why[short[k]] for k in by.get("survived", []) if short[k] in why}
         tested = killed + len(survived) + len(by.get("no tests", []))  # untested is not killed
         out[rel] = {
@@ -146,15 +186,99 @@ def results(files: list[str]) -> dict[str, dict]:
             "killed": killed,
             "survived": len(survived),
             "equivalent": len(equivalent),
+            "wording": len(wording),  # PROSE, each listed under "wordings"
             "no_tests": len(by.get("no tests", [])),
             "other": {k: len(v) for k, v in by.items() if k not in ("killed", "survived", "timeout", "no tests")},
             "score": round(100 * killed / tested, 1) if tested else None,
             "survivors": survived,
             "equivalents": equivalent,
+            "wordings": wording,
             # listed as equivalent, but killed now or gone: look at it again
             "stale_equivalents": sorted(set(why) - set(equivalent)),
+            # mutmut's hash of each function it mutated: what --ci compares the code against
+            "functions": json.loads(meta.read_text())["hash_by_function_name"] if meta.exists() else {},
+            "tree": tree_hash(rel),
         }
     return out
+
+
+def tree_hash(rel: str) -> str:
+    """The hash of a staged file's syntax tree: a comment or a blank line changes no mutant."""
+    return hashlib.sha256(ast.dump(ast.parse((STAGE / rel).read_text())).encode()).hexdigest()[:16]
+
+
+def changed_functions(rel: str, recorded: dict) -> list[str]:
+    """The functions of `rel` (in STAGE) that mutmut mutates and whose code is not the one `recorded` measured."""
+    if recorded.get("tree") == tree_hash(rel):
+        return []
+    from mutmut.mutation.file_mutation import mutate_file_contents  # libcst: seconds a file, only a changed one
+
+    now = mutate_file_contents(rel, (STAGE / rel).read_text()).hash_by_function_name
+    was = recorded.get("functions", {})
+    return sorted(f for f, h in now.items() if was.get(f) != h)
+
+
+def mutant_glob(rel: str, function: str) -> str:
+    return f"{rel.removesuffix('.py').replace('/', '.')}.{function}__mutmut_*"
+
+
+def function_of(name: str) -> str:
+    """The mangled function of mutant `name` (x_stage__mutmut_12 -> x_stage)."""
+    return name.rsplit(".", 1)[-1].split("__mutmut_")[0]
+
+
+def ci(budget: float, jobs: int) -> int:
+    """CI's subset: the mutants of the core functions changed since the record, within `budget` seconds. A changed
+    function fails the build with more survivors than the record gives it (its mutants renumber as it changes, so
+    they are counted, not named); a core file without a record is said, not run (make mutate measures it)."""
+    record = json.loads(OUT.read_text())["files"] if OUT.exists() else {}
+    stage_tree()
+    (STAGE / "setup.cfg").write_text(config(CORE))
+    os.chdir(STAGE)  # mutmut reads its setup.cfg from here
+    unmeasured = [rel for rel in CORE if not record.get(rel, {}).get("functions")]
+    for rel in unmeasured:
+        print(f"mutation (CI): {rel} has no record: not gated (`make mutate MUTATE_FILES={rel}` measures it)")
+    changed = {rel: changed_functions(rel, record[rel]) for rel in CORE if rel not in unmeasured}
+    changed = {rel: fs for rel, fs in changed.items() if fs}
+    if not changed:
+        gated = len(CORE) - len(unmeasured)
+        print(f"mutation (CI): no function of the {gated} recorded core files changed since {OUT.relative_to(REPO)}")
+        return 0
+    for rel, fs in changed.items():
+        print(f"mutation (CI): {rel}: {len(fs)} function(s) changed since the record: {', '.join(fs)}")
+    files = list(changed)
+    (STAGE / "setup.cfg").write_text(config(files))
+    names = [mutant_glob(rel, f) for rel, fs in changed.items() for f in fs]
+    argv = [str(MUTMUT), "run", "--max-children", str(jobs), *names]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=STAGE, stdout=subprocess.DEVNULL)
+    try:
+        proc.wait(timeout=budget)
+    except subprocess.TimeoutExpired:  # mutmut saves each result as it comes: what ran counts
+        proc.send_signal(signal.SIGINT)
+        proc.wait()
+    seconds = round(time.monotonic() - t0, 1)
+    got = results(files)
+    worse, untested = [], 0
+    for rel, fs in changed.items():
+        meta = json.loads((STAGE / "mutants" / f"{rel}.meta").read_text())["exit_code_by_key"]
+        mine = {k: c for k, c in meta.items() if function_of(k) in fs}
+        untested += sum(c is None for c in mine.values())
+        now = [function_of(n) for n in got[rel]["survivors"] if function_of(n) in fs]
+        now += [function_of(k) for k, c in mine.items() if c == 33]  # no test reaches it: not killed either
+        was = [function_of(n) for n in record[rel].get("survivors", [])]
+        worse += [
+            f"{rel}: {f}: {now.count(f)} survivor(s), {was.count(f)} in the record"
+            for f in fs
+            if now.count(f) > was.count(f)
+        ]
+    print(f"mutation (CI): {seconds} s, {untested} mutant(s) not reached within {budget:.0f} s")
+    if worse:
+        print("new survivors in the operations core (kill them, or argue them equivalent in tools/mutate.py; "
+              "`mutmut show NAME` in .mutate/ prints each):\n  " + "\n  ".join(worse), file=sys.stderr)  # fmt: skip
+        return 1
+    print(f'mutation (CI): no new survivor; `make mutate MUTATE_FILES="{" ".join(files)}"` records them')
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         "--fresh", action="store_true", help="test every mutant again (after new tests), not only changed code"
     )
     ap.add_argument("--no-write", action="store_true", help=f"print only; leave {OUT.relative_to(REPO)} as it is")
+    ap.add_argument("--ci", action="store_true", help="only the core's functions changed since the record (make test)")
+    ap.add_argument("--budget", type=float, default=600.0, help="--ci: seconds for the mutants (the rest not run)")
     args = ap.parse_args(argv)
+    if args.ci:
+        return ci(args.budget, args.jobs)
     unknown = [f for f in args.files if f not in SCOPE]
     if unknown:
         ap.error(f"--files: {', '.join(unknown)} not in the scope ({', '.join(SCOPE)})")
@@ -181,11 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     run = subprocess.run([str(MUTMUT), "run", "--max-children", str(args.jobs)], cwd=STAGE, check=False)
     seconds = round(time.monotonic() - t0, 1)
     got = results(args.files)
-    print(f"{'file':36} {'mutants':>7} {'killed':>6} {'survived':>8} {'equiv.':>6} {'no tests':>8} {'score':>6}")
+    cols = f"{'mutants':>7} {'killed':>6} {'survived':>8} {'equiv.':>6} {'wording':>7} {'no tests':>8} {'untested':>8}"
+    print(f"{'file':36} {cols} {'score':>6}")
     for rel, r in got.items():
         score = "-" if r["score"] is None else f"{r['score']}%"
+        nums = [r["mutants"], r["killed"], r["survived"], r["equivalent"], r["wording"], r["no_tests"]]
+        nums.append(r["other"].get("not checked", 0))  # not run yet (a run stopped before them): not in the score
         print(
-            f"{rel:36} {r['mutants']:7} {r['killed']:6} {r['survived']:8} {r['equivalent']:6} {r['no_tests']:8} {score:>6}"
+            f"{rel:36} "
+            + " ".join(f"{n:>{w}}" for n, w in zip(nums, (7, 6, 8, 6, 7, 8, 8), strict=True))
+            + f" {score:>6}"
         )
     print(f"{seconds} s, {args.jobs} at once (mutmut exit {run.returncode})")
     if not args.no_write:

@@ -362,6 +362,9 @@ class Machine:
         return out
 
     def restore(self) -> dict:
+        # A generation older than the newest goes on disk: the boot guard would put the newest back at this very
+        # start (and at a boot before the record). The run's own window, as promote's.
+        boot.mark(self.inst.name, self.unverified_dir)
         out = self.store.restore(self.target)
         self.systemctl_ok("daemon-reload")
         return out
@@ -1028,18 +1031,21 @@ def rollback(m: Machine) -> dict:
             return res
         if refused(m, res, (LOCK,)):
             return res
-        record = m.store.latest()
+        # Serving, the configuration on disk is what runs: the one before it is wanted. Stopped (contained, which
+        # leaves the known-good files on disk, or stopped by hand), the newest is.
+        props = Machine.quietly_value(lambda: m.ports.show(m.inst.unit)) or {}
+        newest = m.store.latest()
+        record = m.store.rollback_target() if props.get("ActiveState") == "active" else newest
         if record is None:
-            res.update(
-                outcome=outcomes.REFUSED,
-                failure={
-                    "phase": outcomes.RESTORE,
-                    "cause": (
-                        f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
-                        "it succeeds. Nothing was touched."
-                    ),
-                },
+            cause = (
+                f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
+                "it succeeds. Nothing was touched."
+                if newest is None
+                else f"every known-good generation of {m.inst.name} kept in {m.store.dir} is the configuration on disk "
+                f"now (the newest, {newest.get('generation')}, verified): there is no other to roll back to. "
+                "Nothing was touched."
             )
+            res.update(outcome=outcomes.REFUSED, failure={"phase": outcomes.RESTORE, "cause": cause})
             return res
         res["rollback"] = {
             "attempted": True,

@@ -18,6 +18,7 @@ from support.e2e import (
     driver_runner,
     lab_gpu_state,
     main_with,
+    podman_exec,
 )
 
 pytestmark = pytest.mark.lab
@@ -51,6 +52,10 @@ def drive(deployed, tmp_path_factory):
     assert code == 0, proc.stdout[-3000:]
     yield run, node
     back_to_deployed(the_lab, node, NODE)
+
+
+def main_pid(container: str) -> int:
+    return int(podman_exec(container, "systemctl", "show", "-p", "MainPID", "--value", "sglang-main.service"))
 
 
 def row(doc: dict) -> dict:
@@ -122,10 +127,22 @@ def test_unreachable_host(drive, tmp_path):
 
 
 def test_history_and_compare(drive):
-    run, _ = drive
-    for args in (("validate",), ("deploy", "--check"), ("restart",), ("status",), ("verify",), ("rollback",)):
+    run, node = drive
+    for args in (("validate",), ("deploy", "--check"), ("restart",), ("status",), ("verify",)):
         code, _, proc = run(*args)
         assert code == 0, (args, proc.stdout[-2000:])
+    # A second, different generation serves: the operator's rollback puts back the one before it (issue #31),
+    # never the newest, which is what runs (a rollback that would change nothing).
+    code, doc, proc = run("restart", "-e", main_with(env={"LAB_STANDIN_LOAD_S": "1"}))
+    assert code == 0, proc.stdout[-2000:]
+    newer = doc["hosts"][NODE]["instances"]["main"]["known_good"]["generation"]
+    assert "LAB_STANDIN_LOAD_S=1" in podman_exec(node, "cat", f"/proc/{main_pid(node)}/environ")
+    code, doc, proc = run("rollback")
+    main = doc["hosts"][NODE]["instances"]["main"]
+    assert code == 0 and row(doc)["result"] == "rolled_back", json.dumps([main.get("failure"), main.get("phases")])
+    back = main["rollback"]
+    assert back["to_generation"] != newer, "the generation before the one serving, not the newest"
+    assert "LAB_STANDIN_LOAD_S" not in podman_exec(node, "cat", f"/proc/{main_pid(node)}/environ")
     runs = run.history("-n", "50")
     commands = [r["command"] for r in runs]
     assert {"validate", "deploy", "restart", "status", "verify", "rollback"} <= set(commands)

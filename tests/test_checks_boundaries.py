@@ -1,0 +1,216 @@
+"""Verify's measured checks at, below and above each boundary, and the drift it reports flag by flag (issue #31: the
+behaviours behind the mutants the unit suite let survive in sglang_deploy/checks.py).
+
+The server's answers are replaced at the http layer (checks.http); everything above it is the real code. Each
+detail is read by an operator deciding whether to roll back, so it is checked as written.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_deploy import checks, http
+from sglang_deploy.checks import Checks, Thresholds
+from sglang_deploy.instance import Instance
+from support.modules import instance_record
+
+KEY = "k-lab-77"
+
+
+@pytest.fixture
+def inst(tmp_path) -> Instance:
+    return Instance.from_params(instance_record(tmp_path, port=30123, state_dir=str(tmp_path / "state")))
+
+
+class Server:
+    """/generate answering each request with the next of `runs` (seconds, tokens, accept length); what was asked."""
+
+    def __init__(self, monkeypatch, runs, server_accept=None, fail: Exception | None = None):
+        self.runs, self.asked, self.server_asked = list(runs), [], []
+        self.server_accept, self.fail = server_accept, fail
+        monkeypatch.setattr(checks.http, "generate", self.generate)
+        monkeypatch.setattr(checks.http, "server_accept_length", self.accept)
+
+    def generate(self, base, prompt, max_new_tokens, timeout=120.0, api_key=None):
+        self.asked.append((base, prompt, max_new_tokens, api_key))
+        if self.fail:
+            raise self.fail
+        seconds, tokens, accept = self.runs.pop(0)
+        return {"text": "x", "completion_tokens": tokens, "seconds": seconds, "accept_length": accept}
+
+    def accept(self, base, info, api_key=None):
+        self.server_asked.append((base, info, api_key))
+        return self.server_accept
+
+
+def load(inst, t: Thresholds, algo="EAGLE3", info=None):
+    c, extra = Checks(), {}
+    checks.load_checks(inst, t, c, extra, info if info is not None else {"k": 1}, algo, KEY)
+    return {x["name"]: x for x in c.items}, extra
+
+
+def test_the_load_asks_the_configured_prompt_and_length_with_the_key_and_measures_tokens_per_second(inst, monkeypatch):
+    s = Server(monkeypatch, [(1.0, 40, 2.0), (2.0, 60, 3.0)])
+    t = Thresholds(prompt="Say hi", load_requests=2, load_max_new_tokens=48)
+    got, extra = load(inst, t)
+    assert s.asked == [("http://127.0.0.1:30123", "Say hi", 48, KEY)] * 2
+    assert extra == {"tokens_per_s": 33.3, "accept_length": 2.5}  # 100 tokens / 3 s; (2 + 3) / 2
+    assert got["accept_length"]["ok"] and got["accept_length"]["detail"].startswith(
+        "average accept length 2.5 over 2 requests (threshold 1.5; "
+    )
+
+
+def test_a_load_answered_in_no_time_is_not_a_division_by_zero(inst, monkeypatch):
+    Server(monkeypatch, [(0.0, 64, 2.0)])
+    _, extra = load(inst, Thresholds(load_requests=1))
+    assert extra["tokens_per_s"] > 1e9  # 64 tokens in (almost) no time
+
+
+def test_numbers_are_rounded_as_reported(inst, monkeypatch):
+    Server(monkeypatch, [(3.0, 100, 1.23456)])
+    got, extra = load(inst, Thresholds(load_requests=1, accept_length_min=1.0))
+    assert extra == {"tokens_per_s": 33.3, "accept_length": 1.235}
+    assert got["accept_length"]["detail"].startswith("average accept length 1.23 over 1 requests")
+
+
+def test_requests_without_an_accept_length_are_left_out_of_the_average(inst, monkeypatch):
+    s = Server(monkeypatch, [(1.0, 10, None), (1.0, 10, 4), (1.0, 10, "n/a")], server_accept=9.0)
+    _, extra = load(inst, Thresholds(load_requests=3))
+    assert extra["accept_length"] == 4.0 and s.server_asked == []
+
+
+def test_with_no_request_reporting_one_the_servers_own_average_is_asked_with_the_key(inst, monkeypatch):
+    s = Server(monkeypatch, [(1.0, 10, None)], server_accept=2.25)
+    got, extra = load(inst, Thresholds(load_requests=1), info={"internal_states": []})
+    assert s.server_asked == [("http://127.0.0.1:30123", {"internal_states": []}, KEY)]
+    assert extra["accept_length"] == 2.25 and got["accept_length"]["ok"]
+
+
+def test_no_accept_length_anywhere_fails_the_check_saying_so(inst, monkeypatch):
+    Server(monkeypatch, [(1.0, 10, None)], server_accept=None)
+    got, extra = load(inst, Thresholds(load_requests=1))
+    assert extra["accept_length"] is None
+    assert not got["accept_length"]["ok"] and got["accept_length"]["severity"] == "fail"
+    assert got["accept_length"]["detail"].startswith("average accept length None over 1 requests")
+
+
+def test_without_speculation_there_is_no_accept_length_check(inst, monkeypatch):
+    s = Server(monkeypatch, [(1.0, 10, 1.0)], server_accept=1.0)
+    got, extra = load(inst, Thresholds(load_requests=1, no_spec_tokens_per_s=50.0), algo=None)
+    assert got == {} and extra == {"tokens_per_s": 10.0} and s.server_asked == []
+
+
+@pytest.mark.parametrize(("accept", "ok"), [(1.49, False), (1.5, False), (1.51, True)])
+def test_accept_length_must_be_above_its_threshold(inst, monkeypatch, accept, ok):
+    """At the threshold is a failure: 1.5 (the default) is what a draft accepted half the time gives."""
+    Server(monkeypatch, [(1.0, 10, accept)])
+    got, _ = load(inst, Thresholds(load_requests=1))
+    assert got["accept_length"]["ok"] is ok and got["accept_length"]["severity"] == ("ok" if ok else "fail")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ok", "detail"),
+    [
+        (89.9, False, "89.9 tok/s against the profile's baseline 100 (-10.1 %)"),
+        (90.0, True, "90.0 tok/s against the profile's baseline 100 (-10.0 %)"),
+        (112.5, True, "112.5 tok/s against the profile's baseline 100 (+12.5 %)"),
+    ],
+)
+def test_throughput_against_the_profiles_baseline_at_its_regression_threshold(inst, monkeypatch, tokens, ok, detail):
+    Server(monkeypatch, [(1.0, tokens, 2.0)])
+    t = Thresholds(load_requests=1, baseline_tokens_per_s=100.0, regression_threshold=0.1, regression_action="warn")
+    got, _ = load(inst, t)
+    check = got["throughput_vs_profile_baseline"]
+    assert (check["ok"], check["severity"], check["detail"]) == (ok, "ok" if ok else "warn", detail)
+
+
+def test_a_regression_the_profile_says_fails_is_a_failure(inst, monkeypatch):
+    Server(monkeypatch, [(1.0, 50.0, 2.0)])
+    t = Thresholds(load_requests=1, baseline_tokens_per_s=100.0, regression_action="fail")
+    c, extra = Checks(), {}
+    checks.load_checks(inst, t, c, extra, {}, "EAGLE3", KEY)
+    assert c.result()["failed_checks"] == [
+        "throughput_vs_profile_baseline: 50.0 tok/s against the profile's baseline 100 (-50.0 %)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ok", "detail"),
+    [
+        (79.0, False, "79.0 tok/s with speculation against 80 without (-1.2 %)"),
+        (80.0, True, "80.0 tok/s with speculation against 80 without (+0.0 %)"),
+        (120.0, True, "120.0 tok/s with speculation against 80 without (+50.0 %)"),
+    ],
+)
+def test_speculation_must_be_no_slower_than_without(inst, monkeypatch, tokens, ok, detail):
+    Server(monkeypatch, [(1.0, tokens, 2.0)])
+    got, _ = load(inst, Thresholds(load_requests=1, no_spec_tokens_per_s=80.0, regression_action="warn"))
+    check = got["throughput_vs_no_speculation"]
+    assert (check["ok"], check["severity"], check["detail"]) == (ok, "ok" if ok else "warn", detail)
+
+
+def test_a_failed_load_is_a_failed_check_with_the_cause(inst, monkeypatch):
+    Server(monkeypatch, [], fail=http.HttpError("/generate: HTTP 503"))
+    got, extra = load(inst, Thresholds(load_requests=2, baseline_tokens_per_s=100.0))
+    assert list(got) == ["load"] and extra == {}
+    assert got["load"] == {
+        "name": "load",
+        "ok": False,
+        "severity": "fail",
+        "detail": "the measuring load failed: /generate: HTTP 503",
+    }
+
+
+def test_health_generate_gets_a_minute_and_its_failure_is_named(inst, monkeypatch):
+    """/health_generate runs a generation, which may queue behind the load: it gets 60 s, twice http's default."""
+    asked = []
+
+    def request(url, body=None, timeout=30.0, api_key=None):
+        asked.append((url, timeout, api_key))
+        raise http.HttpError(f"{url}: timed out")
+
+    monkeypatch.setattr(checks.http, "request", request)
+    Server(monkeypatch, [], fail=http.HttpError("/generate: refused"))
+    monkeypatch.setattr(Instance, "api_key", lambda self: KEY)
+    c = Checks()
+    checks.http_checks(inst, Thresholds(), c, {})
+    assert asked == [("http://127.0.0.1:30123/health_generate", 60, KEY)]
+    assert c.items[0] == {
+        "name": "health_generate",
+        "ok": False,
+        "severity": "fail",
+        "detail": "http://127.0.0.1:30123/health_generate: timed out",
+    }
+    assert c.items[1]["name"] == "generate" and c.items[1]["detail"] == "/generate: refused"
+
+
+@pytest.mark.parametrize(
+    ("expected", "running", "said"),
+    [
+        (["/a/python", "--x", "1"], [], "no main process"),
+        (["/a/python", "--x", "1"], ["/b/python", "--x", "1"], "program: configured '/a/python', running '/b/python'"),
+        (["--x", "1"], ["/b/python", "--x", "1"], "program: configured '', running '/b/python'"),
+        (["p", "--x=1", "--y"], ["p", "--x", "1", "--y"], "same flags in another order"),
+        (["p", "--x", "1", "2"], ["p", "--x", "1"], "--x: configured '1 2', running '1'"),
+        (["p", "--flag"], ["p", "--flag", "v"], "--flag: configured '', running 'v'"),
+        (["p", "--x", "1"], ["p"], "--x: configured '1', not running"),
+        (["p"], ["p", "--z"], "--z: not configured, running ''"),
+        (
+            ["p", "--x", "1", "--y"],
+            ["q", "--x", "2"],
+            "program: configured 'p', running 'q'; --x: configured '1', running '2'; --y: configured '', not running",
+        ),
+    ],
+)
+def test_drift_says_what_differs_flag_by_flag(expected, running, said):
+    assert checks.drift_summary(expected, running) == said
+
+
+def test_flags_of_groups_each_flags_words_and_the_program_before_them():
+    assert checks.flags_of(["p", "-m", "mod", "--a=1", "--b", "x", "y", "--c"]) == {
+        "": "p -m mod",
+        "--a": "1",
+        "--b": "x y",
+        "--c": "",
+    }
+    assert checks.flags_of(["--a", "v=w"]) == {"": "", "--a": "v=w"}

@@ -1,0 +1,154 @@
+"""tools/mutate.py --ci (make test): which core functions changed since the record, and the build's verdict on
+their mutants. mutmut itself is not run here (the subprocess is replaced); its hashing and status table are real."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from mutmut import configuration
+
+from tools import mutate
+
+CORE = "sglang_deploy/known_good.py"
+SOURCE = '''
+def pick(records, live):
+    """The newest that is not live."""
+    return next((r for r in records if r != live), None)
+
+
+def keep(n):
+    return max(n, 1)
+'''
+
+
+@pytest.fixture
+def stage(tmp_path, monkeypatch):
+    """A stage with one core file, its record measured on SOURCE; mutmut's config read from the stage."""
+    (tmp_path / "sglang_deploy").mkdir()
+    (tmp_path / "sglang_deploy" / "known_good.py").write_text(SOURCE)
+    (tmp_path / "setup.cfg").write_text("[mutmut]\nsource_paths =\n    sglang_deploy/\n")
+    out = tmp_path / "mutation.json"
+    monkeypatch.setattr(mutate, "STAGE", tmp_path)
+    monkeypatch.setattr(mutate, "OUT", out)
+    monkeypatch.setattr(mutate, "REPO", tmp_path)
+    monkeypatch.setattr(mutate, "CORE", [CORE])
+    monkeypatch.setattr(mutate, "stage_tree", lambda: None)
+    monkeypatch.setattr(mutate, "config", lambda files: "[mutmut]\nsource_paths =\n    sglang_deploy/\n")
+    monkeypatch.chdir(tmp_path)
+    configuration.reset_config()
+    from mutmut.mutation.file_mutation import mutate_file_contents
+
+    functions = dict(mutate_file_contents(CORE, SOURCE).hash_by_function_name)
+    record = {"functions": functions, "tree": mutate.tree_hash(CORE), "survivors": []}
+    out.write_text(json.dumps({"files": {CORE: record}}))
+    yield tmp_path
+    configuration.reset_config()
+
+
+def edit(stage, old: str, new: str) -> None:
+    path = stage / CORE
+    path.write_text(path.read_text().replace(old, new))
+
+
+def test_a_comment_or_a_blank_line_changes_no_function(stage):
+    edit(stage, "def keep(n):\n", "# why: a comment\n\ndef keep(n):\n")
+    assert mutate.changed_functions(CORE, json.loads(mutate.OUT.read_text())["files"][CORE]) == []
+
+
+def test_the_changed_function_and_a_new_one_are_named_and_no_other(stage):
+    edit(stage, "max(n, 1)", "max(n, 2)")
+    edit(stage, "def keep(n):", "def fresh(a):\n    return a + 1\n\n\ndef keep(n):")
+    record = json.loads(mutate.OUT.read_text())["files"][CORE]
+    assert mutate.changed_functions(CORE, record) == ["x_fresh", "x_keep"]
+
+
+def test_a_file_without_a_record_is_changed_in_every_function(stage):
+    assert mutate.changed_functions(CORE, {}) == ["x_keep", "x_pick"]
+
+
+def test_nothing_changed_runs_no_mutant_and_passes(stage, monkeypatch, capsys):
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("mutmut run with nothing changed"))
+    assert mutate.ci(600, 2) == 0
+    assert "no function of the 1 recorded core files changed" in capsys.readouterr().out
+
+
+def test_a_core_file_without_a_record_is_said_and_not_run(stage, monkeypatch, capsys):
+    mutate.OUT.write_text(json.dumps({"files": {}}))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("mutmut run on a file never measured"))
+    assert mutate.ci(600, 2) == 0
+    assert f"{CORE} has no record: not gated" in capsys.readouterr().out
+
+
+class FakeMutmut:
+    """`mutmut run` replaced: records its argv and leaves the meta a run would (exit codes by mutant)."""
+
+    def __init__(self, stage, codes: dict[str, int | None]):
+        self.stage, self.codes, self.argv = stage, codes, None
+
+    def __call__(self, argv, **kw):
+        self.argv = argv
+        meta = self.stage / "mutants" / f"{CORE}.meta"
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        keys = {f"sglang_deploy.known_good.{name}": code for name, code in self.codes.items()}
+        from mutmut.mutation.file_mutation import mutate_file_contents  # the mutated copy, as mutmut writes it
+
+        meta.with_suffix("").write_text(mutate_file_contents(CORE, (self.stage / CORE).read_text()).code)
+        meta.write_text(json.dumps({"exit_code_by_key": keys, "hash_by_function_name": {}}))
+        return self
+
+    def wait(self, timeout=None):
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("recorded", "codes", "verdict"),
+    [
+        ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 1, "x_pick__mutmut_1": 0}, 0),  # x_pick's is not new
+        ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 0}, 1),  # a survivor the record has not
+        ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 33}, 1),  # no test reaches it
+        ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": None}, 0),  # not reached in the budget: no verdict
+        (["x_keep__mutmut_7"], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 0}, 0),  # as many as recorded
+        (["x_keep__mutmut_7"], {"x_keep__mutmut_1": 0, "x_keep__mutmut_2": 0}, 1),  # one more
+        (["x_pick__mutmut_3"], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 0}, 1),  # another function's
+    ],
+)
+def test_only_the_changed_functions_mutants_are_run_and_judged_against_the_record(
+    stage, monkeypatch, recorded, codes, verdict
+):
+    doc = json.loads(mutate.OUT.read_text())
+    doc["files"][CORE]["survivors"] = recorded
+    mutate.OUT.write_text(json.dumps(doc))
+    edit(stage, "max(n, 1)", "max(n, 2)")
+    fake = FakeMutmut(stage, codes)
+    monkeypatch.setattr(subprocess, "Popen", fake)
+    assert mutate.ci(600, 2) == verdict
+    assert fake.argv[-1:] == ["sglang_deploy.known_good.x_keep__mutmut_*"]
+    assert fake.argv[1:4] == ["run", "--max-children", "2"]
+
+
+def test_the_core_list_and_the_scope_agree():
+    assert set(mutate.CORE) <= set(mutate.SCOPE)
+
+
+def test_a_change_of_a_messages_wording_alone_is_told_apart_from_a_change_of_a_key_or_a_value(tmp_path, monkeypatch):
+    from mutmut.mutation.file_mutation import mutate_file_contents
+
+    source = 'def say(n):\n    return f"{n}" + "the generation was kept"\n\n\ndef key():\n    return {"name": None}\n'
+    (tmp_path / "mutants" / "sglang_deploy").mkdir(parents=True)
+    (tmp_path / "setup.cfg").write_text("[mutmut]\nsource_paths =\n    sglang_deploy/\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mutate, "STAGE", tmp_path)
+    configuration.reset_config()
+    mutated = mutate_file_contents("sglang_deploy/x.py", source)
+    (tmp_path / "mutants" / "sglang_deploy" / "x.py").write_text(mutated.code)
+    configuration.reset_config()
+    functions = mutate._functions("sglang_deploy/x.py")
+    says = [n for n in mutated.mutant_names if n.startswith("x_say__")]
+    keys = [n for n in mutated.mutant_names if n.startswith("x_key__")]
+    assert says and keys
+    # "XXthe generation was keptXX" and "THE GENERATION WAS KEPT" are wording; "+" made "-" is not
+    assert sum(mutate.prose_only(functions, n) for n in says) == 2 < len(says)
+    assert not any(mutate.prose_only(functions, n) for n in keys)  # "XXnameXX": a key a program reads
+    assert not mutate.prose_only(functions, "x_gone__mutmut_1")
