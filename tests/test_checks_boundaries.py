@@ -214,3 +214,79 @@ def test_flags_of_groups_each_flags_words_and_the_program_before_them():
         "--c": "",
     }
     assert checks.flags_of(["--a", "v=w"]) == {"": "", "--a": "v=w"}
+
+
+class Endpoints:
+    """/health_generate, /generate and /server_info as http_checks reads them; what each was asked."""
+
+    def __init__(self, monkeypatch, text="Paris. " * 12, info=None, info_error=None, accept=None):
+        self.asked: list[tuple] = []
+        self.text, self.info, self.info_error, self.accept = text, info or {}, info_error, accept
+        monkeypatch.setattr(checks.http, "request", lambda url, **kw: (200, b""))
+        monkeypatch.setattr(checks.http, "generate", self.generate)
+        monkeypatch.setattr(checks.http, "get_json", self.get_json)
+        monkeypatch.setattr(checks.http, "server_accept_length", self.server_accept)
+
+    def generate(self, base, prompt, max_new_tokens, timeout=120.0, api_key=None):
+        self.asked.append(("generate", prompt, max_new_tokens))
+        return {"text": self.text, "completion_tokens": max_new_tokens, "seconds": 1.0, "accept_length": None}
+
+    def get_json(self, url, timeout=30.0, api_key=None):
+        if self.info_error:
+            raise self.info_error
+        return self.info
+
+    def server_accept(self, base, info, api_key=None):
+        self.asked.append(("server_accept_length", info))
+        return self.accept
+
+
+def run_http(inst, t, monkeypatch, **kw):
+    e = Endpoints(monkeypatch, **kw)
+    c, extra = Checks(), {}
+    checks.http_checks(inst, t, c, extra)
+    return e, {x["name"]: x for x in c.items}, extra, c
+
+
+def test_the_generate_check_asks_the_configured_prompt_and_quotes_the_answers_start(inst, monkeypatch):
+    e, got, _, _ = run_http(inst, Thresholds(prompt="Name a capital", max_new_tokens=12, load_requests=0), monkeypatch)
+    assert e.asked == [("generate", "Name a capital", 12)]
+    assert got["generate"]["ok"] and got["generate"]["detail"] == "12 tokens: " + repr(("Paris. " * 12)[:60])
+
+
+def test_no_load_is_measured_when_none_is_asked_and_one_request_is_a_load(inst, monkeypatch):
+    inst.argv = [*inst.argv, "--speculative-algorithm", "EAGLE3"]
+    info = {"speculative_algorithm": "EAGLE3", "internal_states": [{"avg_spec_accept_length": 2.0}]}
+    e, got, extra, _ = run_http(inst, Thresholds(load_requests=0), monkeypatch, info=info, accept=2.0)
+    assert "accept_length" not in got and extra == {} and len(e.asked) == 1
+    e, got, extra, _ = run_http(inst, Thresholds(load_requests=1), monkeypatch, info=info, accept=2.0)
+    # the request reports no accept length: the server's own, from the /server_info this check read
+    assert e.asked[-1] == ("server_accept_length", info) and extra["accept_length"] == 2.0
+
+
+def test_an_unreadable_server_info_is_a_failed_check_of_its_own(inst, monkeypatch):
+    inst.argv = [*inst.argv, "--speculative-algorithm", "EAGLE3"]
+    _, got, _, c = run_http(
+        inst, Thresholds(load_requests=0), monkeypatch, info_error=http.HttpError("/server_info: HTTP 500")
+    )
+    assert got["server_info"] == {
+        "name": "server_info",
+        "ok": False,
+        "severity": "fail",
+        "detail": "/server_info: HTTP 500",
+    }
+    assert not got["speculative_algorithm"]["ok"]  # nothing read: not the configured algorithm
+    assert "server_info: /server_info: HTTP 500" in c.result()["failed_checks"]
+
+
+def test_a_warning_leaves_the_verdict_ok_and_is_listed_apart_from_the_failures():
+    c = Checks()
+    c.add("unit", True, "active")
+    c.add("throughput_vs_profile_baseline", False, "80.0 tok/s against 100", "warn")
+    out = c.result(tokens_per_s=80.0)
+    assert out["ok"] is True and out["warnings"] == ["80.0 tok/s against 100"] and out["failed_checks"] == []
+    assert out["tokens_per_s"] == 80.0 and [x["severity"] for x in out["checks"]] == ["ok", "warn"]
+    c.add("generate", False, "HTTP 500")
+    out = c.result()
+    assert out["ok"] is False and out["warnings"] == ["80.0 tok/s against 100"]
+    assert out["failed_checks"] == ["generate: HTTP 500"]

@@ -98,7 +98,14 @@ class FakeMutmut:
         meta.write_text(json.dumps({"exit_code_by_key": keys, "hash_by_function_name": {}}))
         return self
 
+    pid = 4242
+    waits = 0
+    stubborn = 0  # how many waits time out before it ends
+
     def wait(self, timeout=None):
+        self.waits += 1
+        if self.waits <= self.stubborn:
+            raise subprocess.TimeoutExpired("mutmut", timeout)
         return 0
 
 
@@ -152,3 +159,15 @@ def test_a_change_of_a_messages_wording_alone_is_told_apart_from_a_change_of_a_k
     assert sum(mutate.prose_only(functions, n) for n in says) == 2 < len(says)
     assert not any(mutate.prose_only(functions, n) for n in keys)  # "XXnameXX": a key a program reads
     assert not mutate.prose_only(functions, "x_gone__mutmut_1")
+
+
+@pytest.mark.parametrize(("stubborn", "signals"), [(1, ["SIGINT"]), (2, ["SIGINT", "SIGKILL"])])
+def test_past_its_budget_mutmut_is_interrupted_and_what_ran_is_judged(stage, monkeypatch, stubborn, signals):
+    edit(stage, "max(n, 1)", "max(n, 2)")
+    fake = FakeMutmut(stage, {"x_keep__mutmut_1": 0, "x_keep__mutmut_2": None})
+    fake.stubborn = stubborn
+    sent = []
+    monkeypatch.setattr(subprocess, "Popen", fake)
+    monkeypatch.setattr(mutate.os, "killpg", lambda pid, sig: sent.append((pid, sig.name)))
+    assert mutate.ci(5, 2) == 1  # the survivor it reached in time fails the build
+    assert sent == [(4242, name) for name in signals]

@@ -61,7 +61,34 @@ _NOW = "time.gmtime(None) is time.gmtime(time.time()): the same UTC time, a micr
 _LOCALE = "encoding left to the locale: UTF-8 on every host this runs on (Debian's C.UTF-8, PEP 538/540)"
 # A class of survivors, told apart by the mutant's code (prose_only), not listed by name: the wording of a message.
 PROSE = "the wording of a message to a person (a string with a space, wrapped in XX or its case changed)"
+_FALSY = "None for False where only the truth value is read (Checks.add's ok, subprocess.run's check)"
+_DEFAULT_MODE = "0o600 spelled out or left to write_atomic's default, 0o600"
+_LIMIT = "a time limit a second longer: only a run that hangs 60 s would show it"
 EQUIVALENT = {
+    "sglang_deploy/stage.py": {
+        "x_read__mutmut_2": _LOCALE,
+        "x_read__mutmut_4": _LOCALE,
+        "x_read__mutmut_6": _UTF8,
+        "x_verify_unit__mutmut_5": _FALSY,
+        "x_verify_unit__mutmut_10": "check=False dropped: subprocess.run's default is False",
+        "x_verify_unit__mutmut_19": _LIMIT,
+        "x_stage__mutmut_35": "wrote=[] dropped where the result already holds wrote=[] from its start",
+        "x_stage__mutmut_38": "targets None for {}: only read by `if targets:`, false either way",
+        "x_stage__mutmut_114": "the probe's mode: read by root's systemd-analyze and removed at once (0600 reads as 0644)",
+        "x_stage__mutmut_145": _DEFAULT_MODE,
+        "x_stage__mutmut_189": _DEFAULT_MODE,
+        "x_stage__mutmut_148": "the manifest's key order: read back as a mapping (stage_complete), never as text",
+        "x_stage__mutmut_150": "the manifest's key order: read back as a mapping (stage_complete), never as text",
+        "x_stage__mutmut_151": "the manifest's key order: read back as a mapping (stage_complete), never as text",
+    },
+    "sglang_deploy/checks.py": {
+        "x_flags_of__mutmut_16": "setdefault's default never used: '' is set before the loop, a flag when it is seen",
+        "x_flags_of__mutmut_18": "setdefault's default never used: '' is set before the loop, a flag when it is seen",
+        "x_http_checks__mutmut_21": _FALSY,
+        "x_http_checks__mutmut_58": _FALSY,
+        "x_http_checks__mutmut_81": _FALSY,
+        "x_load_checks__mutmut_12": _FALSY,
+    },
     "sglang_deploy/known_good.py": {
         "xǁStoreǁnext_sequence__mutmut_6": _SPLIT,
         "xǁStoreǁnext_sequence__mutmut_9": _SPLIT,
@@ -222,6 +249,16 @@ def mutant_glob(rel: str, function: str) -> str:
     return f"{rel.removesuffix('.py').replace('/', '.')}.{function}__mutmut_*"
 
 
+def not_killed(files: list[str]) -> list[str]:
+    """The mutants of `files` that survived, that no test reached, or that no run has tested yet."""
+    names = []
+    for rel in files:
+        meta = STAGE / "mutants" / f"{rel}.meta"
+        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+        names += [key for key, code in codes.items() if code in (0, 33, None)]
+    return names
+
+
 def function_of(name: str) -> str:
     """The mangled function of mutant `name` (x_stage__mutmut_12 -> x_stage)."""
     return name.rsplit(".", 1)[-1].split("__mutmut_")[0]
@@ -251,12 +288,23 @@ def ci(budget: float, jobs: int) -> int:
     names = [mutant_glob(rel, f) for rel, fs in changed.items() for f in fs]
     argv = [str(MUTMUT), "run", "--max-children", str(jobs), *names]
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=STAGE, stdout=subprocess.DEVNULL)
+    # Its own process group, SIGINT as by default (a job started with & in a script inherits it ignored).
+    proc = subprocess.Popen(
+        argv,
+        cwd=STAGE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         proc.wait(timeout=budget)
     except subprocess.TimeoutExpired:  # mutmut saves each result as it comes: what ran counts
-        proc.send_signal(signal.SIGINT)
-        proc.wait()
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     seconds = round(time.monotonic() - t0, 1)
     got = results(files)
     worse, untested = [], 0
@@ -289,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fresh", action="store_true", help="test every mutant again (after new tests), not only changed code"
     )
+    ap.add_argument(
+        "--retest", action="store_true", help="test again only the mutants not killed yet (after new tests: quicker)"
+    )
     ap.add_argument("--no-write", action="store_true", help=f"print only; leave {OUT.relative_to(REPO)} as it is")
     ap.add_argument("--ci", action="store_true", help="only the core's functions changed since the record (make test)")
     ap.add_argument("--budget", type=float, default=600.0, help="--ci: seconds for the mutants (the rest not run)")
@@ -306,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             for stale in (rel, f"{rel}.meta"):  # the mutated copy too: mutmut makes both again
                 (STAGE / "mutants" / stale).unlink(missing_ok=True)
     t0 = time.monotonic()
-    run = subprocess.run([str(MUTMUT), "run", "--max-children", str(args.jobs)], cwd=STAGE, check=False)
+    names = not_killed(args.files) if args.retest else []  # named, mutmut tests them again; unnamed, only new ones
+    run = subprocess.run([str(MUTMUT), "run", "--max-children", str(args.jobs), *names], cwd=STAGE, check=False)
     seconds = round(time.monotonic() - t0, 1)
     got = results(args.files)
     cols = f"{'mutants':>7} {'killed':>6} {'survived':>8} {'equiv.':>6} {'wording':>7} {'no tests':>8} {'untested':>8}"

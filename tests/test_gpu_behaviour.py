@@ -1,0 +1,217 @@
+"""nvidia-smi as the GPU wait runs it, and the stops it makes (issue #31: the behaviours behind the mutants the
+unit suite let survive in sglang_deploy/gpu.py).
+
+nvidia-smi is a script on PATH that prints what a real one does in each case (its exit codes: 9 when it cannot
+talk to the driver, as NVIDIA's documentation of nvidia-smi lists them); the processes stopped are real ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sglang_deploy import gpu
+
+
+@pytest.fixture
+def smi(tmp_path, monkeypatch):
+    """write(body): nvidia-smi on PATH runs `body` (sh), with its arguments as "$@"."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+
+    def write(body: str) -> None:
+        path = bindir / "nvidia-smi"
+        path.write_text("#!/bin/sh\n" + textwrap.dedent(body))
+        path.chmod(0o755)
+
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return write
+
+
+def test_one_query_returns_its_own_output(smi):
+    smi('echo "asked: $*"\n')
+    assert gpu.run_nvidia_smi("--query-gpu=index", "--format=csv") == "asked: --query-gpu=index --format=csv\n"
+
+
+def test_queries_side_by_side_return_each_its_own_output_in_order(smi):
+    smi('echo "asked: $*"\n')
+    assert gpu.run_nvidia_smi_together([["-a"], ["-b", "c"]]) == ["asked: -a\n", "asked: -b c\n"]
+
+
+def test_one_query_is_given_up_on_after_its_timeout(smi):
+    smi("exec sleep 5\n")
+    with pytest.raises(gpu.NvidiaSmiError, match=r"did not answer within 0\.3s \(a hung GPU or driver\?\)"):
+        gpu.run_nvidia_smi("-L", timeout=0.3)
+
+
+@pytest.mark.parametrize(
+    ("code", "said", "message"),
+    [
+        (
+            9,
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.",
+            "nvidia-smi failed (exit 9): NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
+            "driver. The NVIDIA kernel driver is not loaded.",
+        ),
+        (9, "No devices were found", "nvidia-smi failed (exit 9): No devices were found The NVIDIA kernel driver is not loaded."),
+        (
+            255,
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.",
+            "nvidia-smi failed (exit 255): NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
+            "driver. The NVIDIA kernel driver is not loaded.",
+        ),
+        (
+            18,
+            "Failed to initialize NVML: Driver/library version mismatch",
+            "nvidia-smi failed (exit 18): Failed to initialize NVML: Driver/library version mismatch The kernel "
+            "driver and the NVML library differ: reboot, or reload the nvidia modules.",
+        ),
+        (15, "Unable to determine the device handle for GPU0000:1B:00.0:   Unknown Error",
+         "nvidia-smi failed (exit 15): Unable to determine the device handle for GPU0000:1B:00.0: Unknown Error"),
+    ],
+)  # fmt: skip
+def test_a_failure_is_nvidia_smis_own_words_in_one_line_and_a_hint_at_its_cause(smi, code, said, message):
+    smi(f'echo "{said}" >&2\nexit {code}\n')
+    with pytest.raises(gpu.NvidiaSmiError) as err:
+        gpu.run_nvidia_smi("-L")
+    assert str(err.value) == message
+
+
+def sleeper(*, ignore_term: bool = False) -> subprocess.Popen:
+    """A real process; one that ignores SIGTERM outlives the grace and needs SIGKILL. Ready once it said so."""
+    code = "import signal, sys, time\n"
+    if ignore_term:
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    code += "print('ready', flush=True)\ntime.sleep(60)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_terminate_says_how_each_process_ended(monkeypatch):
+    polite, stubborn = sleeper(), sleeper(ignore_term=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    # procinfo.alive reads /proc: a child that died stays a zombie until reaped, so reap as the kernel would.
+    monkeypatch.setattr(
+        gpu.procinfo, "alive", lambda pid: next(p for p in (polite, stubborn, gone) if p.pid == pid).poll() is None
+    )
+    out = gpu.terminate([polite.pid, stubborn.pid, gone.pid], grace=0.5, interval=0.05)
+    assert out == {polite.pid: "SIGTERM", stubborn.pid: "SIGKILL", gone.pid: "gone"}
+    assert polite.wait(timeout=5) == -signal.SIGTERM and stubborn.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_a_stopped_process_without_a_command_line_is_named_by_nvidia_smis_process_name(monkeypatch):
+    victim = sleeper()
+    row = {"pid": victim.pid, "gpu": 3, "gpu_uuid": "GPU-3", "used_mib": 500, "process_name": "python3"}
+    snaps = iter(
+        [
+            {"gpus": [{"index": 3, "uuid": "GPU-3", "memory_used_mib": 600}], "processes": [row]},
+            {"gpus": [{"index": 3, "uuid": "GPU-3", "memory_used_mib": 0}], "processes": []},
+        ]
+    )
+    monkeypatch.setattr(gpu.procinfo, "alive", lambda pid: victim.poll() is None)
+    res = gpu.wait_clean(
+        [3], timeout=30, interval=0.01, policy="force", kill_grace=5, take_snapshot=lambda: next(snaps)
+    )
+    assert res["clean"] and res["stopped_processes"] == [
+        {"pid": victim.pid, "user": None, "unit": None, "gpus": [3], "command": "python3", "how": "SIGTERM"}
+    ]
+
+
+def snap(gpus: list[tuple], procs: list[tuple] = ()) -> dict:
+    """GPUs as (index, memory.used, name), processes as (pid, gpu, used MiB)."""
+    return {
+        "gpus": [{"index": i, "uuid": f"GPU-{i}", "name": n, "memory_used_mib": used} for i, used, n in gpus],
+        "processes": [
+            {"pid": pid, "gpu": g, "gpu_uuid": f"GPU-{g}", "used_mib": used, "process_name": "python3"}
+            for pid, g, used in procs
+        ],
+    }
+
+
+@pytest.mark.parametrize(("used", "clean"), [(1023, True), (1024, True), (1025, False)])
+def test_memory_at_the_threshold_is_clean_and_above_it_is_not(used, clean):
+    v = gpu.verdict(snap([(0, used, "H200")]), [0], 1024)
+    assert v["clean"] is clean and [g["index"] for g in v["busy"]] == ([] if clean else [0])
+    assert v["message"] == (
+        "GPUs [0] clean"
+        if clean
+        else f"GPUs [0] not clean: GPU 0: {used} MiB used with no process listed (memory still being released?)"
+    )
+
+
+def test_processes_and_memory_on_gpus_not_wanted_are_not_the_instances_business():
+    s = snap([(0, 0, "H200"), (1, 70000, "H200"), (2, 0, "H200")], [(501, 1, 69000), (502, 2, 100)])
+    v = gpu.verdict(s, [0], 1024)
+    assert v["clean"] and v["offenders"] == [] and v["busy"] == [] and v["message"] == "GPUs [0] clean"
+    v = gpu.verdict(s, [0, 2], 1024)
+    assert [p["pid"] for p in v["offenders"]] == [502] and v["busy"] == []
+
+
+def test_missing_gpus_are_named_with_what_the_host_has():
+    v = gpu.verdict(snap([(0, 0, "H200"), (None, 0, "H200")]), [0, 1, 7], 1024)
+    assert v["missing"] == [1, 7] and not v["clean"]
+    assert v["message"] == "GPUs [1, 7] are not on this host (it has [0, ?])"
+
+
+def test_the_model_is_the_names_of_the_wanted_gpus_only():
+    s = snap([(0, 0, "NVIDIA H200"), (1, 0, "NVIDIA H100 80GB HBM3"), (2, 0, "NVIDIA H200")])
+    assert gpu.model_of(s, [0, 2]) == "NVIDIA H200"
+    assert gpu.model_of(s, [0, 1]) == "NVIDIA H100 80GB HBM3, NVIDIA H200"
+    assert gpu.model_of(s, [5]) is None and gpu.model_of({}, [0]) is None
+
+
+class Clock:
+    """A clock that moves only when slept on, or by `cost` per snapshot (nvidia-smi's own time)."""
+
+    def __init__(self, cost: float = 0.0):
+        self.t, self.cost, self.sleeps = 100.0, cost, []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(round(seconds, 6))
+        self.t += seconds
+
+
+def test_the_wait_polls_every_interval_from_each_polls_start_until_its_timeout():
+    clock = Clock()
+    held = snap([(0, 9000, "H200")])
+
+    def take():
+        clock.t += 0.03  # each snapshot takes 30 ms: the sleep after it is the rest of the interval
+        return held
+
+    res = gpu.wait_clean([0], timeout=0.5, interval=0.1, clock=clock, sleep=clock.sleep, take_snapshot=take)
+    assert not res["clean"] and set(clock.sleeps) == {0.07}
+    # polls at 0, 0.1, ..., 0.5 from the start: the last one at the deadline still counts
+    assert res["polls"] == 6 and res["waited_s"] == pytest.approx(0.53)
+    assert res["message"].startswith("GPUs [0] not clean after 0.5s: GPU 0: 9000 MiB used with no process listed")
+
+
+def test_a_snapshot_slower_than_the_interval_is_followed_by_the_next_at_once():
+    clock = Clock()
+
+    def take():
+        clock.t += 0.25
+        return snap([(0, 9000, "H200")])
+
+    res = gpu.wait_clean([0], timeout=0.6, interval=0.1, clock=clock, sleep=clock.sleep, take_snapshot=take)
+    assert set(clock.sleeps) == {0.0} and res["polls"] == 3
+
+
+def test_the_wait_ends_at_the_first_clean_poll():
+    clock = Clock()
+    polls = iter([snap([(0, 9000, "H200")]), snap([(0, 10, "H200")]), snap([(0, 9000, "H200")])])
+    res = gpu.wait_clean(
+        [0], timeout=30, interval=0.1, clock=clock, sleep=clock.sleep, take_snapshot=lambda: next(polls)
+    )
+    assert res["clean"] and res["polls"] == 2 and res["waited_s"] == pytest.approx(0.1)
+    assert res["message"] == "GPUs [0] clean" and res["stopped"] == {} and res["gpus"][0]["memory_used_mib"] == 10
