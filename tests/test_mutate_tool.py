@@ -3,6 +3,7 @@ their mutants. mutmut itself is not run here (the subprocess is replaced); its h
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 
@@ -78,7 +79,7 @@ def test_a_core_file_without_a_record_is_said_and_not_run(stage, monkeypatch, ca
     mutate.OUT.write_text(json.dumps({"files": {}}))
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("mutmut run on a file never measured"))
     assert mutate.ci(600, 2) == 0
-    assert f"{CORE} has no record: not gated" in capsys.readouterr().out
+    assert f"{CORE} not gated: it has no record" in capsys.readouterr().out
 
 
 class FakeMutmut:
@@ -101,12 +102,13 @@ class FakeMutmut:
     pid = 4242
     waits = 0
     stubborn = 0  # how many waits time out before it ends
+    code = 0
 
     def wait(self, timeout=None):
         self.waits += 1
         if self.waits <= self.stubborn:
             raise subprocess.TimeoutExpired("mutmut", timeout)
-        return 0
+        return self.code
 
 
 @pytest.mark.parametrize(
@@ -115,17 +117,19 @@ class FakeMutmut:
         ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 1, "x_pick__mutmut_1": 0}, 0),  # x_pick's is not new
         ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 0}, 1),  # a survivor the record has not
         ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 33}, 1),  # no test reaches it
-        ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": None}, 0),  # not reached in the budget: no verdict
+        ([], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": None}, 1),  # not tested: measured by make mutate, or fails
         (["x_keep__mutmut_7"], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 0}, 0),  # as many as recorded
         (["x_keep__mutmut_7"], {"x_keep__mutmut_1": 0, "x_keep__mutmut_2": 0}, 1),  # one more
         (["x_pick__mutmut_3"], {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 0}, 1),  # another function's
+        ({"no_test_names": ["x_keep__mutmut_4"]}, {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 33}, 0),
+        ({"equivalents": {"x_keep__mutmut_4": "why"}}, {"x_keep__mutmut_1": 1, "x_keep__mutmut_2": 0}, 0),
     ],
 )
 def test_only_the_changed_functions_mutants_are_run_and_judged_against_the_record(
     stage, monkeypatch, recorded, codes, verdict
 ):
     doc = json.loads(mutate.OUT.read_text())
-    doc["files"][CORE]["survivors"] = recorded
+    doc["files"][CORE].update(recorded if isinstance(recorded, dict) else {"survivors": recorded})
     mutate.OUT.write_text(json.dumps(doc))
     edit(stage, "max(n, 1)", "max(n, 2)")
     fake = FakeMutmut(stage, codes)
@@ -171,3 +175,51 @@ def test_past_its_budget_mutmut_is_interrupted_and_what_ran_is_judged(stage, mon
     monkeypatch.setattr(mutate.os, "killpg", lambda pid, sig: sent.append((pid, sig.name)))
     assert mutate.ci(5, 2) == 1  # the survivor it reached in time fails the build
     assert sent == [(4242, name) for name in signals]
+
+
+def test_mutmut_failing_fails_the_build_whatever_its_meta_says(stage, monkeypatch, capsys):
+    edit(stage, "max(n, 1)", "max(n, 2)")
+    fake = FakeMutmut(stage, {"x_keep__mutmut_1": 1})
+    fake.code = 1  # "Failed to run clean test"
+    monkeypatch.setattr(subprocess, "Popen", fake)
+    assert mutate.ci(600, 2) == 1 and "mutmut failed (exit 1)" in capsys.readouterr().err
+
+
+def test_a_core_file_gone_fails_the_build_naming_it(stage, capsys):
+    (stage / CORE).unlink()
+    assert mutate.ci(600, 2) == 1 and f"core file(s) gone: {CORE}" in capsys.readouterr().err
+
+
+def test_a_run_removes_the_copies_mutmut_would_take_for_already_mutated(stage):
+    copy = stage / "mutants" / CORE
+    copy.parent.mkdir(parents=True)
+    copy.write_text(SOURCE)  # left unmutated by a run that did not mutate this file, newer than its source
+    mutate.fresh_copies([CORE])
+    assert not copy.exists()
+
+
+def test_a_string_the_code_compares_matches_or_looks_up_is_not_wording(tmp_path, monkeypatch):
+    from mutmut.mutation.file_mutation import mutate_file_contents
+
+    source = (
+        "def f(text, d):\n"
+        '    if "couldn\'t communicate" in text or text == "auto restart" or text.startswith("a b"):\n'
+        '        return d["a key"], d.get("b key"), {"c key": 1}\n'
+        '    raise ValueError("the driver is not loaded")\n'
+    )
+    (tmp_path / "mutants" / "sglang_deploy").mkdir(parents=True)
+    (tmp_path / "setup.cfg").write_text("[mutmut]\nsource_paths =\n    sglang_deploy/\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mutate, "STAGE", tmp_path)
+    configuration.reset_config()
+    mutated = mutate_file_contents("sglang_deploy/y.py", source)
+    (tmp_path / "mutants" / "sglang_deploy" / "y.py").write_text(mutated.code)
+    configuration.reset_config()
+    functions = mutate._functions("sglang_deploy/y.py")
+    wording = [n for n in mutated.mutant_names if mutate.prose_only(functions, n)]
+    # the message's two rewordings, and nothing the code compares, looks up or matches
+    said = sorted(
+        next(m for m in ("XXthe driver is not loadedXX", "THE DRIVER IS NOT LOADED") if m in ast.unparse(functions[n]))
+        for n in wording
+    )
+    assert said == ["THE DRIVER IS NOT LOADED", "XXthe driver is not loadedXX"]

@@ -15,8 +15,10 @@ each mutated function's hash, and the run's seconds) and prints the table docs/t
 core file scores under --floor.
 
 --ci (make test): the core's functions whose code is not the code the record was measured on (mutmut's own hash of
-each function), and only those, are mutated and tested, within --budget; exit 1 on a survivor not argued equivalent,
-or when the record itself holds one. A clean clone has no mutmut cache: the record is what CI compares against.
+each function), and only those, are mutated and tested, within --budget; exit 1 when a changed function has more
+mutants not killed than the record gives it, when one of them could not be tested (mutmut failed, or the budget
+ran out: `make mutate` records them), or a core file is gone. A clean clone has no mutmut cache: the record is
+what CI compares against.
 """
 
 from __future__ import annotations
@@ -138,6 +140,14 @@ def stage_tree() -> None:
         link.symlink_to("module_utils/sglang_deploy")
 
 
+def fresh_copies(files: list[str]) -> None:
+    """mutmut takes a mutants/ copy newer than its source for mutated and unchanged, and stage_tree keeps the
+    source's older time: a copy another run left unmutated (its file was not in that run) would be taken for these
+    files' mutants. Removed, mutmut makes them again and compares each function's hash with its .meta."""
+    for rel in files:
+        (STAGE / "mutants" / rel).unlink(missing_ok=True)
+
+
 def config(files: list[str]) -> str:
     """mutmut's setup.cfg: every source file outside `files` left unmutated; the unit tests (not the lab's)."""
     others = sorted(
@@ -184,8 +194,35 @@ def prose_only(functions: dict[str, ast.FunctionDef], name: str) -> bool:
             changed.append((x, y))
     if len(changed) != 1 or not isinstance(changed[0][0], ast.Constant):
         return False
+    if read_by_the_program(orig, changed[0][0]):
+        return False
     was, now = changed[0][0].value, changed[0][1].value
     return isinstance(was, str) and " " in was.strip() and now in (f"XX{was}XX", was.upper(), was.lower())
+
+
+def read_by_the_program(function: ast.FunctionDef, constant: ast.Constant) -> bool:
+    """Whether the code itself reads the string: compared (`"couldn't communicate" in text`, `== "auto restart"`),
+    a key (`d["a b"]`, `{"a b": ...}`), or an argument of a method that matches or splits (`startswith`, `split`,
+    `re.search`...): then a changed wording is a changed behaviour."""
+    for node in ast.walk(function):
+        if isinstance(node, ast.Compare) and constant in (node.left, *node.comparators):
+            return True
+        if isinstance(node, ast.Subscript) and node.slice is constant:
+            return True
+        if isinstance(node, ast.Dict) and constant in node.keys:
+            return True
+        call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        if call and constant in node.args and node.func.attr in MATCHERS:
+            return True
+    return False
+
+
+# Methods whose string argument is a pattern or a separator, not a message: str's and re's.
+MATCHERS = {
+    "startswith", "endswith", "split", "rsplit", "partition", "rpartition", "find", "rfind", "index", "rindex",
+    "count", "replace", "strip", "lstrip", "rstrip", "removeprefix", "removesuffix", "get", "search", "match",
+    "fullmatch", "findall", "finditer", "sub", "compile",
+}  # fmt: skip
 
 
 def results(files: list[str]) -> dict[str, dict]:
@@ -218,6 +255,7 @@ def results(files: list[str]) -> dict[str, dict]:
             "other": {k: len(v) for k, v in by.items() if k not in ("killed", "survived", "timeout", "no tests")},
             "score": round(100 * killed / tested, 1) if tested else None,
             "survivors": survived,
+            "no_test_names": sorted(short[k] for k in by.get("no tests", [])),
             "equivalents": equivalent,
             "wordings": wording,
             # listed as equivalent, but killed now or gone: look at it again
@@ -264,17 +302,32 @@ def function_of(name: str) -> str:
     return name.rsplit(".", 1)[-1].split("__mutmut_")[0]
 
 
+def not_killed_by_function(entry: dict, functions: list[str]) -> list[str]:
+    """For each mutant of `functions` a record entry (results()) holds as not killed (a survivor, an equivalent, no
+    test), its function: counted per function, since a changed function renumbers its mutants."""
+    names = [*entry.get("survivors", []), *entry.get("equivalents", {}), *entry.get("no_test_names", [])]
+    return [function_of(n) for n in names if function_of(n) in functions]
+
+
 def ci(budget: float, jobs: int) -> int:
-    """CI's subset: the mutants of the core functions changed since the record, within `budget` seconds. A changed
-    function fails the build with more survivors than the record gives it (its mutants renumber as it changes, so
-    they are counted, not named); a core file without a record is said, not run (make mutate measures it)."""
+    """CI's subset: the mutants of the core functions changed since the record, within `budget` seconds. Exit 1 when
+    a changed function has more mutants not killed than the record gives it, when one of its mutants was not tested
+    (mutmut failed, or the budget ran out), or when a core file is gone; a core file never measured is said, not run
+    (make mutate measures it)."""
     record = json.loads(OUT.read_text())["files"] if OUT.exists() else {}
+    gone = [rel for rel in CORE if not (REPO / "module_utils" / rel).exists() and not (REPO / rel).exists()]
+    if gone:
+        print(
+            f"mutation (CI): core file(s) gone: {', '.join(gone)} (tools/mutate.py's CORE names them)", file=sys.stderr
+        )
+        return 1
     stage_tree()
     (STAGE / "setup.cfg").write_text(config(CORE))
     os.chdir(STAGE)  # mutmut reads its setup.cfg from here
     unmeasured = [rel for rel in CORE if not record.get(rel, {}).get("functions")]
     for rel in unmeasured:
-        print(f"mutation (CI): {rel} has no record: not gated (`make mutate MUTATE_FILES={rel}` measures it)")
+        why = "its record is from before the gate (no function hashes)" if rel in record else "it has no record"
+        print(f"mutation (CI): {rel} not gated: {why}; `make mutate MUTATE_FILES={rel}` measures it")
     changed = {rel: changed_functions(rel, record[rel]) for rel in CORE if rel not in unmeasured}
     changed = {rel: fs for rel, fs in changed.items() if fs}
     if not changed:
@@ -285,6 +338,7 @@ def ci(budget: float, jobs: int) -> int:
         print(f"mutation (CI): {rel}: {len(fs)} function(s) changed since the record: {', '.join(fs)}")
     files = list(changed)
     (STAGE / "setup.cfg").write_text(config(files))
+    fresh_copies(files)
     names = [mutant_glob(rel, f) for rel, fs in changed.items() for f in fs]
     argv = [str(MUTMUT), "run", "--max-children", str(jobs), *names]
     t0 = time.monotonic()
@@ -296,34 +350,41 @@ def ci(budget: float, jobs: int) -> int:
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    cut = False
     try:
-        proc.wait(timeout=budget)
+        code = proc.wait(timeout=budget)
     except subprocess.TimeoutExpired:  # mutmut saves each result as it comes: what ran counts
+        cut = True
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            proc.wait(timeout=60)
+            code = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            code = proc.wait()
     seconds = round(time.monotonic() - t0, 1)
+    if code != 0 and not cut:
+        print(f"mutation (CI): mutmut failed (exit {code}): `mutmut run` in .mutate/ says why", file=sys.stderr)
+        return 1
     got = results(files)
     worse, untested = [], 0
     for rel, fs in changed.items():
-        meta = json.loads((STAGE / "mutants" / f"{rel}.meta").read_text())["exit_code_by_key"]
-        mine = {k: c for k, c in meta.items() if function_of(k) in fs}
-        untested += sum(c is None for c in mine.values())
-        now = [function_of(n) for n in got[rel]["survivors"] if function_of(n) in fs]
-        now += [function_of(k) for k, c in mine.items() if c == 33]  # no test reaches it: not killed either
-        was = [function_of(n) for n in record[rel].get("survivors", [])]
+        meta = STAGE / "mutants" / f"{rel}.meta"
+        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+        untested += sum(c is None for k, c in codes.items() if function_of(k) in fs)
+        now, was = not_killed_by_function(got[rel], fs), not_killed_by_function(record[rel], fs)
         worse += [
-            f"{rel}: {f}: {now.count(f)} survivor(s), {was.count(f)} in the record"
+            f"{rel}: {f}: {now.count(f)} mutant(s) not killed, {was.count(f)} in the record"
             for f in fs
             if now.count(f) > was.count(f)
         ]
-    print(f"mutation (CI): {seconds} s, {untested} mutant(s) not reached within {budget:.0f} s")
+    print(f"mutation (CI): {seconds} s" + (f", stopped at its budget of {budget:.0f} s" if cut else ""))
     if worse:
         print("new survivors in the operations core (kill them, or argue them equivalent in tools/mutate.py; "
               "`mutmut show NAME` in .mutate/ prints each):\n  " + "\n  ".join(worse), file=sys.stderr)  # fmt: skip
+        return 1
+    if untested:
+        print(f"mutation (CI): {untested} mutant(s) of the changed functions not tested within {budget:.0f} s: "
+              f'`make mutate MUTATE_FILES="{" ".join(files)}"` measures them, to commit with the change', file=sys.stderr)  # fmt: skip
         return 1
     print(f'mutation (CI): no new survivor; `make mutate MUTATE_FILES="{" ".join(files)}"` records them')
     return 0
@@ -356,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         for rel in args.files:
             for stale in (rel, f"{rel}.meta"):  # the mutated copy too: mutmut makes both again
                 (STAGE / "mutants" / stale).unlink(missing_ok=True)
+    fresh_copies(args.files)
     t0 = time.monotonic()
     names = not_killed(args.files) if args.retest else []  # named, mutmut tests them again; unnamed, only new ones
     run = subprocess.run([str(MUTMUT), "run", "--max-children", str(args.jobs), *names], cwd=STAGE, check=False)
