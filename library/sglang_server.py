@@ -13,7 +13,8 @@ description:
     start and wait until ready (failing fast) -> a real generation -> verify -> record a known-good
     generation. A failure after the stop puts the newest known-good generation back, started and
     verified (unless I(rollback=false)); when that cannot be done the unit is left stopped.
-  - C(rollback) puts the newest known-good generation back and restarts and verifies it.
+  - C(rollback) puts back the known-good generation before the one on disk (the newest, for a unit a containment
+    stopped) and restarts and verifies it.
   - C(verify) checks a running instance; C(status) reports it without load.
   - Holds the instance's lock (/run/sglang-deploy/locks) for a restart or rollback (a multi-node one's, as a lease between
     its phases too, I(group_token)); a second operation is refused at once (outcome C(locked)), naming the holder.

@@ -664,6 +664,7 @@ def unit_text(inst: Instance, argv: list[str]) -> str:
 def make_venv(root: Path, generation: str, version: str) -> Path:
     (root / "bin").mkdir(parents=True)
     (root / "bin" / "python").write_text("#!/bin/sh\n")
+    (root / "bin" / "python").chmod(0o755)  # a rollback refuses a generation whose program is not on the host
     meta = root / "sglang-deploy"
     meta.mkdir()
     (meta / "generation.json").write_text(
@@ -3253,5 +3254,72 @@ def test_operator_rollback_of_a_contained_instance_starts_the_newest_generation_
     assert restart.restart(w.machine())["outcome"] == N  # contained: stopped, the known-good files on disk
     stopped(w)
     res = restart.rollback(w.machine())
-    assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", res
+    assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", (res.get("failure"), res.get("contained"))
     serving(w, "good")
+
+
+def test_operator_rollback_of_a_verified_generation_that_now_crashes_puts_the_one_before_it_back(tmp_path, handlers):
+    """The newest generation verified, then crash-loops (no containment stopped it): starting it again would fail
+    again, rollback after rollback. The generation before it is wanted."""
+    w = build(tmp_path)
+    assert restart.restart(w.machine())["outcome"] == REST
+    w.host.behave("new", crash_at_start=True)
+    server = w.host.unit.server
+    w.host.crash(CRASH_AT_START)  # Restart=on-failure: activating/auto-restart, new's files on disk
+    server.close()  # the dead server's port is free again
+    check = restart.rollback(w.machine(check_mode=True))
+    assert check["outcome"] == outcomes.WOULD_ROLL_BACK and check["rollback"]["to_profile"] == "good"
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", (res.get("failure"), res.get("contained"))
+    serving(w, "good")
+
+
+def test_operator_rollback_to_a_generation_whose_software_is_gone_is_refused_before_anything_is_stopped(
+    tmp_path, handlers
+):
+    w = build(tmp_path)
+    assert restart.restart(w.machine())["outcome"] == REST
+    calls = len(w.host.systemctl_calls())
+    (tmp_path / "venv-good" / "bin" / "python").unlink()  # its software generation removed by hand
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
+    assert "venv-good/bin/python, which is not on this host" in res["failure"]["cause"]
+    assert w.host.systemctl_calls()[calls:] == [] and w.live() == w.files["new"] and w.lock_free()
+    serving(w, "new")
+
+
+def test_operator_rollback_whose_restore_fails_before_writing_is_refused_and_the_unit_still_serves(
+    tmp_path, handlers, monkeypatch
+):
+    w = build(tmp_path)
+    assert restart.restart(w.machine())["outcome"] == REST
+    calls = len(w.host.systemctl_calls())
+
+    def denied(name, directory=boot.UNVERIFIED_DIR):
+        raise PermissionError(13, "Permission denied", directory)
+
+    monkeypatch.setattr(boot, "mark", denied)
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and res["failure"]["phase"] == "restore" and res["changed"] is False
+    assert "Permission denied" in res["failure"]["cause"] and "contained" not in res
+    assert w.host.systemctl_calls()[calls:] == [] and w.live() == w.files["new"]
+    serving(w, "new")
+
+
+def test_operator_rollback_not_recorded_says_the_next_start_puts_the_newest_back(tmp_path, handlers, monkeypatch):
+    w = build(tmp_path)
+    assert restart.restart(w.machine())["outcome"] == REST
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Store, "record", full)
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == R and res["known_good"]["recorded"] is False
+    assert (
+        "Not recorded as known-good (" in res["msg"] and "the next start or boot puts the newest recorded" in res["msg"]
+    )
+    serving(w, "good")
+    # As said: the guard, at the next start, holds the unit to the newest recorded generation (new).
+    status, _ = boot.check("m", w.inst.state_dir, reload=lambda: None, directory=w.machine().unverified_dir)
+    assert status == boot.PUT_BACK and w.live() == w.files["new"]

@@ -494,6 +494,7 @@ class Machine:
                 f"(another tool wrote it?): not recorded as known-good{put_back}",
             )
         summary = self.store.record(self.started, argv, self.verified or {})
+        self.quietly(lambda: os.unlink(self.contained_path) if os.path.exists(self.contained_path) else None)
         try:
             self.systemctl_ok("enable", self.inst.unit)  # verified: now it may start at boot
             summary["enabled"] = True
@@ -543,6 +544,11 @@ class Machine:
     @property
     def started_path(self) -> str:
         return os.path.join(os.path.dirname(self.ports.lock_dir), "starts", f"{self.inst.name}.json")
+
+    @property
+    def contained_path(self) -> str:
+        """A containment's note: which generation it left on disk, stopped (removed by the next record)."""
+        return os.path.join(self.inst.kg_dir, "contained.json")
 
     @property
     def unverified_dir(self) -> str:
@@ -641,6 +647,7 @@ class Machine:
             end["stop"] = self.quietly(lambda: self.systemctl_ok("stop", self.inst.unit))
             record = self.target or self.quietly_value(self.store.latest)
             live = self.quietly_value(lambda: self.store.snapshot()["config_hash"])
+            failed = None
             if record and live != record.get("config_hash"):
                 self.target = record
                 failed = self.quietly(self.restore)
@@ -649,6 +656,9 @@ class Machine:
                     end["disable"] = (
                         self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or "unit disabled"
                     )
+            if record and not failed:  # the operator's rollback starts this one, not the one before it
+                note = {"generation": record.get("generation"), "at": self.ports.wall()}
+                self.quietly(lambda: write_atomic(self.contained_path, json.dumps(note), 0o600))
             elif not record:
                 end["files"] = self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or (
                     "no known-good generation: the unit is disabled so that a boot does not start it"
@@ -1012,8 +1022,30 @@ def multinode_rollback(m: Machine, res: dict) -> dict:
     return res
 
 
+def contained_with(m: Machine, newest: dict | None) -> bool:
+    """Whether a containment left the unit stopped with `newest`'s files put back, not started since (its note
+    names the newest generation and the files on disk are still its)."""
+    note = Machine.quietly_value(lambda: read_json(m.contained_path)) or {}
+    return (
+        newest is not None
+        and note.get("generation") == newest.get("generation")
+        and live_hash_of(m) == newest.get("config_hash")
+        and (Machine.quietly_value(lambda: m.ports.show(m.inst.unit)) or {}).get("ActiveState") != "active"
+    )
+
+
+def read_json(path: str):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def live_hash_of(m: Machine) -> str | None:
+    return Machine.quietly_value(lambda: m.store.snapshot()["config_hash"])
+
+
 def rollback(m: Machine) -> dict:
-    """The operator's rollback: the newest known-good generation back, restarted and verified."""
+    """The operator's rollback: the known-good generation before the one on disk back (the newest, for a unit a
+    containment stopped with it put back), restarted and verified."""
     m.action = "rollback"
     res = result(m)
     try:
@@ -1031,11 +1063,10 @@ def rollback(m: Machine) -> dict:
             return res
         if refused(m, res, (LOCK,)):
             return res
-        # Serving, the configuration on disk is what runs: the one before it is wanted. Stopped (contained, which
-        # leaves the known-good files on disk, or stopped by hand), the newest is.
-        props = Machine.quietly_value(lambda: m.ports.show(m.inst.unit)) or {}
+        # The configuration on disk is what runs, or what last ran: the one before it is wanted. Only a unit a
+        # containment stopped with the newest generation's files put back (and never started) starts the newest.
         newest = m.store.latest()
-        record = m.store.rollback_target() if props.get("ActiveState") == "active" else newest
+        record = newest if contained_with(m, newest) else m.store.rollback_target()
         if record is None:
             cause = (
                 f"no known-good generation of {m.inst.name} is recorded in {m.store.dir}: a restart records one when "
@@ -1044,6 +1075,15 @@ def rollback(m: Machine) -> dict:
                 else f"every known-good generation of {m.inst.name} kept in {m.store.dir} is the configuration on disk "
                 f"now (the newest, {newest.get('generation')}, verified): there is no other to roll back to. "
                 "Nothing was touched."
+            )
+            res.update(outcome=outcomes.REFUSED, failure={"phase": outcomes.RESTORE, "cause": cause})
+            return res
+        program = (record["argv"] or [""])[0]
+        if not os.access(program, os.X_OK):  # its software generation removed: refused before anything is stopped
+            cause = (
+                f"known-good generation {record.get('generation')} of {m.inst.name} runs {program or 'no program'}, "
+                "which is not on this host (its software generation was removed?): deploy it again, or restart "
+                "with the configuration you want. Nothing was touched."
             )
             res.update(outcome=outcomes.REFUSED, failure={"phase": outcomes.RESTORE, "cause": cause})
             return res
@@ -1059,7 +1099,13 @@ def rollback(m: Machine) -> dict:
         res["changed"] = True
         m.target = record
         m.inst.argv, m.inst.profile = record["argv"], record["profile"]
+        before = Machine.quietly_value(lambda: m.store.snapshot()["config_hash"])
         failed = m.run_steps(ROLLBACK, res["phases"])
+        if failed is not None and failed[0] is RESTORE and before is not None and live_hash_of(m) == before:
+            # Nothing written, nothing stopped: the unit serves as it did.
+            res.update(changed=False, outcome=outcomes.REFUSED, failure=failed[1].as_dict())
+            res["rollback"]["outcome"] = "not attempted: nothing was touched"
+            return res
         if failed is None:
             res.update(outcome=outcomes.ROLLED_BACK, profile=record["profile"], verify=m.verified)
             res["rollback"]["outcome"] = "serving"
@@ -1189,6 +1235,12 @@ def message(m: Machine, res: dict) -> str:
         msg = (
             f"{i.name}: rolled back to generation {rb.get('to_generation')} (profile {rb.get('to_profile')}): serving."
         )
+        kg = res.get("known_good") or {}
+        if kg.get("recorded") is False:  # the boot guard holds a start to the newest recorded generation
+            msg += (
+                f" Not recorded as known-good ({kg.get('why')}): the next start or boot puts the newest recorded "
+                "generation back; run rollback again once the cause is fixed."
+            )
     elif outcome == outcomes.NOT_RECOVERED:
         if rb.get("attempted") and rb.get("failure"):
             msg += f". Rollback failed too: {rb['failure'].get('phase')}: {rb['failure'].get('cause')}"
