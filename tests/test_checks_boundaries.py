@@ -7,6 +7,11 @@ detail is read by an operator deciding whether to roll back, so it is checked as
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
+
 import pytest
 
 from sglang_deploy import checks, http
@@ -290,3 +295,147 @@ def test_a_warning_leaves_the_verdict_ok_and_is_listed_apart_from_the_failures()
     out = c.result()
     assert out["ok"] is False and out["warnings"] == ["80.0 tok/s against 100"]
     assert out["failed_checks"] == ["generate: HTTP 500"]
+
+
+class Ports:
+    """systemd, /proc and nvidia-smi as verify reads them, for a rank above 0 (no HTTP)."""
+
+    def __init__(self, tmp_path, props=None, running=None, processes=()):
+        self.lock_dir = str(tmp_path / "run" / "locks")
+        self.props = {"ActiveState": "active", "SubState": "running", "NRestarts": 0, "MainPID": 4100, **(props or {})}
+        self.running, self.processes = running, list(processes)
+
+    def show(self, unit):
+        return self.props
+
+    def cmdline(self, pid):
+        assert pid, "no main process: nothing to read"
+        return self.running
+
+    def snapshot(self):
+        return {"gpus": [{"index": i, "memory_used_mib": 100 * i} for i in range(4)], "processes": self.processes}
+
+
+@pytest.fixture
+def rank1(tmp_path) -> Instance:
+    return Instance.from_params(
+        instance_record(tmp_path, port=30123, state_dir=str(tmp_path / "state"), nnodes=2, node_rank=1)
+    )
+
+
+def verified(inst, ports) -> dict:
+    out = checks.verify(inst, Thresholds(), ports, patch_manifest=None)
+    return {**out, "by_name": {c["name"]: c for c in out["checks"]}}
+
+
+def put_back(ports: Ports, count: int) -> None:
+    from sglang_deploy import boot
+
+    path = boot.marker("m", boot.beside(ports.lock_dir, boot.PUT_BACK_DIR))
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as fh:
+        json.dump({"count": count, "generation": "000004-x"}, fh)
+
+
+@pytest.mark.parametrize(("restarts", "put_backs", "ok"), [(0, 0, True), (1, 0, False), (1, 1, True), (2, 1, False)])
+def test_restarts_the_boot_guard_caused_are_no_crash_and_are_said(rank1, tmp_path, restarts, put_backs, ok):
+    ports = Ports(tmp_path, {"NRestarts": restarts}, running=rank1.argv)
+    if put_backs:
+        put_back(ports, put_backs)
+    unit = verified(rank1, ports)["by_name"]["unit"]
+    said = f"sglang-m.service active/running, restarted {restarts} times since started"
+    if put_backs:
+        said += " (1 by the boot guard, which put back known-good generation 000004-x)"
+    assert (unit["ok"], unit["detail"]) == (ok, said)
+
+
+def test_drift_is_ok_for_the_rendered_command_line_and_names_what_differs_otherwise(rank1, tmp_path):
+    same = verified(rank1, Ports(tmp_path, running=list(rank1.argv)))
+    assert same["by_name"]["drift"] == {
+        "name": "drift",
+        "ok": True,
+        "severity": "ok",
+        "detail": "running profile default",
+    }
+    other = [*rank1.argv[:-1], "30999"]
+    got = verified(rank1, Ports(tmp_path, running=other))["by_name"]["drift"]
+    assert not got["ok"] and got["detail"] == (
+        "running command line differs from the rendered configuration: --port: configured '30123', running '30999'; "
+        "running profile: none of the known profiles (launched by hand?)"
+    )
+    gone = verified(rank1, Ports(tmp_path, {"MainPID": 0, "ActiveState": "inactive", "SubState": "dead"}))
+    assert gone["by_name"]["drift"]["detail"].startswith(
+        "running command line differs from the rendered configuration: no main process;"
+    )
+    assert gone["running_profile"] is None and gone["node_rank"] == 1 and not gone["ok"]
+
+
+def test_gpu_processes_are_judged_on_the_instances_gpus_only(rank1, tmp_path):
+    ours = {"pid": 4100, "gpu": 0, "used_mib": 100, "unit": "sglang-m.service", "user": "sglang"}
+    elsewhere = {"pid": 77, "gpu": 3, "used_mib": 900, "unit": "other.service", "user": "bob"}
+    stranger = {"pid": 78, "gpu": 1, "used_mib": 500, "unit": None, "user": "bob", "cmdline": "python x.py"}
+    clean = verified(rank1, Ports(tmp_path, running=rank1.argv, processes=[ours, elsewhere]))
+    assert clean["by_name"]["gpu_processes"]["detail"] == "1 processes of sglang-m.service on GPUs [0, 1]"
+    assert clean["gpu_memory_mib"] == {0: 0, 1: 100} and clean["ok"]
+    held = verified(rank1, Ports(tmp_path, running=rank1.argv, processes=[ours, elsewhere, stranger]))
+    assert held["by_name"]["gpu_processes"]["detail"] == (
+        "not the service's: GPU 1: pid 78 holds 500 MiB (user bob, unit ?, command python x.py)"
+    )
+    assert held["failed_checks"] == [f"gpu_processes: {held['by_name']['gpu_processes']['detail']}"]
+
+
+def manifest(tmp_path, files: dict, patches=None, site=True) -> str:
+    doc = {"files": files, "patches": patches if patches is not None else []}
+    if site:
+        doc["site_packages"] = str(tmp_path / "site")
+    path = tmp_path / "patches.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_the_patch_check_matches_each_file_and_a_file_the_series_deletes_by_its_absence(tmp_path):
+    (tmp_path / "site" / "sglang").mkdir(parents=True)
+    (tmp_path / "site" / "sglang" / "a.py").write_text("patched\n")
+    files = {"sglang/a.py": {"after": sha("patched\n")}, "sglang/gone.py": {"after": None}}
+    path = manifest(tmp_path, files, [{"name": "0001-fix.patch"}, {}])
+    assert checks.patch_check(path) == ("patches", True, "2 patched files match the manifest (0001-fix.patch, ?)")
+    (tmp_path / "site" / "sglang" / "gone.py").write_text("back\n")  # a file the series deletes, there again
+    (tmp_path / "site" / "sglang" / "a.py").write_text("edited by hand\n")
+    assert checks.patch_check(path) == (
+        "patches",
+        False,
+        "installed files differ from the patch manifest: ['sglang/a.py', 'sglang/gone.py'] (reinstall: deploy.yml)",
+    )
+
+
+def test_a_patch_manifest_without_a_patch_list_or_site_packages(tmp_path):
+    path = manifest(tmp_path, {}, None)
+    doc = json.loads(Path(path).read_text())
+    del doc["patches"]
+    Path(path).write_text(json.dumps(doc))
+    assert checks.patch_check(path) == ("patches", True, "0 patched files match the manifest ()")
+    nosite = manifest(tmp_path, {"sglang/a.py": {"after": sha("x")}}, site=False)
+    assert checks.patch_check(nosite)[1] is False
+
+
+def test_an_unreadable_patch_manifest_fails_the_patches_check(tmp_path):
+    bad = tmp_path / "patches.json"
+    bad.write_bytes(b"{\xff")
+    name, ok, detail = checks.patch_check(str(bad))
+    assert (name, ok) == ("patches", False) and detail.startswith(f"the patch manifest {bad} cannot be read: ")
+    assert checks.patch_check(str(tmp_path / "none.json")) == (
+        "patches",
+        True,
+        f"no patch manifest at {tmp_path / 'none.json'} (no patch series applied)",
+    )
+
+
+def test_a_flags_value_may_hold_an_equals_sign():
+    assert (
+        checks.flag_value(["p", '--json-model-override-args={"a=b": 1}'], "--json-model-override-args") == '{"a=b": 1}'
+    )
+    assert checks.flag_value(["p", "--x", "1=2"], "--x") == "1=2" and checks.flag_value(["p", "--x"], "--x") is None
