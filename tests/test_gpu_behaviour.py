@@ -215,3 +215,127 @@ def test_the_wait_ends_at_the_first_clean_poll():
     )
     assert res["clean"] and res["polls"] == 2 and res["waited_s"] == pytest.approx(0.1)
     assert res["message"] == "GPUs [0] clean" and res["stopped"] == {} and res["gpus"][0]["memory_used_mib"] == 10
+
+
+def test_missing_gpus_end_the_verdict_with_nothing_else_judged():
+    v = gpu.verdict(snap([(0, 90000, "H200")], [(7, 0, 100)]), [0, 5], 1024)
+    assert v == {
+        "clean": False,
+        "missing": [5],
+        "offenders": [],
+        "busy": [],
+        "unknown_memory": [],
+        "lines": [],
+        "note": "",
+        "message": "GPUs [5] are not on this host (it has [0])",
+    }
+
+
+def test_every_offender_is_named_in_one_message():
+    v = gpu.verdict(snap([(0, 5000, "H200"), (1, 3000, "H200")], [(7, 0, 100)]), [0, 1], 1024)
+    assert v["message"] == (
+        "GPUs [0, 1] not clean: GPU 0: pid 7 holds 100 MiB (user ?, unit ?, command python3); "
+        "GPU 1: 3000 MiB used with no process listed (memory still being released?)"
+    )
+    nameless = {"pid": None, "gpu": 2, "used_mib": None}
+    assert gpu.format_offender(nameless) == "GPU 2: pid ? holds ? MiB (user ?, unit ?, command ?)"
+
+
+def test_by_default_the_wait_polls_ten_times_a_second():
+    clock = Clock()
+    res = gpu.wait_clean(
+        [0], timeout=0.45, clock=clock, sleep=clock.sleep, take_snapshot=lambda: snap([(0, 9000, "H200")])
+    )
+    assert set(clock.sleeps) == {0.1} and res["polls"] == 6  # at 0, 0.1, ..., 0.5
+
+
+def test_the_deadline_itself_is_the_last_poll():
+    clock = Clock()
+    res = gpu.wait_clean(
+        [0], timeout=0.5, interval=0.25, clock=clock, sleep=clock.sleep, take_snapshot=lambda: snap([(0, 9000, "H200")])
+    )
+    assert res["polls"] == 3 and res["waited_s"] == 0.5  # at 0, 0.25 and 0.5: not once more after it
+
+
+def test_under_force_nothing_is_refused_and_a_process_that_stays_is_named_without_the_hint(monkeypatch):
+    victim = sleeper()
+    held = snap([(0, 9000, "H200")], [(victim.pid, 0, 8000)])
+    monkeypatch.setattr(gpu.procinfo, "alive", lambda pid: victim.poll() is None)
+    clock = Clock()
+    res = gpu.wait_clean(
+        [0], timeout=0.2, interval=0.1, policy="force", kill_grace=5, clock=clock, sleep=clock.sleep,
+        take_snapshot=lambda: held,  # nvidia-smi still lists it (a zombie holding its memory)
+    )  # fmt: skip
+    assert res["refused"] == [] and res["stopped"] == {victim.pid: "SIGTERM"}
+    assert res["message"] == (
+        f"GPUs [0] not clean after 0.2s: GPU 0: pid {victim.pid} holds 8000 MiB (user ?, unit ?, command python3)."
+    )
+    assert res["processes"] == held["processes"] and res["gpus"] == held["gpus"]
+
+
+def test_a_process_that_appears_after_a_first_stop_is_stopped_too_and_both_are_reported(monkeypatch):
+    first, second = sleeper(), sleeper()
+    snaps = iter(
+        [
+            snap([(0, 9000, "H200")], [(first.pid, 0, 8000)]),
+            snap([(0, 9000, "H200")], [(second.pid, 0, 8000)]),
+            snap([(0, 0, "H200")]),
+        ]
+    )
+    monkeypatch.setattr(gpu.procinfo, "alive", lambda pid: {first.pid: first, second.pid: second}[pid].poll() is None)
+    clock = Clock()
+    res = gpu.wait_clean(
+        [0], timeout=5, interval=0.1, policy="force", kill_grace=5, clock=clock, sleep=clock.sleep,
+        take_snapshot=lambda: next(snaps),
+    )  # fmt: skip
+    assert res["clean"] and res["stopped"] == {first.pid: "SIGTERM", second.pid: "SIGTERM"}
+    assert [p["pid"] for p in res["stopped_processes"]] == [first.pid, second.pid]
+
+
+def test_units_holding_the_gpus_are_named_whose_instance_only_under_the_instances_naming():
+    held = {
+        "sglang-other.service": [{"pid": 12, "gpu": 5}, {"pid": 11, "gpu": 4}],
+        "dcgm.service": [{"pid": None, "gpu": 1}],
+    }
+    assert gpu.units_held(held, "sglang-main.service", "main") == (
+        "sglang-other.service (sglang instance other): pids 11, 12 on GPUs [4, 5]; dcgm.service: pids ? on GPUs [1]"
+    )
+    # a unit not named <prefix><instance>.service: no other unit is taken for an instance
+    assert gpu.units_held(held, "custom.service", "main").startswith("sglang-other.service: pids 11, 12")
+
+
+def test_nvidia_smis_rows_parse_with_or_without_a_header_and_name_a_short_row():
+    gpus = gpu.parse_gpus(
+        "index, uuid, name, memory.used [MiB], memory.total [MiB]\n0, GPU-a, NVIDIA H200, 4 MiB, 143771 MiB\n"
+    )
+    assert gpus == [
+        {"index": 0, "uuid": "GPU-a", "name": "NVIDIA H200", "memory_used_mib": 4, "memory_total_mib": 143771}
+    ]
+    apps = gpu.parse_apps("pid, gpu_uuid, used_gpu_memory [MiB], process_name\n41, GPU-a, 900 MiB, python3\n", gpus)
+    assert apps == [{"pid": 41, "gpu": 0, "gpu_uuid": "GPU-a", "used_mib": 900, "process_name": "python3"}]
+    with pytest.raises(gpu.NvidiaSmiError, match=r"printed a compute process row with 2 fields, expected 3: 41, GPU-a"):
+        gpu.parse_apps("41, GPU-a\n", gpus)
+
+
+def test_each_process_of_a_snapshot_is_described_as_itself(smi, monkeypatch):
+    smi(
+        """
+        case "$1" in
+          --query-gpu=*) echo "0, GPU-a, NVIDIA H200, 9000, 143771" ;;
+          *) printf '41, GPU-a, 100, python3\\n42, GPU-a, 200, python3\\n41, GPU-b, 5, python3\\n' ;;
+        esac
+        """
+    )
+    described = []
+    monkeypatch.setattr(gpu.procinfo, "describe", lambda pid: described.append(pid) or {"user": f"u{pid}"})
+    got = gpu.snapshot()
+    assert [(p["pid"], p["user"]) for p in got["processes"]] == [(41, "u41"), (42, "u42"), (41, "u41")]
+    assert described == [41, 42]  # once per process, not per row
+    assert gpu.snapshot(describe_processes=False)["processes"][0].get("user") is None
+
+
+def test_an_nvidia_smi_that_cannot_be_run_is_explained(smi, tmp_path):
+    smi("exit 0\n")
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o644)  # there, not executable
+    with pytest.raises(gpu.NvidiaSmiError, match=r"nvidia-smi could not be run: .*Permission denied"):
+        gpu.snapshot()

