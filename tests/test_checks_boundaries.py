@@ -368,6 +368,14 @@ def test_drift_is_ok_for_the_rendered_command_line_and_names_what_differs_otherw
         "running command line differs from the rendered configuration: no main process;"
     )
     assert gone["running_profile"] is None and gone["node_rank"] == 1 and not gone["ok"]
+    assert (gone["tokens_per_s"], gone["accept_length"]) == (None, None)  # a rank above 0 measures nothing
+
+
+def test_verify_reads_the_patch_manifest_it_is_given_when_the_unit_runs_no_generation_of_its_own(rank1, tmp_path):
+    bad = tmp_path / "patches.json"
+    bad.write_text("{not json")
+    out = checks.verify(rank1, Thresholds(), Ports(tmp_path, running=rank1.argv), patch_manifest=str(bad))
+    assert out["failed_checks"][0].startswith(f"patches: the patch manifest {bad} cannot be read")
 
 
 def test_gpu_processes_are_judged_on_the_instances_gpus_only(rank1, tmp_path):
@@ -377,9 +385,11 @@ def test_gpu_processes_are_judged_on_the_instances_gpus_only(rank1, tmp_path):
     clean = verified(rank1, Ports(tmp_path, running=rank1.argv, processes=[ours, elsewhere]))
     assert clean["by_name"]["gpu_processes"]["detail"] == "1 processes of sglang-m.service on GPUs [0, 1]"
     assert clean["gpu_memory_mib"] == {0: 0, 1: 100} and clean["ok"]
-    held = verified(rank1, Ports(tmp_path, running=rank1.argv, processes=[ours, elsewhere, stranger]))
+    other = {**stranger, "pid": 79, "gpu": 0, "unit": "x.service"}
+    held = verified(rank1, Ports(tmp_path, running=rank1.argv, processes=[ours, elsewhere, stranger, other]))
     assert held["by_name"]["gpu_processes"]["detail"] == (
-        "not the service's: GPU 1: pid 78 holds 500 MiB (user bob, unit ?, command python x.py)"
+        "not the service's: GPU 1: pid 78 holds 500 MiB (user bob, unit ?, command python x.py); "
+        "GPU 0: pid 79 holds 500 MiB (user bob, unit x.service, command python x.py)"
     )
     assert held["failed_checks"] == [f"gpu_processes: {held['by_name']['gpu_processes']['detail']}"]
 

@@ -112,6 +112,7 @@ def test_once_verified_a_new_configuration_is_staged_complete_and_root_only(inst
     assert mode(inst.pending_dir) == 0o700 and mode(inst.pending_path(inst.unit_path)) == 0o644
     assert mode(inst.pending_path(inst.env_path)) == 0o600
     manifest = stage.manifest_path(inst)
+    assert manifest == os.path.join(inst.pending_dir, "m.staged")  # beside the set it completes
     assert mode(manifest) == 0o600 and stage.stage_complete(inst)
     assert json.loads(Path(manifest).read_text()) == {
         inst.pending_path(p): stage.digest(c) for p, c in rendered(inst, NEW_UNIT).items()

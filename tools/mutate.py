@@ -68,6 +68,15 @@ _DEFAULT_MODE = "0o600 spelled out or left to write_atomic's default, 0o600"
 _LIMIT = "a time limit a second longer: only a run that hangs 60 s would show it"
 EQUIVALENT = {
     "sglang_deploy/stage.py": {
+        "x_read_text__mutmut_2": _LOCALE,
+        "x_read_text__mutmut_4": _LOCALE,
+        "x_read_text__mutmut_6": _UTF8,
+        "x_promote__mutmut_7": _LOCALE,
+        "x_promote__mutmut_9": _LOCALE,
+        "x_promote__mutmut_11": _UTF8,
+        "x_stage_complete__mutmut_2": _LOCALE,
+        "x_stage_complete__mutmut_4": _LOCALE,
+        "x_stage_complete__mutmut_7": _UTF8,
         "x_read__mutmut_2": _LOCALE,
         "x_read__mutmut_4": _LOCALE,
         "x_read__mutmut_6": _UTF8,
@@ -92,6 +101,9 @@ EQUIVALENT = {
         "x_terminate__mutmut_15": "< or <= a monotonic float deadline: equal only by chance, one poll more at most",
     },
     "sglang_deploy/checks.py": {
+        "x_patch_check__mutmut_9": _LOCALE,
+        "x_patch_check__mutmut_11": _LOCALE,
+        "x_patch_check__mutmut_13": _UTF8,
         "x_flags_of__mutmut_16": "setdefault's default never used: '' is set before the loop, a flag when it is seen",
         "x_flags_of__mutmut_18": "setdefault's default never used: '' is set before the loop, a flag when it is seen",
         "x_http_checks__mutmut_21": _FALSY,

@@ -37,9 +37,8 @@ class Checks:
     def __init__(self) -> None:
         self.items: list[dict] = []
 
-    def add(self, name: str, ok: bool, detail: str, severity: str = "fail") -> bool:
+    def add(self, name: str, ok: bool, detail: str, severity: str = "fail") -> None:
         self.items.append({"name": name, "ok": bool(ok), "severity": "ok" if ok else severity, "detail": detail})
-        return bool(ok)
 
     def result(self, **extra) -> dict:
         out = {"checks": self.items, **extra}
