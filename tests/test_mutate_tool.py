@@ -143,19 +143,24 @@ def test_the_core_list_and_the_scope_agree():
     assert set(mutate.CORE) <= set(mutate.SCOPE)
 
 
-def test_a_change_of_a_messages_wording_alone_is_told_apart_from_a_change_of_a_key_or_a_value(tmp_path, monkeypatch):
+def mutated_copy(tmp_path, monkeypatch, module: str, source: str):
+    """mutmut's mutated copy of `source` as sglang_deploy/<module>.py in a stage at tmp_path; its functions."""
     from mutmut.mutation.file_mutation import mutate_file_contents
 
-    source = 'def say(n):\n    return f"{n}" + "the generation was kept"\n\n\ndef key():\n    return {"name": None}\n'
     (tmp_path / "mutants" / "sglang_deploy").mkdir(parents=True)
     (tmp_path / "setup.cfg").write_text("[mutmut]\nsource_paths =\n    sglang_deploy/\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(mutate, "STAGE", tmp_path)
     configuration.reset_config()
-    mutated = mutate_file_contents("sglang_deploy/x.py", source)
-    (tmp_path / "mutants" / "sglang_deploy" / "x.py").write_text(mutated.code)
+    mutated = mutate_file_contents(f"sglang_deploy/{module}.py", source)
+    (tmp_path / "mutants" / "sglang_deploy" / f"{module}.py").write_text(mutated.code)
     configuration.reset_config()
-    functions = mutate._functions("sglang_deploy/x.py")
+    return mutated, mutate._functions(f"sglang_deploy/{module}.py")
+
+
+def test_a_change_of_a_messages_wording_alone_is_told_apart_from_a_change_of_a_key_or_a_value(tmp_path, monkeypatch):
+    source = 'def say(n):\n    return f"{n}" + "the generation was kept"\n\n\ndef key():\n    return {"name": None}\n'
+    mutated, functions = mutated_copy(tmp_path, monkeypatch, "x", source)
     says = [n for n in mutated.mutant_names if n.startswith("x_say__")]
     keys = [n for n in mutated.mutant_names if n.startswith("x_key__")]
     assert says and keys
@@ -199,23 +204,13 @@ def test_a_run_removes_the_copies_mutmut_would_take_for_already_mutated(stage):
 
 
 def test_a_string_the_code_compares_matches_or_looks_up_is_not_wording(tmp_path, monkeypatch):
-    from mutmut.mutation.file_mutation import mutate_file_contents
-
     source = (
         "def f(text, d):\n"
         '    if "couldn\'t communicate" in text or text == "auto restart" or text.startswith("a b"):\n'
         '        return d["a key"], d.get("b key"), {"c key": 1}\n'
         '    raise ValueError("the driver is not loaded")\n'
     )
-    (tmp_path / "mutants" / "sglang_deploy").mkdir(parents=True)
-    (tmp_path / "setup.cfg").write_text("[mutmut]\nsource_paths =\n    sglang_deploy/\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(mutate, "STAGE", tmp_path)
-    configuration.reset_config()
-    mutated = mutate_file_contents("sglang_deploy/y.py", source)
-    (tmp_path / "mutants" / "sglang_deploy" / "y.py").write_text(mutated.code)
-    configuration.reset_config()
-    functions = mutate._functions("sglang_deploy/y.py")
+    mutated, functions = mutated_copy(tmp_path, monkeypatch, "y", source)
     wording = [n for n in mutated.mutant_names if mutate.prose_only(functions, n)]
     # the message's two rewordings, and nothing the code compares, looks up or matches
     said = sorted(
