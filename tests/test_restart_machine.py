@@ -1502,7 +1502,7 @@ def test_a_sigterm_between_two_phases_still_ends_in_a_defined_outcome(world, han
     n = [0]
 
     def ticking():
-        if sys._getframe(1).f_code.co_name == "run_steps":
+        if "run_steps" in sys._getframe(1).f_code.co_name:  # mutmut's copy is xǁMachineǁrun_steps__mutmut_orig
             n[0] += 1  # run_steps reads the clock twice a step: t0 (before its try), then for the log
             if n[0] == 9:  # t0 of the stop: two reads each by the lock, validation, stage and preflight
                 world.host.sigterm()
