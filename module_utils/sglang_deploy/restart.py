@@ -646,7 +646,7 @@ class Machine:
         try:
             end["stop"] = self.quietly(lambda: self.systemctl_ok("stop", self.inst.unit))
             record = self.target or self.quietly_value(self.store.latest)
-            live = self.quietly_value(lambda: self.store.snapshot()["config_hash"])
+            live = live_hash_of(self)
             failed = None
             if record and live != record.get("config_hash"):
                 self.target = record
@@ -919,7 +919,7 @@ def take_evidence(m: Machine, res: dict, phase: str) -> None:
 def recover(m: Machine, res: dict) -> None:
     """After a failure past the stop: the known-good generation back, started and verified; else contained."""
     record = Machine.quietly_value(m.store.latest)
-    live = Machine.quietly_value(lambda: m.store.snapshot()["config_hash"])
+    live = live_hash_of(m)
     started = any(p["phase"] == outcomes.START for p in res["phases"])  # before it, the files may be the known-good
     why = (
         "rollback is off (sglang_service_rollback)"
@@ -1025,18 +1025,13 @@ def multinode_rollback(m: Machine, res: dict) -> dict:
 def contained_with(m: Machine, newest: dict | None) -> bool:
     """Whether a containment left the unit stopped with `newest`'s files put back, not started since (its note
     names the newest generation and the files on disk are still its)."""
-    note = Machine.quietly_value(lambda: read_json(m.contained_path)) or {}
+    note = job.read_json(m.contained_path) or {}
     return (
         newest is not None
         and note.get("generation") == newest.get("generation")
         and live_hash_of(m) == newest.get("config_hash")
         and (Machine.quietly_value(lambda: m.ports.show(m.inst.unit)) or {}).get("ActiveState") != "active"
     )
-
-
-def read_json(path: str):
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
 
 
 def live_hash_of(m: Machine) -> str | None:
@@ -1099,7 +1094,7 @@ def rollback(m: Machine) -> dict:
         res["changed"] = True
         m.target = record
         m.inst.argv, m.inst.profile = record["argv"], record["profile"]
-        before = Machine.quietly_value(lambda: m.store.snapshot()["config_hash"])
+        before = live_hash_of(m)
         failed = m.run_steps(ROLLBACK, res["phases"])
         if failed is not None and failed[0] is RESTORE and before is not None and live_hash_of(m) == before:
             # Nothing written, nothing stopped: the unit serves as it did.
