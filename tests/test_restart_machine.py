@@ -92,7 +92,10 @@ class Behaviour:
     health_generate: int = 200
     generate_fault: str | None = None  # crash | incomplete | malformed | http500 | empty | bad-tokens | sigterm
     good_generates: int = 0  # how many /generate requests succeed before the fault
-    server_info: str = "ok"  # ok | malformed | http500 | no_states (accept length from /metrics)
+    # crash: seconds (fake clock) from the dropped connection to the main process's exit. SGLang's scheduler dies
+    # first; the parent exits when its watchdog or SIGQUIT handler kills the tree, later (http_server.py).
+    crash_lag: float = 0.0
+    server_info: str = "ok"  # ok | malformed | http500 | no_states (accept length from /metrics) | no_spec
     accept: float = 2.5  # spec_accept_length per request (1.0: no draft token ever accepted)
     require_key: str | None = None  # a key the server demands whatever its argv says
 
@@ -130,6 +133,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.reply(200, b'{"speculative_algorithm": "EAGLE", "internal_')
             elif b.server_info == "http500":
                 self.reply(500, b"Internal Server Error")
+            elif b.server_info == "no_spec":  # no draft model: SGLang's speculative_algorithm is None
+                self.reply(200, json.dumps({"speculative_algorithm": None}).encode())
             else:
                 info = {"speculative_algorithm": "EAGLE"}
                 if b.server_info == "ok":
@@ -147,12 +152,20 @@ class Handler(BaseHTTPRequestHandler):
         fake.requests.append(self.path)
         if not self.authorised():
             return
+        if self.path == "/generate" and not (body.get("text") or body.get("input_ids")):
+            # SGLang's GenerateReqInput refuses it; the HTTP server answers 400 with the message
+            msg = "Either text, input_ids or input_embeds should be provided."
+            self.reply(400, json.dumps({"error": {"message": msg}}).encode())
+            return
         with fake.lock:
             fake.generates += 1
             n = fake.generates
         fault = b.generate_fault if n > b.good_generates else None
         if fault == "crash":  # the seed: loaded, then died on its first decode; the connection drops
-            fake.host.crash(CRASH_ON_GENERATE)
+            if b.crash_lag:
+                fake.host.dying = (fake.host.t + b.crash_lag, CRASH_ON_GENERATE)
+            else:
+                fake.host.crash(CRASH_ON_GENERATE)
             fake.crash_close()
             return
         if fault == "incomplete":  # a Content-Length larger than the body, then the connection closes
@@ -260,6 +273,7 @@ class Host:
         self.waits: list[int] = []  # the pids the start phase waited on (procinfo.wait_exit)
         self.dies_while_starting: list[str] = []  # journal lines of a main process that dies during such a wait
         self.bundles: list[dict] = []  # each evidence collection: what it was given, and the unit as it was then
+        self.dying: tuple[float, list[str]] | None = None  # (when, journal lines): the main process exits then
 
     # ------------------------------------------------------------ the test's controls
 
@@ -364,12 +378,22 @@ class Host:
     def sleep(self, seconds: float) -> None:
         self.t += seconds
 
+    def named(self, unit) -> bool:
+        """As unkind as systemctl: None in an argv is subprocess's TypeError; another unit is not this one."""
+        if not isinstance(unit, str):
+            raise TypeError(f"expected str, bytes or os.PathLike object, not {type(unit).__name__}")
+        return unit == self.inst.unit
+
     def systemctl(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
         verb = args[0]
         kind = self.enter(verb, ("systemctl", *args))
         cmd = ["systemctl", *args]
         if kind == "rc":
             return subprocess.CompletedProcess(cmd, 1, "", f"Failed to {verb} {args[-1]}: Access denied\n")
+        if verb != "daemon-reload" and not self.named(args[-1]):
+            return subprocess.CompletedProcess(
+                cmd, 5, "", f"Failed to {verb} {args[-1]}: Unit {args[-1]} not loaded.\n"
+            )
         u = self.unit
         if verb == "stop":
             self.stop_unit(stays=kind == "stays")
@@ -388,6 +412,17 @@ class Host:
 
     def show(self, unit: str) -> dict:
         kind = self.enter("show", ("show", unit))
+        if not self.named(unit):  # what systemctl show says of a unit it does not know
+            return {
+                "ActiveState": "inactive",
+                "SubState": "dead",
+                "MainPID": 0,
+                "NRestarts": 0,
+                "LoadState": "not-found",
+            }
+        if self.dying and self.t >= self.dying[0]:
+            self.crash(self.dying[1])
+            self.dying = None
         u = self.unit
         if u.pending_start:
             u.pending_start -= 1
@@ -409,6 +444,8 @@ class Host:
 
     def journal(self, unit: str, invocation: str | None = None) -> list[str]:
         kind = self.enter("journal", ("journal", unit, invocation))
+        if not self.named(unit):
+            return []
         lines = list(self.journals[invocation]) if invocation else [x for v in self.journals.values() for x in v]
         self.after(kind)
         return lines
@@ -1343,6 +1380,39 @@ def test_every_phase_and_failure_kind_ends_in_its_defined_outcome_and_unit_state
     assert w.host.unit.file_state == "enabled"  # the files are the known-good ones: a boot may start them
 
 
+def test_files_edited_during_verify_are_put_back_as_they_verified_with_their_modes_and_reloaded(world, handlers):
+    edited = world.files["new"][world.inst.unit_path].replace("Description=", "Description=edited by hand ")
+    world.host.hook("snapshot", lambda h: Path(world.inst.unit_path).write_text(edited), nth=2)  # during verify
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST and res["known_good"]["recorded"] is False
+    assert res["known_good"]["why"].endswith(
+        "not recorded as known-good; the files that started and verified were put back"
+    )
+    assert world.live() == world.files["new"] and world.host.unit.loaded == world.files["new"][world.inst.unit_path]
+    modes = {p: Path(p).stat().st_mode & 0o777 for p in world.inst.config_files}
+    assert modes == {world.inst.unit_path: 0o644, world.inst.env_path: 0o600}  # the environment may hold secrets
+    assert len(world.generations()) == 1
+    serving(world, "new")
+
+
+def test_a_command_line_changed_during_verify_is_not_recorded_and_the_files_stay(world, handlers):
+    """The files are what verified; the process is not what verified: nothing to put back, nothing recorded."""
+    world.host.hook("snapshot", lambda h: h.unit.argv.append("--enable-something"), nth=2)
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST and res["known_good"]["recorded"] is False
+    assert res["known_good"]["why"].endswith("(another tool wrote it?): not recorded as known-good")
+    assert world.live() == world.files["new"] and len(world.generations()) == 1
+    assert len(world.host.systemctl_calls("daemon-reload")) == 1  # the promote's only
+
+
+def test_a_record_enables_the_unit_and_ends_a_containments_note(world, handlers):
+    note = Path(world.inst.kg_dir, "contained.json")
+    note.write_text(json.dumps({"generation": "0001"}))
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST and res["known_good"]["enabled"] is True and "enable_error" not in res["known_good"]
+    assert not note.exists()
+
+
 # ---------------------------------------------------------------------------- details of the failures
 
 
@@ -1380,6 +1450,50 @@ def test_a_crash_on_the_first_generation_waits_for_the_unit_to_fail_and_names_th
     assert res["failure"]["cause"] == "AttributeError: 'NoneType' object has no attribute 'verified_id'"
     assert res["failure"]["traceback"][-1] == res["failure"]["cause"]
     assert res["outcome"] == R
+
+
+def test_a_crash_on_the_first_generation_seen_late_by_systemd_is_waited_for(world, handlers):
+    world.host.behave("new", generate_fault="crash", crash_lag=0.5)
+    res = restart.restart(world.machine())
+    assert res["failure"]["phase"] == "generate"
+    assert res["failure"]["cause"] == "AttributeError: 'NoneType' object has no attribute 'verified_id'"
+    gen = next(p for p in res["phases"] if p["phase"] == "generate")
+    assert 0.5 <= gen["seconds"] < 0.6  # the fake clock: polled every 0.05 s, no further
+    assert res["outcome"] == R
+
+
+def test_a_server_that_outlives_its_dropped_generation_by_2_s_is_not_blamed_on_a_crash(world, handlers):
+    world.host.behave("new", generate_fault="crash", crash_lag=2.5)
+    res = restart.restart(world.machine())
+    assert res["failure"]["phase"] == "generate" and res["failure"]["cause"].startswith("generation failed: ")
+    assert "traceback" not in res["failure"]
+
+
+def test_the_generate_phase_reports_the_servers_counts_not_its_text(world, handlers):
+    res = restart.restart(world.machine())
+    gen = next(p for p in res["phases"] if p["phase"] == "generate")
+    assert res["outcome"] == REST and "text" not in gen["detail"] and gen["detail"]["completion_tokens"] > 0
+
+
+def test_a_failure_reads_the_failing_invocations_journal_only_for_about_a_second(world):
+    """An earlier invocation's traceback is not this start's cause; an empty journal is read again for 1 s."""
+    world.host.journals["earlier"] = ["Traceback (most recent call last):", "RuntimeError: an earlier crash"]
+    t0 = world.host.t
+    f = world.machine().failure_from_journal("start", {"InvocationID": "now", "ExecMainCode": "exited"}, "fallback")
+    assert f.cause == "fallback" and f.details["journal_tail"] == f.details["traceback"] == []
+    assert 1.0 <= world.host.t - t0 < 1.1  # the fake clock: polls every 0.05 s
+    assert "exit_to_detect_s" not in f.details  # no exit time: the unit never exited
+    assert f.details["invocation"] == "now" and f.details["exit"] == "exited/?"
+
+
+def test_a_failure_keeps_the_last_40_journal_lines_and_times_the_exit(world):
+    lines = [f"loading shard {n}" for n in range(60)] + CRASH_AT_START
+    world.host.journals["now"] = lines
+    exited_us = int((world.host.t - 0.25) * 1e6)
+    props = {"InvocationID": "now", "ExecMainExitTimestampMonotonic": exited_us, "ExecMainCode": "exited"}
+    f = world.machine().failure_from_journal("start", {**props, "ExecMainStatus": 1}, "fallback")
+    assert f.details["journal_tail"] == lines[-40:] and f.cause == CRASH_AT_START[-1]
+    assert f.details["exit_to_detect_s"] == f.details["exit_to_report_s"] == 0.25  # read at once: no time passed
 
 
 def test_a_journal_that_lags_the_exit_is_read_again(world, handlers):
@@ -1511,6 +1625,140 @@ def test_a_sigterm_between_two_phases_still_ends_in_a_defined_outcome(world, han
     world.host.clock = ticking
     res = restart.restart(world.machine())
     assert res["outcome"] in (R, N)
+
+
+# ------------------------------------------------------------- an exception outside every phase (escaped)
+# A signal's exception can land between two phases, where no phase's own handler catches it: the outcome is then
+# decided by what the phases that ran have done (escaped), never left undefined.
+
+INTERRUPTS = {
+    "sigint": (KeyboardInterrupt(), "interrupted (SIGINT)"),
+    "sigterm": (restart.Terminated("terminated (SIGTERM)"), "terminated (SIGTERM)"),
+    "bug": (RuntimeError("a bug between phases"), "unexpected RuntimeError: a bug between phases"),
+}
+
+
+def raise_around(mp, steps, exc, *, before: bool = False) -> None:
+    """exc raised as run_steps(steps) is entered (before=True) or right after it returned: outside every phase."""
+    real = Machine.run_steps
+
+    def run_steps(self, s, log, label=""):
+        if tuple(s) == steps and before:
+            raise exc
+        out = real(self, s, log, label)
+        if tuple(s) == steps:
+            raise exc
+        return out
+
+    mp.setattr(Machine, "run_steps", run_steps)
+
+
+@pytest.mark.parametrize("kind", sorted(INTERRUPTS))
+def test_an_exception_before_the_first_phase_is_a_refusal_under_the_lock_phase(world, monkeypatch, handlers, kind):
+    exc, cause = INTERRUPTS[kind]
+    raise_around(monkeypatch, restart.REFUSALS, exc, before=True)
+    res = restart.restart(world.machine())
+    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False and res["phases"] == []
+    assert res["failure"]["phase"] == "lock" and res["failure"]["cause"] == cause
+    untouched(world)
+    assert world.lock_free()
+
+
+@pytest.mark.parametrize("kind", sorted(INTERRUPTS))
+def test_an_exception_after_the_preflight_before_the_stop_is_a_refusal_naming_the_last_phase(
+    world, monkeypatch, handlers, kind
+):
+    exc, cause = INTERRUPTS[kind]
+    raise_around(monkeypatch, restart.REFUSALS, exc)
+    res = restart.restart(world.machine())
+    assert [p["phase"] for p in res["phases"]] == ["lock", "validate", "stage", "preflight"]
+    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
+    assert res["failure"]["phase"] == "preflight" and res["failure"]["cause"] == cause
+    assert bool(res["failure"].get("interrupted")) == (kind != "bug")
+    untouched(world)
+    assert world.lock_free()
+
+
+@pytest.mark.parametrize("kind", sorted(INTERRUPTS))
+def test_an_exception_after_verifying_before_the_record_is_restarted_with_a_note(world, monkeypatch, handlers, kind):
+    exc, cause = INTERRUPTS[kind]
+    raise_around(monkeypatch, restart.RESTART, exc)
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST and res["changed"] is True and "failure" not in res
+    assert res["note"] == f"after verifying: {cause}"
+    assert res["verify"]["ok"] is True
+    assert "known_good" not in res and len(world.generations()) == 1  # not recorded: the next restart verifies again
+    serving(world, "new")
+    assert world.lock_free()
+
+
+def test_an_exception_after_the_record_keeps_the_outcome_and_says_it_in_a_note(world, monkeypatch, handlers):
+    raise_around(monkeypatch, (restart.RECORD,), KeyboardInterrupt())
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST and "failure" not in res
+    assert res["note"] == "after the outcome: interrupted (SIGINT)"
+    assert len(world.generations()) == 2
+    serving(world, "new")
+    assert world.lock_free()
+
+
+@pytest.mark.parametrize("kind", sorted(INTERRUPTS))
+def test_an_exception_between_a_failed_start_and_the_rollback_contains(world, monkeypatch, handlers, kind):
+    exc, cause = INTERRUPTS[kind]
+    world.host.behave("new", crash_at_start=True)
+    raise_around(monkeypatch, restart.RESTART, exc)
+    res = restart.restart(world.machine())
+    assert res["outcome"] == N and res["changed"] is True and "rollback" not in res
+    assert res["failure"]["phase"] == "start" and res["failure"]["cause"] == cause  # the phase that ran last
+    assert res["phases"][-1] == {**res["phases"][-1], "phase": "start", "ok": False}
+    stopped(world)
+    assert world.lock_free()
+
+
+def test_an_exception_after_the_rollback_verified_contains_and_keeps_the_start_failure(world, monkeypatch, handlers):
+    world.host.behave("new", crash_at_start=True)
+    raise_around(monkeypatch, restart.ROLLBACK, KeyboardInterrupt())
+    res = restart.restart(world.machine())
+    assert res["outcome"] == N
+    assert res["failure"]["phase"] == "start" and "interrupted" not in res["failure"]  # the crash, not the signal
+    assert [p["ok"] for p in res["rollback"]["phases"]] == [True] * len(restart.ROLLBACK)
+    stopped(world)
+    assert world.lock_free()
+
+
+def test_an_operators_rollback_interrupted_after_its_lock_is_refused_and_touches_nothing(
+    tmp_path, monkeypatch, handlers
+):
+    w = build(tmp_path, new="live-running")
+    raise_around(monkeypatch, (restart.LOCK,), KeyboardInterrupt())
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
+    assert res["failure"] == {"phase": "lock", "cause": "interrupted (SIGINT)", "interrupted": True}
+    assert w.host.systemctl_calls() == []
+    serving(w, "new")
+    assert w.lock_free()
+
+
+def test_an_operators_rollback_interrupted_after_verifying_is_contained_not_called_restarted(
+    tmp_path, monkeypatch, handlers
+):
+    """Only a restart's verified start outlives a signal as its outcome; the rollback's contains (stopped)."""
+    w = build(tmp_path, new="live-running")
+    raise_around(monkeypatch, restart.ROLLBACK, KeyboardInterrupt())
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == N and res["changed"] is True
+    assert res["failure"] == {"phase": "verify", "cause": "interrupted (SIGINT)", "interrupted": True}
+    stopped(w)
+    assert w.lock_free()
+
+
+def test_an_operators_rollback_interrupted_after_its_record_keeps_rolled_back(tmp_path, monkeypatch, handlers):
+    w = build(tmp_path, new="live-running")
+    raise_around(monkeypatch, (restart.RECORD,), KeyboardInterrupt())
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == R and res["note"] == "after the outcome: interrupted (SIGINT)"
+    serving(w, "good")
+    assert w.lock_free()
 
 
 def test_a_sigterm_while_taking_the_lock_leaves_it_free(world, monkeypatch, handlers):
@@ -1989,21 +2237,57 @@ def test_a_multinode_stop_is_refused_when_a_rank_is_not_in_the_run(tmp_path, han
     assert w.host.calls == []  # not even the lock
 
 
-def rank0_serving(port: int) -> ThreadingHTTPServer:
-    """Rank 0's HTTP server on another loopback address: /health answers 200."""
+def rank0_serving(port: int, host: str = "127.0.0.2", key: str | None = None) -> ThreadingHTTPServer:
+    """Rank 0's HTTP server on another loopback address: /health answers 200 (401 without the key it demands)."""
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
+            if key and self.headers.get("Authorization") != f"Bearer {key}":
+                self.send_response(401)
+            else:
+                self.send_response(200 if self.path == "/health" else 404)
             self.send_header("Content-Length", "0")
             self.end_headers()
 
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.2", port), Health)
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = Server((host, port), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+@pytest.mark.parametrize("has_key", [True, False], ids=["key", "no-key"])
+def test_a_rank_above_0_reaches_an_ipv6_rank_0_in_brackets_with_the_instances_key(tmp_path, handlers, has_key):
+    w = build(tmp_path, nnodes=2, node_rank=1, running=False)
+    w.inst.dist_init_addr = "[::1]:5000"
+    if not has_key:
+        Path(w.inst.secrets_path).write_text("")
+    rank0 = rank0_serving(w.inst.port, "::1", key=KEY)  # 401 without the key: not serving
+    try:
+        if has_key:
+            assert w.machine().rank0_serving() == {"rank0": f"[::1]:{w.inst.port}"}
+        else:
+            with pytest.raises(restart.Failure, match=r"rank 0 of m \(\[::1\]:\d+\) does not serve"):
+                w.machine().rank0_serving()
+    finally:
+        rank0.shutdown()
+        rank0.server_close()
+
+
+@pytest.mark.parametrize(
+    "addr, why",
+    [(None, "dist_init_addr is not set"), ("rank0-host", "dist_init_addr 'rank0-host' has no port: write host:port")],
+)
+def test_a_rank_above_0_without_a_readable_dist_init_addr_is_not_confirmed(tmp_path, addr, why):
+    w = build(tmp_path, nnodes=2, node_rank=1, running=False)
+    w.inst.dist_init_addr = addr
+    with pytest.raises(restart.Failure) as caught:
+        w.machine().rank0_serving()
+    assert caught.value.phase == outcomes.VERIFY and str(caught.value) == f"m: {why}: rank 0 cannot be reached"
 
 
 def test_a_rank_above_0_is_not_confirmed_while_rank_0_does_not_serve(tmp_path, handlers):
@@ -2246,6 +2530,44 @@ def test_status_puts_each_parts_exception_in_errors(tmp_path):
     assert "TimeoutExpired" in errors[0] and "NvidiaSmiError" in errors[1]
     assert "not JSON" in errors[2] and "NotADirectoryError" in errors[3]
     assert out["health"] is True and out["outcome"] == outcomes.STATUS
+
+
+def test_status_says_state_and_running_profile_in_one_line_and_rounds_the_accept_length(tmp_path):
+    w = build(tmp_path, new=None, api_key=True)
+    w.host.unit.server.b = Behaviour(server_info="no_states", accept=2.34567)  # from /metrics, with the key
+    out = restart.status(w.machine())
+    assert out["errors"] == [] and out["unit"] == UNIT and out["accept_length"] == 2.346
+    assert out["msg"] == "m: active/running, profile good"
+
+
+def test_status_of_a_server_without_a_draft_model_reads_no_accept_length(tmp_path):
+    w = build(tmp_path, new=None)
+    w.host.unit.server.b = Behaviour(server_info="no_spec")
+    out = restart.status(w.machine())
+    assert out["errors"] == [] and out["health"] is True and out["accept_length"] is None
+    assert "/metrics" not in w.host.unit.server.requests
+
+
+def test_status_with_nothing_recorded_and_nothing_running(tmp_path):
+    w = build(tmp_path, new=None, known_good=False, running=False)
+    out = restart.status(w.machine())
+    assert out["errors"] == [] and out["known_good"] is None
+    assert (out["state"], out["main_pid"], out["running_profile"], out["drift"]) == ("inactive/dead", 0, None, False)
+    assert out["msg"] == "m: inactive/dead, profile ?"
+
+
+def test_status_names_each_failing_part_in_its_one_line(tmp_path, monkeypatch):
+    w = build(tmp_path, new=None)
+    w.host.inject("show", "timeout")
+
+    def jobs_fail(name, directory):
+        raise OSError(errno.EACCES, "Permission denied", directory)
+
+    monkeypatch.setattr(restart.job, "of_instance", jobs_fail)
+    out = restart.status(w.machine())
+    assert [e.split(":")[0] for e in out["errors"]] == ["unit", "jobs"]
+    assert out["errors"][1].startswith("jobs: PermissionError: [Errno 13] Permission denied")
+    assert out["msg"] == "m: ?, profile ?; errors: " + "; ".join(out["errors"])
 
 
 def test_status_of_a_rank_above_0_has_no_http(tmp_path):

@@ -42,6 +42,7 @@ from .http import HttpError, generate, healthy
 from .instance import Instance, masked
 from .known_good import Store, content_hash
 from .lock import LEASE_BEGIN, LEASE_CHECK, LEASE_CONTINUE, LEASE_RECOVER, InstanceLock, Lease, Locked, peek
+from .rendezvous import parse_dist_init_addr
 from .secret_rule import clip
 from .stage import promote, read_text, stage_complete
 from .validate import ValidateError, validate_host
@@ -505,15 +506,16 @@ class Machine:
     def rank0_serving(self) -> dict:
         """A rank above 0 confirms only once rank 0 serves the instance (it may have failed its start)."""
         i = self.inst
-        host = (i.dist_init_addr or "").rsplit(":", 1)[0].strip("[]")
-        if not host:
-            raise Failure(outcomes.VERIFY, f"{i.name}: no dist_init_addr to reach rank 0 by")
-        if not healthy(f"http://{host}:{i.port}", timeout=10, api_key=i.api_key()):
+        try:
+            host, _ = parse_dist_init_addr(i.dist_init_addr)  # the rendezvous's own reading of it
+        except ValueError as exc:
+            raise Failure(outcomes.VERIFY, f"{i.name}: dist_init_addr {exc}: rank 0 cannot be reached") from None
+        where = f"[{host}]:{i.port}" if ":" in host else f"{host}:{i.port}"  # an IPv6 address in a URL: bracketed
+        if not healthy(f"http://{where}", timeout=10, api_key=i.api_key()):
             raise Failure(
-                outcomes.VERIFY,
-                f"rank 0 of {i.name} ({host}:{i.port}) does not serve: this rank's start is not confirmed",
+                outcomes.VERIFY, f"rank 0 of {i.name} ({where}) does not serve: this rank's start is not confirmed"
             )
-        return {"rank0": f"{host}:{i.port}"}
+        return {"rank0": where}
 
     def load_started(self) -> dict:
         """The start phase's snapshot (written by this node's previous call), for the confirm phase's record."""
