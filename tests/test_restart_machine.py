@@ -2170,7 +2170,8 @@ def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
         assert [p["phase"] for p in confirm["phases"]][-1] == "verify"
         assert confirm["verify"]["node_rank"] == 1
     record = restart.restart(w.machine(phase="record"))
-    assert record["outcome"] == REST and [p["phase"] for p in record["phases"]][-2:] == ["record", "record"]
+    ran = [p["phase"] for p in record["phases"]]
+    assert record["outcome"] == REST and ran == ["lock", "validate", "stage", "preflight", "record", "record"]
     assert not marker.exists()
     assert len(w.generations()) == before + 1
     rec = json.loads(Path(w.generations()[-1]).read_text())
@@ -2193,16 +2194,22 @@ def test_a_multinode_group_is_rolled_back_in_step_to_its_known_good_generation(t
     assert restart.restart(w.machine(phase="start"))["outcome"] == outcomes.STARTED  # the new one runs here
     serving(w, "new")
     down = restart.restart(w.machine(phase="rollback_stop"))
-    assert down["outcome"] == outcomes.STOPPED and down["rollback"]["to_profile"] == "good"
+    good = Store(w.inst).latest()
+    to = {"attempted": True, "to_generation": good["generation"], "to_profile": "good"}
+    assert down["outcome"] == outcomes.STOPPED and down["rollback"] == {**to, "config_hash": good["config_hash"]}
     assert [p["phase"] for p in down["phases"]] == ["lock", "rollback-stop", "rollback-gpus"]
     stopped(w)
     up = restart.restart(w.machine(phase="rollback_start"))
     assert up["outcome"] == outcomes.STARTED, up.get("failure")
+    ran = ["restore", "start", "generate", "verify"] if rank == 0 else ["restore", "start"]  # rank 0 serves
+    assert [p["phase"] for p in up["phases"]] == ["lock", *("rollback-" + p for p in ran)]
     serving(w, "good")
     assert w.live() == w.files["good"]
     done = restart.restart(w.machine(phase="rollback_confirm"))
     assert done["outcome"] == outcomes.ROLLED_BACK and done["rollback"]["outcome"] == "serving"
     assert done["verify"]["ok"] and done["profile"] == "good"
+    assert [p["phase"] for p in done["phases"]] == ["lock", "rollback-verify"]
+    assert ("rank0" in done["phases"][-1]["detail"]) == (rank == 1)  # a rank above 0 confirms rank 0 serves first
     serving(w, "good")
     assert len(w.generations()) == before  # the known-good generation was not recorded again
     if rank == 1:
@@ -2217,7 +2224,10 @@ def test_the_last_rollback_phase_contains_a_rank_whose_group_failed_elsewhere(tm
     restart.restart(w.machine(phase="rollback_start"))
     serving(w, "good")
     res = restart.restart(w.machine(phase="rollback_confirm", group_ok=False, group_why="rank 1 on b failed"))
-    assert res["outcome"] == N and res["failure"]["cause"] == "the group's rollback failed: rank 1 on b failed"
+    why = "the group's rollback failed: rank 1 on b failed"
+    assert res["outcome"] == N and res["failure"] == {"phase": "rollback-restore", "cause": why}
+    assert res["rollback"] == {"attempted": True, "outcome": "failed", "why": why}
+    assert res["contained"]["stop"] is None
     stopped(w)
     assert w.live() == w.files["good"]  # what may start at boot is the known-good configuration
 
@@ -2225,7 +2235,23 @@ def test_the_last_rollback_phase_contains_a_rank_whose_group_failed_elsewhere(tm
 def test_a_multinode_group_without_a_known_good_generation_is_contained(tmp_path, handlers):
     w = build(tmp_path, nnodes=2, node_rank=0, known_good=False)
     res = restart.restart(w.machine(phase="rollback_stop"))
-    assert res["outcome"] == N and "no known-good generation of m is recorded" in res["failure"]["cause"]
+    why = "no known-good generation of m is recorded on this node"
+    assert res["outcome"] == N and res["failure"] == {"phase": "rollback-restore", "cause": why}
+    assert res["rollback"] == {"attempted": False, "outcome": "failed", "why": why}
+    assert res["contained"]["stop"] is None
+    stopped(w)
+
+
+def test_a_multinode_rollback_whose_start_fails_is_contained_with_the_failure_in_both_places(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    restart.restart(w.machine(phase="stop"))
+    restart.restart(w.machine(phase="start"))
+    restart.restart(w.machine(phase="rollback_stop"))
+    w.host.behave("good", crash_at_start=True)
+    res = restart.restart(w.machine(phase="rollback_start"))
+    assert res["outcome"] == N and res["failure"]["phase"] == "start" and res["failure"]["cause"] == CRASH_AT_START[-1]
+    assert res["rollback"]["outcome"] == "failed" and res["rollback"]["failure"] == res["failure"]
+    assert res["contained"]["stop"] is None
     stopped(w)
 
 
@@ -2419,6 +2445,7 @@ def test_verify_verified(tmp_path):
     w.settings.thresholds.no_spec_tokens_per_s = 1.0
     res = restart.verify(w.machine())
     assert res["outcome"] == outcomes.VERIFIED and res["msg"] == "m: verified" and res["verify"]["ok"]
+    assert (res["changed"], res["instance"], res["profile"]) == (False, "m", "good")
     assert w.host.bundles == [] and "evidence" not in res
     names = [c["name"] for c in res["verify"]["checks"]]
     assert names == [
@@ -2460,9 +2487,32 @@ def test_verify_with_an_exception_inside_is_verify_failed_never_raised(tmp_path,
     w = build(tmp_path, new=None)
     w.host.inject("snapshot" if kind == "nvsmi" else "show", kind)
     res = restart.verify(w.machine())
-    assert res["outcome"] == outcomes.VERIFY_FAILED
+    assert res["outcome"] == outcomes.VERIFY_FAILED and res["changed"] is False
     (check,) = res["verify"]["checks"]
-    assert check["name"] == "verify" and not check["ok"]
+    cause = check["detail"]
+    assert check == {"name": "verify", "ok": False, "severity": "fail", "detail": cause} and cause
+    assert (
+        cause == "interrupted (SIGINT)"
+        if kind == "sigint"
+        else cause.split(":")[0]
+        in (
+            "NvidiaSmiError",
+            "TimeoutExpired",
+            "unexpected RuntimeError",
+        )
+    )
+    assert res["verify"]["warnings"] == [] and res["verify"]["failed_checks"] == [f"verify: {cause}"]
+    assert res["failure"] == {"phase": "verify", "cause": f"verify: {cause}"}
+    assert res["msg"] == f"m: verification failed: verify: {cause}"
+
+
+def test_verify_reads_the_patch_manifest_its_settings_name(tmp_path):
+    w = build(tmp_path, new=None)
+    manifest = write_manifest(tmp_path, tmp_path / "elsewhere.json", matches=False)
+    res = restart.verify(w.machine(patch_manifest=manifest))
+    assert any("installed files differ from the patch manifest" in x for x in res["verify"]["failed_checks"])
+    res = restart.verify(w.machine(patch_manifest=str(tmp_path / "none-here.json")))
+    assert not any("patch manifest" in x for x in res["verify"]["failed_checks"]), res["verify"]["failed_checks"]
 
 
 def test_verify_of_a_stopped_unit_and_a_patch_mismatch(tmp_path):
@@ -3578,6 +3628,63 @@ def test_operator_rollback_of_a_contained_instance_starts_the_newest_generation_
     res = restart.rollback(w.machine())
     assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", (res.get("failure"), res.get("contained"))
     serving(w, "good")
+
+
+def test_operator_rollback_of_a_contained_instance_started_since_by_hand_is_refused(tmp_path, handlers):
+    """The containment's note holds only while the unit stays stopped: started by hand, it serves the known-good
+    files on disk, and there is no other generation to go back to."""
+    w = build(tmp_path, rollback=False)
+    w.host.behave("new", crash_at_start=True)
+    assert restart.restart(w.machine())["outcome"] == N
+    w.host.systemctl("start", UNIT)
+    while w.host.show(UNIT)["ActiveState"] != "active":  # the start job runs (the fake's lag: a few reads)
+        assert w.host.unit.pending_start, "the start never ran"
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
+    serving(w, "good")
+
+
+def test_a_containment_puts_the_known_good_files_back_and_notes_it_for_the_operators_rollback(tmp_path, handlers):
+    w = build(tmp_path, rollback=False)
+    w.host.behave("new", crash_at_start=True)
+    w.host.t = 2000.0
+    res = restart.restart(w.machine())
+    good = Store(w.inst).latest()
+    assert res["outcome"] == N
+    assert res["contained"] == {
+        "stop": None,
+        "files": f"known-good generation {good['generation']} put back, not started",
+        "unit_state": f"{w.host.unit.active}/{w.host.unit.sub}",
+    }
+    note = Path(w.inst.kg_dir, "contained.json")
+    assert json.loads(note.read_text())["generation"] == good["generation"] and note.stat().st_mode & 0o777 == 0o600
+    assert w.live() == w.files["good"] and w.host.unit.file_state == "enabled"
+
+
+def test_a_containment_that_cannot_put_the_files_back_disables_the_unit_and_leaves_no_note(
+    tmp_path, monkeypatch, handlers
+):
+    w = build(tmp_path, rollback=False)
+    w.host.behave("new", crash_at_start=True)
+
+    def restore_fails(self):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Machine, "restore", restore_fails)
+    res = restart.restart(w.machine())
+    assert res["outcome"] == N
+    assert res["contained"]["files"] == "failed: OSError: [Errno 30] Read-only file system"
+    assert res["contained"]["disable"] == "unit disabled" and w.host.unit.file_state == "disabled"
+    assert not Path(w.inst.kg_dir, "contained.json").exists()
+    stopped(w)
+
+
+def test_a_containment_restores_the_callers_sigterm_handler_and_says_unknown_without_systemd(world, handlers):
+    world.host.inject("show", "timeout", 0)
+    res: dict = {}
+    world.machine().contain(res)
+    assert signal.getsignal(signal.SIGTERM) is restart.sigterm
+    assert res["outcome"] == N and res["contained"]["unit_state"] == "unknown"
 
 
 def test_operator_rollback_of_a_verified_generation_that_now_crashes_puts_the_one_before_it_back(tmp_path, handlers):
