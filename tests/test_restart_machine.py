@@ -44,7 +44,7 @@ from sglang_deploy import bench, boot, checks, gpu, http, known_good, lock, outc
 from sglang_deploy.checks import Thresholds, flag_value
 from sglang_deploy.instance import Instance, masked, read_env_file
 from sglang_deploy.known_good import Store
-from sglang_deploy.lock import InstanceLock
+from sglang_deploy.lock import InstanceLock, peek
 from sglang_deploy.restart import Machine, Ports, Settings
 from support import MODULE_UTILS, env_with_pythonpath
 
@@ -1793,6 +1793,14 @@ def test_a_second_machine_on_the_instance_is_refused_naming_the_holder_and_touch
     assert [p["phase"] for p in other["phases"]] == ["lock"]
 
 
+def test_an_operators_rollback_holds_the_lock_as_a_rollback(tmp_path, handlers):
+    w = build(tmp_path, new="live-running")
+    seen: dict = {}
+    w.host.hook("stop", lambda h: seen.update(peek("m", h.lock_dir) or {}))
+    assert restart.rollback(w.machine())["outcome"] == R
+    assert seen["operation"] == "rollback m"  # its target is chosen under the lock: no profile to name yet
+
+
 def validating(w: World, verdict):
     """A machine whose restart validates the host's instances itself (restart.yml's replicas), with `verdict` as
     sglang_deploy.validate.validate_host's: a result, or an exception; the calls it got are kept."""
@@ -1859,7 +1867,7 @@ def test_a_restart_validating_in_its_own_call_goes_on_when_valid(world, handlers
 def test_a_lock_whose_holder_died_does_not_block(world, handlers):
     code = textwrap.dedent(f"""
         import os
-        from sglang_deploy.lock import InstanceLock
+        from sglang_deploy.lock import InstanceLock, peek
         InstanceLock("m", "restart m", "ctl-dead", "killed", {world.host.lock_dir!r}).acquire()
         os._exit(0)  # dies holding it
     """)
@@ -2396,8 +2404,17 @@ def test_operator_rollback_is_refused_with_no_generation(tmp_path):
 def test_operator_rollback_rolls_back_and_records(tmp_path, handlers):
     w = build(tmp_path, new="live-running")
     serving(w, "new")
+    good = Store(w.inst).latest()
     res = restart.rollback(w.machine())
-    assert res["outcome"] == R and res["profile"] == "good" and res["rollback"]["outcome"] == "serving"
+    assert res["outcome"] == R and res["profile"] == "good" and res["changed"] is True
+    assert res["rollback"] == {
+        "attempted": True,
+        "to_generation": good["generation"],
+        "to_profile": "good",
+        "config_hash": good["config_hash"],
+        "outcome": "serving",
+    }
+    assert res["verify"]["ok"] and res["verify"]["running_profile"] == "good"
     assert [p["phase"] for p in res["phases"]] == ["lock", *outcomes.ROLLBACK_PHASES, "record"]
     serving(w, "good")
     assert w.live() == w.files["good"]
@@ -3731,6 +3748,7 @@ def test_operator_rollback_whose_restore_fails_before_writing_is_refused_and_the
     res = restart.rollback(w.machine())
     assert res["outcome"] == outcomes.REFUSED and res["failure"]["phase"] == "restore" and res["changed"] is False
     assert "Permission denied" in res["failure"]["cause"] and "contained" not in res
+    assert res["rollback"]["outcome"] == "not attempted: nothing was touched"
     assert w.host.systemctl_calls()[calls:] == [] and w.live() == w.files["new"]
     serving(w, "new")
 

@@ -560,7 +560,9 @@ class Machine:
 
     @property
     def operation(self) -> str:
-        return f"{self.action} {self.inst.name} (profile {self.inst.profile})"
+        # A rollback's target is chosen under the lock, after this is written: the configured profile is not it.
+        profile = f" (profile {self.inst.profile})" if self.action == "restart" else ""
+        return f"{self.action} {self.inst.name}{profile}"
 
     action = "restart"
 
