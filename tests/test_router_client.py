@@ -5,7 +5,7 @@ Two kinds of test, both on loopback only:
 - against the REAL sglang-router 0.3.2 (its own virtualenv, made once from the controller's cached wheel set
   or the package index) in front of two lab stand-ins (lab/standin, its HTTP server run with the stdlib only):
   listing, removal by UUID, a generation in flight through the removed worker completing while drain watches
-  it, adding back, the router's health.
+  it, adding back, the router's health, and no in-flight count of its own (neither `load` nor a metric).
 """
 
 from __future__ import annotations
@@ -696,11 +696,13 @@ def real_router(tmp_path_factory):
         port = free_port()
         log = open(tmp / "router.log", "w")  # noqa: SIM115 (closed with the process)
         cmd = [str(router_python()), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        metrics_port = free_port()
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
         cmd += ["--policy", "round_robin", "--health-check-interval-secs", "1", "--api-key", key]
         cmd += ["--worker-urls", *workers]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         r = rt.Router(f"http://127.0.0.1:{port}", api_key=key, poll=0.05)
+        r.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # (the tests of the gateway's own series)
 
         def listed():
             try:
@@ -792,6 +794,40 @@ def test_real_router_a_worker_registered_by_address_is_found_and_removed_by_name
             if w["url"] == by_name:  # (an assertion above failed with the duplicate listed)
                 r._call("DELETE", f"/workers/{w['id']}")
     wait_until(lambda: {w["url"]: w["healthy"] for w in r.membership()} == {w1: True, w2: True}, 10, "as before")
+
+
+def test_real_router_shows_no_in_flight_count_for_a_worker(real_router):
+    """docs/router.md "The two gateways": with a generation running on each worker (round_robin), 0.3.2's
+    GET /workers `load` stays 0, and so does its smg_worker_requests_active where the series exists at all (it
+    is set, to 0, when a worker is removed): per worker it keeps health and circuit state. smg 1.13.0 counts
+    both (tests/test_gateway_smg.py)."""
+    r, (w1, w2), key = real_router
+    results = []
+
+    def generate():
+        results.append(http.generate(r.url, "load", 40, api_key=key))  # 2 s at 20 tok/s
+
+    threads = [threading.Thread(target=generate) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: rt.running_requests(w1) == 1 and rt.running_requests(w2) == 1, 10, "one on each worker")
+        assert {w["url"]: w["load"] for w in r.workers()} == {w1: 0, w2: 0}
+        code, data = http.request(r.metrics_url)
+        text = data.decode()
+        assert code == 200 and "smg_worker_retries_total" not in text  # no series before a retry
+        for w in (w1, w2):
+            series = {
+                line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if f'{{worker="{w}"}}' in line
+            }
+            assert (series["smg_worker_health"], series["smg_worker_cb_state"]) == (1.0, 0.0), series
+            assert series.get("smg_worker_requests_active", 0.0) == 0.0, series
+    finally:
+        for t in threads:
+            t.join(30)
+    assert [x["completion_tokens"] for x in results] == [40, 40]
 
 
 def test_real_router_refuses_the_client_without_its_key(real_router):
