@@ -438,9 +438,16 @@ class Host:
             "InvocationID": u.invocation,
             "ExecMainExitTimestampMonotonic": u.exit_us,
             "UnitFileState": u.file_state,
+            "NeedDaemonReload": "yes" if self.on_disk() != u.loaded else "no",  # systemd compares the file's
         }
         self.after(kind)
         return props
+
+    def on_disk(self) -> str:
+        try:
+            return Path(self.inst.unit_path).read_text()
+        except FileNotFoundError:
+            return ""
 
     def journal(self, unit: str, invocation: str | None = None) -> list[str]:
         kind = self.enter("journal", ("journal", unit, invocation))
@@ -784,12 +791,8 @@ def build(
         good = Store(replace(inst, argv=argv["good"], profile="good"), keep)
         good.record(good.snapshot(), running_argv["good"], {"ok": True, "checks": [], "tokens_per_s": 1234.5})
     host = Host(inst, str(tmp / "run" / "locks"))
-    if new == "pending":  # as a deploy stages it: the files, then the manifest that makes the set complete
-        Path(inst.pending_dir).mkdir(parents=True)
-        for path, content in files["new"].items():
-            Path(inst.pending_path(path)).write_text(content)
-        manifest = {inst.pending_path(p): stage.digest(c) for p, c in files["new"].items()}
-        Path(stage.manifest_path(inst)).write_text(json.dumps(manifest))
+    if new == "pending":
+        stage_as_deploy(inst, files["new"])
     if new == "live-running":
         for path, content in files["new"].items():
             Path(path).write_text(content)
@@ -809,6 +812,15 @@ def build(
     )
     s = replace(s, **settings)
     return World(tmp, inst, host, s, files, argv, running_argv, host.unit.invocation)
+
+
+def stage_as_deploy(inst: Instance, files: dict[str, str]) -> None:
+    """As a deploy stages a configuration: the files, then the manifest that makes the set complete."""
+    Path(inst.pending_dir).mkdir(parents=True, exist_ok=True)
+    for path, content in files.items():
+        Path(inst.pending_path(path)).write_text(content)
+    manifest = {inst.pending_path(p): stage.digest(c) for p, c in files.items()}
+    Path(stage.manifest_path(inst)).write_text(json.dumps(manifest))
 
 
 @pytest.fixture(autouse=True)
@@ -2897,6 +2909,62 @@ def test_a_locked_instance_refuses_the_restart_before_its_staging_writes_anythin
     serving(w, "good")
 
 
+def test_a_unit_file_changed_on_disk_but_not_loaded_is_reloaded_before_the_start(tmp_path, handlers):
+    """Written by hand (or a deploy cut short before its daemon-reload): systemd would start what it loaded."""
+    w = build(tmp_path, new="live")
+    assert w.host.show(UNIT)["NeedDaemonReload"] == "yes"
+    res = restart.restart(w.machine())
+    promote_phase = next(p for p in res["phases"] if p["phase"] == "promote")
+    assert promote_phase["detail"]["promoted"] == [] and promote_phase["detail"]["reloaded"] is True
+    assert res["outcome"] == REST, res.get("failure")
+    serving(w, "new")
+
+
+def damage_manifest(w):
+    Path(stage.manifest_path(w.inst)).unlink()
+
+
+def unreadable_pending(w):
+    env = Path(w.inst.pending_path(w.inst.env_path))
+    env.unlink()
+    env.mkdir()  # read as text: IsADirectoryError
+
+
+@pytest.mark.parametrize(
+    "damage, settings, cause",
+    [
+        (
+            damage_manifest,
+            {},
+            "the pending configuration of m is incomplete (a deploy was interrupted?): run deploy again. "
+            "Nothing was stopped.",
+        ),
+        (unreadable_pending, {}, "the configuration to start cannot be read ([Errno 21] Is a directory: "),
+        (
+            lambda w: None,
+            {"expected_config_hash": "0" * 64},
+            "the configuration staged for m is not the one this run rendered (hash ",
+        ),
+    ],
+    ids=["incomplete", "unreadable", "another-controllers"],
+)
+def test_a_staged_configuration_that_is_not_whole_or_not_this_runs_is_refused_before_the_stop(
+    tmp_path, handlers, damage, settings, cause
+):
+    w = build(tmp_path)
+    damage(w)
+    res = restart.restart(w.machine(**settings))
+    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
+    assert res["failure"]["phase"] == "preflight" and res["failure"]["cause"].startswith(cause), res["failure"]
+    assert res["failure"]["cause"].endswith("Nothing was stopped.")
+    if settings:  # the staged one's hash, then this run's
+        staged = known_good.content_hash(w.files["new"])
+        assert f"(hash {staged}, this run {'0' * 64}): another controller staged it." in res["failure"]["cause"]
+    assert w.host.systemctl_calls() == [] and w.host.unit.invocation == w.boot_invocation
+    serving(w, "good")
+    assert w.lock_free()
+
+
 def test_check_mode_stages_nothing_and_says_it_would_restart(tmp_path, handlers, monkeypatch):
     w = build(tmp_path, new=None)
     m, _ = staged_by_the_restart(w, monkeypatch, check_mode=True)
@@ -3539,7 +3607,8 @@ def test_a_restart_cut_short_after_promote_leaves_the_mark_and_a_boot_puts_the_k
         == boot.GO
     )
     assert boot.put_backs("m", put_back)["count"] == 1  # the refused start, for verify to allow
-    # The next restart proceeds.
+    # The next deploy stages the new configuration again, and its restart proceeds.
+    stage_as_deploy(w.inst, w.files["new"])
     assert restart.restart(w.machine())["outcome"] == REST
 
 
