@@ -249,6 +249,7 @@ class UnitRec:
     loaded: str = ""  # the unit file as systemd loaded it (daemon-reload)
     server: FakeServer | None = None
     pending_start: int = 0  # start --no-block: the job runs after this many more `show`s
+    limit_hit: bool = False  # StartLimitBurst reached: systemd refuses a start until reset-failed
 
 
 class Host:
@@ -395,12 +396,18 @@ class Host:
                 cmd, 5, "", f"Failed to {verb} {args[-1]}: Unit {args[-1]} not loaded.\n"
             )
         u = self.unit
+        if verb not in ("stop", "start", "reset-failed", "daemon-reload", "enable", "disable"):
+            return subprocess.CompletedProcess(cmd, 1, "", f'Unknown command verb "{verb}".\n')
         if verb == "stop":
             self.stop_unit(stays=kind == "stays")
         elif verb == "start":
+            if u.limit_hit:
+                why = f"Job for {UNIT} failed because start of the service was attempted too often.\n"
+                return subprocess.CompletedProcess(cmd, 1, "", why)
             if u.active != "active":
                 u.pending_start = self.start_lag + 1
         elif verb == "reset-failed":
+            u.limit_hit = False
             if u.active == "failed":
                 u.active, u.sub = "inactive", "dead"
         elif verb == "daemon-reload":
@@ -1530,6 +1537,39 @@ def test_a_unit_exiting_without_a_journal_line_falls_back_to_the_generic_cause(w
     res = restart.restart(world.machine())
     assert res["failure"]["cause"] == f"{UNIT} exited while starting"
     assert res["failure"]["journal_tail"] == [] and res["outcome"] == R
+
+
+def test_a_unit_that_hit_its_start_limit_is_reset_and_started(world, handlers):
+    """The old server crash-looped into StartLimitBurst: systemd refuses a start until reset-failed."""
+    server = world.host.unit.server
+    world.host.crash(CRASH_AT_START)
+    server.close()  # the dead server's port is free again
+    world.host.unit.active, world.host.unit.sub, world.host.unit.limit_hit = "failed", "failed", True
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST, res.get("failure")
+    assert ("systemctl", "reset-failed", UNIT) in world.host.calls
+    serving(world, "new")
+
+
+def test_a_restarts_start_forgets_the_guards_earlier_put_backs(world, handlers):
+    put_back = boot.beside(world.host.lock_dir, boot.PUT_BACK_DIR)
+    os.makedirs(put_back, exist_ok=True)
+    Path(boot.marker("m", put_back)).write_text(json.dumps({"count": 2, "generation": "0001"}))
+    assert boot.put_backs("m", put_back)["count"] == 2
+    assert restart.restart(world.machine())["outcome"] == REST
+    assert boot.put_backs("m", put_back) == {"count": 0}
+
+
+def test_the_ready_timeout_with_no_line_of_the_servers_says_none_and_keeps_the_invocations_journal(world, handlers):
+    world.host.behave("new", health=503)
+    world.host.journals["earlier"] = ["an earlier invocation's line"]
+    world.host.hook("show", lambda h: h.journals[h.unit.invocation].clear(), nth=6)  # a server that says nothing
+    res = restart.restart(world.machine())
+    f = res["failure"]
+    assert f["phase"] == "start" and f["cause"].endswith("Last log line: none"), f["cause"]
+    started = f["invocation"]  # the new server's: neither the one serving before nor the rollback's
+    assert started in world.host.journals and started not in (world.boot_invocation, world.host.unit.invocation)
+    assert f["journal_tail"] == world.host.journals[started][-40:] and f["traceback"] == []
 
 
 def test_the_ready_timeout_reports_the_last_journal_line(world, handlers):
