@@ -1,13 +1,20 @@
 #!/usr/bin/python
-"""One worker of sglang-router: take it out, drain it, put it back, wait until healthy; inspect what serves."""
+"""One worker of the gateway (sglang-router or smg): take it out, drain it, put it back, wait until healthy; inspect
+what serves."""
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
 module: sglang_router_worker
-short_description: Take an SGLang worker out of sglang-router 0.3.2, drain it, put it back; inspect workers
+short_description: Take an SGLang worker out of the gateway (sglang-router 0.3.2 or smg 1.13.0), drain it, put it
+  back; inspect workers
 description:
+  - Speaks to either gateway, as I(impl) names it; the differences (docs/router.md, "The two gateways") are
+    handled here, so every action means the same with both. With smg, an added worker is posted with the key
+    (smg gives a worker posted without one no key), a C(409) for a URL already listed means already there, a
+    worker listed C(draining) counts as removed (out of rotation; smg lists it until its 5 s settle time ends),
+    and the gateway's own in-flight count for the worker joins the drain's result.
   - Runs where the router's API answers (playbooks/rollout.yml delegates it to the router host, on its loopback).
     The worker is named by its URL (C(http://<host>:<port>)); the router may list it under another spelling (an
     address for a host name, an upper-case scheme or host, the default port written out or not, a trailing
@@ -15,7 +22,8 @@ description:
   - I(action=remove) removes the worker by the UUID the router lists it with (0.3.2 refuses a URL), every record
     of it when it is registered under two spellings, and waits until it is no longer listed. A worker the
     router does not list under any spelling FAILS (the message names what the router lists), unless
-    I(missing_ok). Removal neither waits for nor cuts its in-flight requests; with I(drain), the same call then
+    I(missing_ok). With smg, the wait ends once the worker is C(draining) (out of rotation), and a worker
+    already draining is not removed again. Removal neither waits for nor cuts its in-flight requests; with I(drain), the same call then
     drains it as I(action=drain) does (one module call of a rollout's step, not two).
   - I(action=drain) waits until the worker's C(sglang:num_running_reqs) + C(sglang:num_queue_reqs) (its
     /metrics, both series read, summed over their label sets) has said 0 for 0.2 s (two reads at least), or a
@@ -24,7 +32,8 @@ description:
     with C(--enable-metrics)); at I(drain_timeout) when requests still run, or when the reads keep failing
     otherwise (a 503, a timeout, a reset connection is not evidence that nothing runs).
   - I(action=add) adds the worker (C(POST /workers)) unless the router lists it under any spelling, and waits
-    until the router lists it as healthy; fails at I(timeout). I(action=wait_healthy) only waits.
+    until the router lists it as healthy; fails at I(timeout). With smg, a worker still listed C(draining) is
+    waited out (up to I(timeout)) before it is posted again. I(action=wait_healthy) only waits.
     I(action=list) returns what the router lists.
   - I(action=inspect) reads, for each of I(worker_urls), whether the router lists it (any spelling), whether
     the worker itself serves (its GET /health answers 200 within I(timeout)) and whether it can be
@@ -40,13 +49,20 @@ options:
     type: str
     choices: [remove, add, drain, wait_healthy, list, inspect, measure]
     required: true
+  impl:
+    description: The gateway at I(router_url), C(sglang-router) (0.3.2) or C(smg) (1.13.0, the Shepherd Model
+      Gateway); the client speaks each one's worker API as docs/router.md records it.
+    type: str
+    choices: [sglang-router, smg]
+    default: sglang-router
   router_url:
     description: The router's base URL, as seen from where the module runs. Required but for I(action=drain) and
-      I(action=measure).
+      I(action=measure); with I(action=drain) and smg, its in-flight count for the worker joins the result.
     type: str
   api_key:
     description: The router's API key (C(--api-key)), required on /workers when the router has one; with
-      I(action=measure), the worker's.
+      I(action=measure), the worker's. With smg, I(action=add) posts it as the worker's key too (the role makes
+      the router's key the workers' by default).
     type: str
   worker_url:
     description: The worker, as the inventory names it (any spelling the router's may differ by, above).
@@ -150,6 +166,12 @@ drain:
         drained on evidence: ...) (naming --enable-metrics); C(drain timeout (120 s): ...) (the last load read, or
         the last error); C(check mode)."
       type: str
+    gateway_in_flight:
+      description: With smg (and a I(router_url)), the gateway's own count of the worker's requests in flight at
+        the drain's last read (its listing's C(load)); null once smg no longer lists the worker (it drops it, and
+        the count, when its settle time ends, whatever still runs there). Evidence beside the worker's own
+        gauges, which alone decide. Absent with sglang-router, which keeps no such count.
+      type: float
 workers:
   description: With action=inspect, one entry per I(worker_urls), in their order; with remove, add, wait_healthy
     and list, what the router lists afterwards, each {url, id, healthy}.
@@ -164,8 +186,12 @@ workers:
       description: Its UUID (not inspect).
       type: str
     healthy:
-      description: Whether the router lists it healthy (not inspect).
+      description: Whether the router lists it healthy and in rotation (not inspect).
       type: bool
+    status:
+      description: With smg, its state as smg lists it (C(ready), C(draining), C(not_ready)); absent with
+        sglang-router (not inspect).
+      type: str
     listed:
       description: (inspect) Whether the router lists it under any spelling.
       type: bool
@@ -201,13 +227,14 @@ msg:
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.sglang_deploy.http import HttpError
-from ansible.module_utils.sglang_deploy.router import ActionFailed, RouterError, act
+from ansible.module_utils.sglang_deploy.router import DEFAULT_IMPL, GATEWAYS, ActionFailed, RouterError, act
 from ansible.module_utils.sglang_deploy.secret_rule import Redactor
 
 ARGUMENT_SPEC = dict(
     action=dict(
         type="str", choices=["remove", "add", "drain", "wait_healthy", "list", "inspect", "measure"], required=True
     ),
+    impl=dict(type="str", choices=list(GATEWAYS), default=DEFAULT_IMPL),  # router.py's table: one list of gateways
     router_url=dict(type="str"),
     api_key=dict(type="str", no_log=True),
     worker_url=dict(type="str"),

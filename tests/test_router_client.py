@@ -1,11 +1,15 @@
-"""module_utils/sglang_deploy/router.py: sglang-router 0.3.2's worker API and draining a worker.
+"""module_utils/sglang_deploy/router.py: the gateways' worker API (sglang-router 0.3.2, smg 1.13.0) and draining
+a worker.
 
 Two kinds of test, both on loopback only:
-- against a fake router and fake workers (small HTTP servers in this process), for every branch;
+- against a fake router and fake workers (small HTTP servers in this process), for every branch; the fake
+  router in either gateway's flavour (smg's: 409 for a URL it has, `status` with `draining`, the key in the body);
 - against the REAL sglang-router 0.3.2 (its own virtualenv, made once from the controller's cached wheel set
   or the package index) in front of two lab stand-ins (lab/standin, its HTTP server run with the stdlib only):
   listing, removal by UUID, a generation in flight through the removed worker completing while drain watches
-  it, adding back, the router's health, and no in-flight count of its own (neither `load` nor a metric).
+  it, adding back, the router's health, and no in-flight count of its own (neither `load` nor a metric);
+- against the REAL smg 1.13.0 (tests/support/smg.py) the same Router operations: listing, adding with the key,
+  its 409 taken as "already there", removal (draining, then gone), the drain beside its in-flight count.
 """
 
 from __future__ import annotations
@@ -45,19 +49,28 @@ class FakeClock:
 
 class FakeRouterState:
     """sglang-router 0.3.2's /workers as docs/router.md records it: removal and addition take effect a few
-    listings later; an added worker is listed unhealthy first; the key is required."""
+    listings later; an added worker is listed unhealthy first; the key is required.
 
-    def __init__(self, key: str | None = "k"):
+    With smg, smg 1.13.0's (docs/router.md, "The two gateways"): each worker listed with `status` and `load`; a
+    URL it has or is adding answers 409; a worker posted without the key is never listed (a keyed worker refuses
+    its registration); a removed one is `draining` (unhealthy) for a few listings, then gone."""
+
+    def __init__(self, key: str | None = "k", smg: bool = False):
         self.key = key
+        self.smg = smg
         self.workers: dict[str, dict] = {}
         self.pending: list[list] = []  # [listings left, action, url]
         self.requests: list[tuple[str, str]] = []
+        self.bodies: list[dict] = []  # every POST's body
+        self.adding: set[str] = set()  # (smg) URLs whose addition runs, not listed yet
         self.next_id = 0
 
-    def add_now(self, url: str, healthy: bool = True) -> str:
+    def add_now(self, url: str, healthy: bool = True, load: int = 0) -> str:
         self.next_id += 1
         wid = f"00000000-0000-4000-8000-{self.next_id:012d}"
         self.workers[url] = {"id": wid, "url": url, "is_healthy": healthy, "worker_type": "regular"}
+        if self.smg:
+            self.workers[url].update(status="ready" if healthy else "not_ready", load=load)
         return wid
 
     def listing(self) -> dict:
@@ -69,9 +82,12 @@ class FakeRouterState:
                 if action == "remove":
                     self.workers.pop(url, None)
                 elif action == "add":
+                    self.adding.discard(url)
                     self.add_now(url, healthy=False)
                 elif action == "healthy" and url in self.workers:
                     self.workers[url]["is_healthy"] = True
+                    if self.smg:
+                        self.workers[url]["status"] = "ready"
         return {"workers": list(self.workers.values()), "total": len(self.workers), "stats": {}}
 
 
@@ -85,7 +101,20 @@ def serve(handler_cls) -> tuple[ThreadingHTTPServer, str]:
 @pytest.fixture
 def fake_router():
     state = FakeRouterState()
+    srv, url = serve(fake_router_handler(state))
+    yield state, url
+    srv.shutdown()
 
+
+@pytest.fixture
+def fake_smg():
+    state = FakeRouterState(smg=True)
+    srv, url = serve(fake_router_handler(state))
+    yield state, url
+    srv.shutdown()
+
+
+def fake_router_handler(state: FakeRouterState):
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
@@ -113,10 +142,23 @@ def fake_router():
             if not self.allowed():
                 return
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            state.bodies.append(body)
             if "url" not in body:
+                if state.smg:
+                    code = rt.GATEWAYS["smg"].bad_body_code
+                    return self.reply(code, {"code": "BAD_REQUEST", "error": "missing field `url`"})
                 return self.reply(422, {"error": "missing field url"})
             if body["url"] in state.workers:
-                return self.reply(202, {"status": "accepted", "worker_id": state.workers[body["url"]]["id"]})
+                wid = state.workers[body["url"]]["id"]
+                if state.smg:
+                    return self.reply(409, {"code": "WORKER_ALREADY_EXISTS", "error": f"Worker {wid} already exists"})
+                return self.reply(202, {"status": "accepted", "worker_id": wid})
+            if state.smg and body["url"] in state.adding:
+                return self.reply(409, {"code": "WORKER_CREATE_IN_PROGRESS", "error": "Worker creation in progress"})
+            if state.smg:
+                state.adding.add(body["url"])
+                if state.key and body.get("api_key") != state.key:  # refused by the keyed worker: never listed
+                    return self.reply(202, {"status": "accepted", "worker_id": "queued", "url": body["url"]})
             state.pending += [[2, "add", body["url"]], [4, "healthy", body["url"]]]
             self.reply(202, {"status": "accepted", "worker_id": "queued", "url": body["url"]})
 
@@ -129,12 +171,14 @@ def fake_router():
             url = next((u for u, w in state.workers.items() if w["id"] == wid), None)
             if url is None:
                 return self.reply(404, {"error": "WORKER_NOT_FOUND"})
-            state.pending.append([2, "remove", url])
+            if state.smg:  # out of rotation at once, listed until the settle time ends
+                state.workers[url].update(status="draining", is_healthy=False)
+                state.pending.append([12, "remove", url])
+            else:
+                state.pending.append([2, "remove", url])
             self.reply(202, {"status": "accepted", "worker_id": wid})
 
-    srv, url = serve(H)
-    yield state, url
-    srv.shutdown()
+    return H
 
 
 def metrics_text(running, queued=0.0) -> str:
@@ -392,6 +436,213 @@ def test_a_router_that_does_not_answer_is_an_http_error():
     with pytest.raises(http.HttpError) as err:
         rt.Router(f"http://127.0.0.1:{closed_port()}", timeout=2).workers()
     assert isinstance(err.value.cause, ConnectionRefusedError)
+
+
+# --------------------------------------------------------------------------- smg's flavour, the same interface
+
+
+def smg(url: str, key: str | None = "k", **kw) -> rt.Router:
+    return rt.Router(url, api_key=key, poll=0.01, impl="smg", **kw)
+
+
+def test_the_gateways_differ_in_one_table_only():
+    """One source of truth: router.py names smg once, in GATEWAYS; its methods read the Gateway's fields."""
+    import inspect
+
+    source = inspect.getsource(rt)
+    assert source.count('"smg"') == 1 and "impl ==" not in source and "impl !=" not in source
+    assert set(rt.GATEWAYS) == {"sglang-router", "smg"} and rt.DEFAULT_IMPL == "sglang-router"
+    assert rt.Router("http://127.0.0.1:1").gateway is rt.GATEWAYS["sglang-router"]  # the default: as before smg
+    with pytest.raises(rt.RouterError, match=r"unknown gateway 'sglang-router-0\.4': one of sglang-router, smg"):
+        rt.Router("http://127.0.0.1:1", impl="sglang-router-0.4")
+
+
+def test_smg_add_posts_the_workers_key_in_the_body_and_0_3_2_the_url_only(fake_router, fake_smg):
+    """smg gives a worker posted without "api_key" no key: a keyed worker refuses it and it is never listed."""
+    state, url = fake_smg
+    r = smg(url)
+    assert r.add("HTTP://10.0.0.3:30000/") == ("queued", True)
+    assert state.bodies == [{"url": "http://10.0.0.3:30000", "api_key": "k"}]  # the spelling add posts, the key
+    assert r.wait_healthy("http://10.0.0.3:30000", timeout=5) >= 0
+    wid = state.workers["http://10.0.0.3:30000"]["id"]
+    assert r.membership() == [{"url": "http://10.0.0.3:30000", "id": wid, "healthy": True, "status": "ready"}]
+    # the worker's own key where it differs from the gateway's (and masked in what the client quotes)
+    assert smg(url, worker_api_key="wk").add("http://10.0.0.4:30000") == ("queued", True)
+    assert state.bodies[-1] == {"url": "http://10.0.0.4:30000", "api_key": "wk"}
+    # posted without the key, the fake's keyed worker refuses it: never listed, and wait_healthy says so
+    no_key = smg(url)
+    no_key.worker_api_key = None
+    assert no_key.add("http://10.0.0.5:30000") == ("queued", True) and state.bodies[-1] == {
+        "url": "http://10.0.0.5:30000"
+    }
+    with pytest.raises(rt.RouterError, match=r"as healthy after 0.2 s \(last: not listed\)"):
+        r.wait_healthy("http://10.0.0.5:30000", timeout=0.2)
+    # 0.3.2 takes the URL only (it sends its own --api-key to every worker)
+    state32, url32 = fake_router
+    assert fast(url32).add("http://10.0.0.3:30000") == ("queued", True)
+    assert state32.bodies == [{"url": "http://10.0.0.3:30000"}]
+
+
+def test_smg_409_for_a_url_it_has_is_already_there(fake_smg):
+    """A race (another client posted it between the listing and the POST): 409 WORKER_ALREADY_EXISTS is "not
+    added", its id found again; WORKER_CREATE_IN_PROGRESS, whose id smg does not list yet, is "not added" too."""
+    state, url = fake_smg
+    wid = state.add_now("http://10.0.0.1:30000")
+    r = smg(url)
+    real_find = r.find
+    calls = []
+
+    def blind_once(u, resolver=None):
+        calls.append(u)
+        return [] if len(calls) == 1 else real_find(u, resolver)
+
+    r.find = blind_once
+    assert r.add("http://10.0.0.1:30000") == (wid, False)
+    assert state.requests.count(("POST", "/workers")) == 1 and len(state.workers) == 1
+    # not listed again after the 409: the id smg names in its message
+    calls.clear()
+    r.find = lambda u, resolver=None: []
+    assert r.add("http://10.0.0.1:30000") == (wid, False)
+    state.adding.add("http://10.0.0.2:30000")
+    assert r.add("http://10.0.0.2:30000") == ("", False)
+    # no 409 in between: a worker listed is not posted at all (as with 0.3.2)
+    r.find = real_find
+    posts = state.requests.count(("POST", "/workers"))
+    assert r.add("http://10.0.0.1:30000/") == (wid, False) and state.requests.count(("POST", "/workers")) == posts
+    # anything else is an error, as with 0.3.2 (the fake's 400 for a body without url, which add never sends)
+    code, doc = r._call("POST", "/workers", {})
+    assert (code, doc["code"]) == (rt.GATEWAYS["smg"].bad_body_code, "BAD_REQUEST") == (400, "BAD_REQUEST")
+
+
+def test_smg_a_draining_worker_counts_as_removed_and_wait_gone_accepts_it(fake_smg):
+    state, url = fake_smg
+    wid = state.add_now("http://10.0.0.1:30000", load=2)
+    other = state.add_now("http://10.0.0.2:30000")
+    r = smg(url)
+    assert r.in_flight("http://10.0.0.1:30000") == 2.0
+    assert r.remove("http://10.0.0.1:30000/") == [wid]
+    # out of rotation at once: wait_gone ends while smg still lists it, draining
+    assert r.wait_gone("http://10.0.0.1:30000", timeout=5) >= 0
+    [rec] = r.find("http://10.0.0.1:30000")
+    assert (rec["status"], rec["healthy"], rec["id"]) == ("draining", False, wid)
+    assert r.membership() == [
+        {"url": "http://10.0.0.1:30000", "id": wid, "healthy": False, "status": "draining"},
+        {"url": "http://10.0.0.2:30000", "id": other, "healthy": True, "status": "ready"},
+    ]
+    assert r.in_flight("http://10.0.0.1:30000") == 2.0  # its requests still count while it drains
+    # already leaving: not removed again, not an error (it is listed), nothing deleted
+    deletes = [m for m, _ in state.requests].count("DELETE")
+    assert r.remove("http://10.0.0.1:30000") == [] and r.remove("http://10.0.0.1:30000", missing_ok=True) == []
+    assert [m for m, _ in state.requests].count("DELETE") == deletes
+    # ... nor healthy: wait_healthy names the state
+    clock = FakeClock()
+    slow = rt.Router(url, api_key="k", poll=1.0, clock=clock, sleep=clock.sleep, impl="smg")
+    with pytest.raises(rt.RouterError, match=r"as healthy after 1 s \(last: listed, draining\)"):
+        slow.wait_healthy("http://10.0.0.1:30000", timeout=1)
+    # until it leaves: draining_ok=False waits for the listing itself
+    assert r.wait_gone("http://10.0.0.1:30000", timeout=5, draining_ok=False) >= 0
+    assert r.find("http://10.0.0.1:30000") == [] and r.in_flight("http://10.0.0.1:30000") is None
+    assert r.remove("http://10.0.0.1:30000", missing_ok=True) == []
+
+
+def test_smg_wait_gone_times_out_naming_the_state(fake_smg):
+    state, url = fake_smg
+    wid = state.add_now("http://10.0.0.1:30000")
+    clock = FakeClock()
+    r = rt.Router(url, api_key="k", poll=1.0, clock=clock, sleep=clock.sleep, impl="smg")
+    with pytest.raises(
+        rt.RouterError, match=rf"still lists http://10.0.0.1:30000 after 2 s \(last: still listed \(id {wid} ready\)\)"
+    ):
+        r.wait_gone("http://10.0.0.1:30000", timeout=2)
+    state.workers["http://10.0.0.1:30000"]["status"] = "draining"  # a removal whose settle time never ends
+    assert r.wait_gone("http://10.0.0.1:30000", timeout=2) == 0.0
+    with pytest.raises(rt.RouterError, match=rf"after 2 s \(last: still listed \(id {wid} draining\)\)"):
+        r.wait_gone("http://10.0.0.1:30000", timeout=2, draining_ok=False)
+
+
+def test_smg_add_waits_out_a_draining_record_before_posting_again(fake_smg):
+    """A worker put back at once (a rollout's rescue): smg still lists it draining and would answer 409, then drop
+    it with its settle time; add waits until it is gone, then posts, and the worker comes back under a new id."""
+    state, url = fake_smg
+    old = state.add_now("http://10.0.0.1:30000")
+    r = smg(url)
+    assert r.remove("http://10.0.0.1:30000") == [old]
+    seen = []
+    real_workers = r.workers
+
+    def spy():
+        listing = real_workers()
+        seen.append([w.get("status") for w in listing])
+        return listing
+
+    r.workers = spy
+    assert r.add("http://10.0.0.1:30000", timeout=5) == ("queued", True)
+    assert seen[0] == ["draining"] and seen[-1] == [] and state.requests[-1] == ("POST", "/workers")
+    assert r.wait_healthy("http://10.0.0.1:30000", timeout=5) >= 0
+    assert state.workers["http://10.0.0.1:30000"]["id"] != old
+    # a settle time that never ends: add fails at its timeout, nothing posted
+    r.workers = real_workers
+    assert r.remove("http://10.0.0.1:30000")
+    state.pending.clear()
+    posts = state.requests.count(("POST", "/workers"))
+    with pytest.raises(rt.RouterError, match=r"still lists http://10.0.0.1:30000 after 0.05 s"):
+        r.add("http://10.0.0.1:30000", timeout=0.05)
+    assert state.requests.count(("POST", "/workers")) == posts
+
+
+def test_in_flight_is_the_gateways_own_count_or_none(fake_router, fake_smg):
+    """smg's listing `load` (summed over a worker's spellings); 0.3.2 keeps no count: None, whatever `load` says."""
+    state, url = fake_smg
+    state.add_now("http://127.0.0.1:30000", load=1)
+    state.add_now("http://localhost:30000/", load=2)
+    r = smg(url)
+    assert r.in_flight("http://LOCALHOST:30000") == 3.0
+    assert r.in_flight("http://127.0.0.1:30001") is None  # not listed: no count to read
+    state.workers["http://127.0.0.1:30000"]["load"] = True  # not a count
+    del state.workers["http://localhost:30000/"]["load"]
+    assert r.in_flight("http://127.0.0.1:30000") is None
+    read = r.reader("http://127.0.0.1:30000")
+    state.workers["http://127.0.0.1:30000"]["load"] = 0
+    assert read() == 0.0
+    state32, url32 = fake_router
+    state32.add_now("http://127.0.0.1:30000")
+    state32.workers["http://127.0.0.1:30000"]["load"] = 0  # 0.3.2 lists load 0 with requests running
+    assert fast(url32).in_flight("http://127.0.0.1:30000") is None
+    assert fast(url32).membership() == [
+        {"url": "http://127.0.0.1:30000", "id": state32.workers["http://127.0.0.1:30000"]["id"], "healthy": True}
+    ]
+
+
+def test_drain_carries_the_gateways_count_as_evidence_not_as_its_rule(fake_worker):
+    """The worker's own gauges decide; the gateway's count, read beside each, is the other side's evidence."""
+    script, url = fake_worker
+    counts = [3.0, 1.0, 5.0]  # even a gateway that still counts requests does not hold the drain
+
+    def gateway():
+        return counts.pop(0) if len(counts) > 1 else counts[0]
+
+    script[:] = [2.0, 0.0, 0.0]
+    out = fake_drain(url, timeout=60, gateway_in_flight=gateway)
+    assert out == {
+        "drained": True,
+        "seconds": 1.0,
+        "running": 0.0,
+        "queued": 0.0,
+        "why": "no running or queued requests",
+        "gateway_in_flight": 5.0,
+    }
+    script[:] = [1.0]
+    out = fake_drain(url, timeout=1, poll=1.0, gateway_in_flight=lambda: None)
+    assert out["drained"] is False and out["gateway_in_flight"] is None
+
+    def down():
+        raise rt.RouterError("GET /workers: HTTP 503")
+
+    script[:] = [("status", 404)]
+    out = fake_drain(url, timeout=60, gateway_in_flight=down)  # a gateway that does not answer: no count
+    assert out["drained"] is False and out["gateway_in_flight"] is None and "--enable-metrics" in out["why"]
+    out = rt.drain(f"http://127.0.0.1:{closed_port()}", timeout=30, gateway_in_flight=lambda: 0.0)
+    assert out["drained"] is True and out["gateway_in_flight"] == 0.0
 
 
 def fake_drain(url: str, timeout: float, poll: float = 0.5, **kw) -> dict:
@@ -911,3 +1162,153 @@ def test_worker_url_is_written_once_for_the_router_role_and_the_rollout():
     assert rt.worker_url("fd00::12", "30001", "https") == "https://[fd00::12]:30001"
     assert rt.worker_url("[fd00::12]", 30001) == "http://[fd00::12]:30001"  # already bracketed: not twice
     assert FilterModule().filters()["sglang_worker_url"] is rt.worker_url
+
+
+# --------------------------------------------------------------------------- the real smg 1.13.0
+
+
+@pytest.fixture(scope="module")
+def real_smg(tmp_path_factory):
+    """smg in front of two stand-ins (--worker-urls), a third spare; every stand-in requires the key."""
+    from support import smg as s
+
+    venv = s.smg_venv()
+    standins = s.Standins()
+    gw = None
+    try:
+        w0, w1, _ = standins.urls
+        gw = s.Gateway(venv, tmp_path_factory.mktemp("smg") / "smg.log", "--worker-urls", w0, w1)
+        wait_until(lambda: s.all_ready(gw, w0, w1), 30, f"smg lists both workers ready ({gw.log})")
+        yield rt.Router(gw.url, api_key=s.KEY, poll=0.05, impl="smg"), gw, standins
+    finally:
+        if gw is not None:  # killed: its SIGTERM keeps serving 5 s (docs/router.md), nothing to wait for here
+            gw.proc.kill()
+            gw.proc.wait()
+        standins.stop()
+
+
+def test_real_smg_lists_adds_with_the_key_and_takes_its_409_as_there(real_smg):
+    r, _, standins = real_smg
+    w0, w1, spare = standins.urls
+    listed = r.membership()
+    assert {w["url"]: (w["healthy"], w["status"]) for w in listed} == {w0: (True, "ready"), w1: (True, "ready")}
+    assert all(len(w["id"]) == 36 for w in listed)
+
+    posts = []
+    real_call = r._call
+
+    def spy(method, path, body=None):
+        code, doc = real_call(method, path, body)
+        if method == "POST":
+            posts.append((sorted(body), code, doc.get("code")))
+        return code, doc
+
+    r._call = spy
+    # The spare requires the key: listed healthy only because add posted it (smg lends a posted worker none).
+    wid, added = r.add(spare)
+    assert added and len(wid) == 36 and posts == [(["api_key", "url"], 202, None)]
+    assert r.wait_healthy(spare, timeout=30) >= 0
+    assert r.find(spare)[0]["id"] == wid and r.find(spare)[0]["status"] == "ready"
+    assert r.add(spare) == (wid, False) and len(posts) == 1  # listed: not posted again
+
+    # A race (listed by another client between the listing and the POST): smg's 409 is "already there".
+    real_find = r.find
+    calls = []
+
+    def find_once_blind(u, resolver=None):
+        calls.append(u)
+        return [] if len(calls) == 1 else real_find(u, resolver)
+
+    r.find = find_once_blind
+    assert r.add(spare) == (wid, False)
+    assert posts[-1] == (["api_key", "url"], 409, "WORKER_ALREADY_EXISTS")
+    r.find = real_find
+    assert r.in_flight(spare) == 0.0 and r.in_flight(f"http://127.0.0.1:{free_port()}") is None
+    # out again for the next test (draining, out of rotation at once: round robin over w0 and w1 only)
+    assert r.remove(spare) == [wid] and r.wait_gone(spare, timeout=5) >= 0
+
+
+def test_real_smg_remove_draining_then_gone_drain_beside_its_count_add_back(real_smg):
+    from support.smg import KEY, TOKENS_PER_S, per_worker
+
+    r, gw, standins = real_smg
+    w0, w1, _ = standins.urls
+    tokens = int(1.5 * TOKENS_PER_S)  # 1.5 s: ends well inside smg's 5 s settle window
+    results = []
+
+    def generate():
+        results.append(http.generate(r.url, "drain me", tokens, api_key=KEY))
+
+    threads = [threading.Thread(target=generate) for _ in range(2)]  # round robin: one on each
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: rt.running_requests(w0) == 1, 10, "a request running on w0")
+        # The gateway's own count, in its listing and (the table's series) in its metrics.
+        assert r.in_flight(w0) == 1.0
+        assert per_worker(gw.metrics(), w0)[rt.GATEWAYS["smg"].in_flight_metric] == 1.0
+        [old] = r.remove(w0)
+        assert r.wait_gone(w0, timeout=5) >= 0  # out of rotation: draining is enough
+        [rec] = r.find(w0)
+        assert (rec["id"], rec["status"], rec["healthy"]) == (old, "draining", False)
+        assert r.remove(w0) == []  # already leaving: no second DELETE
+        assert r.in_flight(w0) == 1.0  # its request runs on, still counted
+        out = rt.drain(w0, timeout=30, poll=0.1, gateway_in_flight=r.reader(w0))
+        assert out["drained"] and (out["running"], out["queued"]) == (0.0, 0.0), out
+        assert out["gateway_in_flight"] in (0.0, None), out  # 0 while draining, None once smg dropped it
+        for t in threads:
+            t.join(30)
+        assert [x["completion_tokens"] for x in results] == [tokens, tokens]
+
+        # Until it leaves the listing (the settle time), then no count to read.
+        states = []
+        real_workers = r.workers
+
+        def spy():
+            listing = real_workers()
+            states.append([w["status"] for w in r.matches(w0, listing)])
+            return listing
+
+        r.workers = spy
+        assert r.wait_gone(w0, timeout=15, draining_ok=False) >= 0
+        r.workers = real_workers
+        assert states[-1] == [] and all(s == ["draining"] for s in states[:-1]), states
+        assert r.in_flight(w0) is None and rt.running_requests(w0) == 0
+        wid, added = r.add(w0)
+        assert added and wid != old
+        assert r.wait_healthy(w0, timeout=30) >= 0
+    finally:
+        for t in threads:
+            t.join(30)
+    wait_until(lambda: {w["url"]: w["status"] for w in r.membership()} == {w0: "ready", w1: "ready"}, 15, "as before")
+
+
+def test_real_smg_add_waits_out_a_worker_still_draining(real_smg):
+    """A worker put back at once (a rollout's rescue): smg lists it draining and refuses its URL (409) until its
+    settle time ends; add lets it go first, then posts, and it comes back under a new id."""
+    from support.smg import KEY
+
+    r, _, standins = real_smg
+    w0, w1, _ = standins.urls
+    [old] = r.remove(w1)
+    assert r.wait_gone(w1, timeout=5) >= 0 and r.find(w1)[0]["status"] == "draining"
+    code, doc = r._call("POST", "/workers", {"url": w1, "api_key": KEY})  # what a post at once would get
+    assert (code, doc.get("code")) == (409, "WORKER_ALREADY_EXISTS") and old in doc["error"], doc
+    events = []
+    real_call = r._call
+
+    def spy(method, path, body=None):
+        code, doc = real_call(method, path, body)
+        if method == "GET":
+            events.append(tuple(w["status"] for w in doc.get("workers", []) if w.get("url") == w1))
+        else:
+            events.append((method, code))
+        return code, doc
+
+    r._call = spy
+    wid, added = r.add(w1, timeout=15)
+    r._call = real_call
+    assert added and wid != old
+    assert events[0] == ("draining",) and events[-2:] == [(), ("POST", 202)], events  # draining, gone, posted
+    assert r.wait_healthy(w1, timeout=30) >= 0
+    assert {w["url"]: w["status"] for w in r.membership()} == {w0: "ready", w1: "ready"}

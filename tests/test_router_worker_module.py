@@ -60,6 +60,56 @@ def router():
         yield fake, url, seen
 
 
+class FakeSmg(FakeRouter):
+    """smg 1.13.0's /workers (docs/router.md, "The two gateways"): `status` and `load` listed, 409 for a URL it
+    has, a removed worker `draining` for two listings, then gone; every POST's body kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[dict] = []
+        self.leaving: dict[str, int] = {}  # URL: listings left while draining
+
+    def listed(self, url: str, healthy: bool = True, load: int = 0) -> str:
+        wid = super().listed(url, healthy)
+        self.workers[url].update(status="ready" if healthy else "not_ready", load=load)
+        return wid
+
+    def __call__(self, method: str, path: str, body: dict, headers: dict) -> tuple[int, object]:
+        if headers.get("Authorization") != f"Bearer {KEY}":
+            return 401, {"error": {"code": "invalid_api_key"}}
+        if method == "GET" and path == "/workers":
+            for url, left in list(self.leaving.items()):
+                self.leaving[url] = left - 1
+                if left <= 0:
+                    del self.workers[url], self.leaving[url]
+            listing = [dict(w) for w in self.workers.values()]
+            for w in self.workers.values():
+                if w["status"] == "not_ready":
+                    w.update(is_healthy=True, status="ready")
+            return 200, {"workers": listing, "total": len(listing)}
+        if method == "POST" and path == "/workers":
+            self.bodies.append(body)
+            if body["url"] in self.workers:
+                wid = self.workers[body["url"]]["id"]
+                return 409, {"code": "WORKER_ALREADY_EXISTS", "error": f"Worker {wid} already exists"}
+            return 202, {"status": "accepted", "worker_id": self.listed(body["url"], healthy=False)}
+        if method == "DELETE" and path.startswith("/workers/"):
+            url = next((u for u, w in self.workers.items() if w["id"] == path.rsplit("/", 1)[1]), None)
+            if url is None:
+                return 404, {"code": "WORKER_NOT_FOUND"}
+            self.workers[url].update(status="draining", is_healthy=False)
+            self.leaving[url] = 2
+            return 202, {"status": "accepted", "worker_id": self.workers[url]["id"]}
+        return 404, {}
+
+
+@pytest.fixture
+def smg_router():
+    fake = FakeSmg()
+    with http_server(fake) as (url, seen):
+        yield fake, url, seen
+
+
 def worker_module(tmp_path, check_mode=False, **args) -> tuple[int, dict]:
     return run_module("sglang_router_worker", args, tmp_path, check_mode=check_mode)
 
@@ -392,7 +442,8 @@ def test_the_documentation_describes_every_option_as_the_argument_spec_has_it():
     for key in ("worker_ids", "drain", "workers", "problems"):
         assert ret[key]["description"] and ret[key]["returned"], key
     assert set(ret["workers"]["contains"]) >= {"listed", "ids", "healthy_in_router", "serving", "drainable", "why"}
-    assert set(ret["drain"]["contains"]) == {"drained", "seconds", "running", "queued", "why"}
+    assert set(ret["drain"]["contains"]) == {"drained", "seconds", "running", "queued", "why", "gateway_in_flight"}
+    assert doc["options"]["impl"]["default"] == "sglang-router"  # the playbooks, which name none, as before smg
 
 
 def test_measure_reports_tokens_per_second_and_fails_with_the_workers_answer(tmp_path):
@@ -408,3 +459,47 @@ def test_measure_reports_tokens_per_second_and_fails_with_the_workers_answer(tmp
         assert seen == [("POST", "/generate")] * 3
         rc, out = worker_module(tmp_path, action="measure", worker_url=url, requests=1)
     assert rc == 1 and out["msg"].startswith(f"measure {url}: {url}/generate: HTTP 401")
+
+
+def test_impl_smg_remove_counts_draining_as_out_and_the_drain_shows_the_gateways_count(tmp_path, smg_router):
+    fake, url, seen = smg_router
+    with running_worker([1.0, 0.0, 0.0, 0.0]) as (worker, _):
+        wid = fake.listed(worker, load=1)
+        other = fake.listed(W2)
+        smg = dict(impl="smg", router_url=url, api_key=KEY, worker_url=worker)
+        rc, out = worker_module(tmp_path, action="list", **smg)
+        assert rc == 0 and out["workers"][0] == {"url": worker, "id": wid, "healthy": True, "status": "ready"}
+        rc, out = worker_module(tmp_path, action="remove", drain=True, drain_timeout=10, **smg)
+        assert rc == 0 and out["changed"] is True and out["worker_ids"] == [wid], out
+        # gone from rotation when draining: the wait ends there (smg lists it until its settle time ends)
+        assert out["workers"] == [
+            {"url": worker, "id": wid, "healthy": False, "status": "draining"},
+            {"url": W2, "id": other, "healthy": True, "status": "ready"},
+        ]
+        # the worker's gauges decided; the gateway's count (its listing's load) rode along
+        assert out["drain"]["drained"] is True and out["drain"]["gateway_in_flight"] in (1.0, None), out
+        # already draining: listed, so no error, but nothing removed again (check mode says the same)
+        draining = fake.listed(worker)  # (gone by now: listed again, as another client's removal left it)
+        fake.workers[worker].update(status="draining", is_healthy=False)
+        fake.leaving[worker] = 50
+        for check_mode in (True, False):
+            rc, out = worker_module(tmp_path, check_mode=check_mode, action="remove", **smg)
+            assert rc == 0 and out["changed"] is False and out["worker_ids"] == [], out
+        assert [p for p in seen if p[0] == "DELETE"] == [("DELETE", f"/workers/{wid}")]
+        # add: a draining worker would be added again (check mode); it is, once smg has let it go
+        rc, out = worker_module(tmp_path, check_mode=True, action="add", **smg)
+        assert rc == 0 and out["changed"] is True and out["worker_id"] is None
+        fake.leaving[worker] = 2
+        rc, out = worker_module(tmp_path, action="add", timeout=10, **smg)
+        assert rc == 0 and out["changed"] is True and out["worker_id"] not in (wid, draining), out
+        assert fake.bodies == [{"url": worker, "api_key": KEY}]  # smg's body carries the worker's key
+        assert {w["url"]: w["status"] for w in out["workers"]} == {worker: "ready", W2: "ready"}
+        # drain alone, with the router named: its count beside the worker's
+        rc, out = worker_module(tmp_path, action="drain", drain_timeout=10, **smg)
+        assert rc == 0 and out["drain"]["gateway_in_flight"] == 0.0, out
+    # sglang-router (the default) keeps no count: the drain's result is as it was
+    with running_worker([0.0]) as (worker, _):
+        rc, out = worker_module(tmp_path, action="drain", router_url=url, api_key=KEY, worker_url=worker)
+        assert rc == 0 and set(out["drain"]) == {"drained", "seconds", "running", "queued", "why"}
+    rc, out = worker_module(tmp_path, action="list", impl="sglang-router-0.4", router_url=url, api_key=KEY)
+    assert rc == 1 and "impl" in out["msg"] and "sglang-router, smg" in out["msg"], out["msg"]

@@ -1,6 +1,9 @@
-"""sglang-router 0.3.2's worker API, and draining a worker before it is stopped (docs/rollout.md).
+"""The gateways' worker API (sglang-router 0.3.2, smg 1.13.0), and draining a worker before it is stopped
+(docs/rollout.md).
 
-What this relies on, as verified against the pinned release (docs/router.md):
+One client for both gateways: ``Router(url, impl=...)`` reads what differs between them from ``GATEWAYS`` (one
+``Gateway`` each, docs/router.md's "The two gateways"), never from a test of its name. What this relies on, as
+verified against sglang-router 0.3.2 (docs/router.md; smg's differences are in ``Gateway``'s fields):
 - ``GET /workers`` answers ``{"workers": [{"id": "<uuid>", "url", "is_healthy", ...}], ...}``; a worker is
   listed only once its registration (its /health first) finished, and kept with ``is_healthy: false`` when it
   fails the router's health check.
@@ -38,6 +41,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from . import http, outcomes
 from .secret_rule import Redactor, clip
@@ -48,6 +52,59 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 # Why a worker's /metrics says nothing: SGLang 0.5.23 mounts the route only with this flag
 # (sglang/srt/entrypoints/http_server.py, add_prometheus_middleware in sglang/srt/utils/common.py).
 ENABLE_METRICS = "SGLang serves /metrics and its load gauges only with --enable-metrics"
+
+
+UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """What differs between the gateways, as checked against their binaries (docs/router.md, "The two
+    gateways"). The one place the client learns which gateway it speaks to: its methods read these fields."""
+
+    name: str
+    # POST /workers carries the worker's key: smg gives a worker posted without one no key, and a keyed worker
+    # refuses its registration (never listed); 0.3.2 sends its own --api-key to every worker.
+    key_in_body: bool
+    # POST /workers's answers for a URL the gateway already has (smg 409 WORKER_ALREADY_EXISTS, and
+    # WORKER_CREATE_IN_PROGRESS while its addition runs): not added, already there. 0.3.2 answers 202 with its id.
+    present_codes: frozenset[int]
+    # POST /workers without a url: 0.3.2 422, smg 400. Never sent by this client (it always posts one); here so
+    # that the table is whole, and the tests' fake gateways answer with it.
+    bad_body_code: int
+    # The listing's field with a worker's state (None: the gateway has none), and the states of one listed but out
+    # of rotation: smg's removal keeps a worker `draining` for drain_settle_secs (5 s), taking no new request.
+    status_field: str | None
+    leaving: frozenset[str]
+    # The listing's field counting the worker's requests in flight through the gateway (None: no such count;
+    # 0.3.2's `load` stays 0 with requests running), and the Prometheus series (label worker=URL) that agrees.
+    in_flight_field: str | None
+    in_flight_metric: str | None
+
+
+GATEWAYS = {
+    "sglang-router": Gateway(
+        name="sglang-router 0.3.2",
+        key_in_body=False,
+        present_codes=frozenset(),
+        bad_body_code=422,
+        status_field=None,
+        leaving=frozenset(),
+        in_flight_field=None,
+        in_flight_metric=None,
+    ),
+    "smg": Gateway(
+        name="smg 1.13.0",
+        key_in_body=True,
+        present_codes=frozenset({409}),
+        bad_body_code=400,
+        status_field="status",
+        leaving=frozenset({"draining"}),
+        in_flight_field="load",
+        in_flight_metric="smg_worker_requests_active",
+    ),
+}
+DEFAULT_IMPL = "sglang-router"  # what the playbooks ran before smg: the module's default
 
 
 class RouterError(RuntimeError):
@@ -193,11 +250,20 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         getaddrinfo: Callable = socket.getaddrinfo,
+        impl: str = DEFAULT_IMPL,
+        worker_api_key: str | None = None,
     ):
+        if impl not in GATEWAYS:
+            raise RouterError(f"unknown gateway {impl!r}: one of {', '.join(GATEWAYS)}")
+        self.impl = impl
+        self.gateway = GATEWAYS[impl]
         self.url = normalize(url)
         self.api_key = api_key or None
+        # The key a posted worker is registered with (smg only): the workers' key, which the role makes the
+        # gateway's own by default (sglang_router_api_key).
+        self.worker_api_key = worker_api_key or self.api_key
         # A router may echo the key it was sent: its answers are masked with it known before they are cut.
-        self.redact = Redactor([self.api_key]).text
+        self.redact = Redactor([self.api_key, self.worker_api_key]).text
         self.timeout = timeout
         self.poll = poll
         self.clock = clock
@@ -218,15 +284,28 @@ class Router:
         return code, doc
 
     def workers(self) -> list[dict]:
-        """Every worker the router lists: {id, url, healthy} (and the router's own fields)."""
+        """Every worker the router lists: {id, url, healthy} (and the router's own fields). ``healthy``: in
+        rotation, so never a worker the gateway is letting go (``leaving``)."""
         code, doc = self._call("GET", "/workers")
         if code != 200 or not isinstance(doc.get("workers"), list):
             raise RouterError(f"GET {self.url}/workers: HTTP {code}: {clip(str(doc), 300, self.redact)}")
         out = []
         for w in doc["workers"]:
             if isinstance(w, dict) and w.get("url"):
-                out.append({**w, "url": normalize(w["url"]), "healthy": bool(w.get("is_healthy"))})
+                healthy = bool(w.get("is_healthy")) and not self.leaving(w)
+                out.append({**w, "url": normalize(w["url"]), "healthy": healthy})
         return out
+
+    def leaving(self, worker: dict) -> bool:
+        """Whether the gateway lists this record but is letting it go (smg's ``draining``): out of rotation, as
+        good as removed for the rollout, though listed until the gateway's own settle time ends."""
+        field = self.gateway.status_field
+        return bool(field) and worker.get(field) in self.gateway.leaving
+
+    def status(self, worker: dict) -> dict:
+        """The record's state where the gateway has one ({"status": ...}), for a summary; {} for 0.3.2."""
+        field = self.gateway.status_field
+        return {"status": worker.get(field)} if field else {}
 
     def resolver(self) -> Resolver:
         return Resolver(self.getaddrinfo)
@@ -242,14 +321,27 @@ class Router:
         resolved once per call, or once per ``resolver`` (a wait passes one for all its polls)."""
         return self.matches(worker_url, self.workers(), resolver)
 
-    def add(self, worker_url: str) -> tuple[str, bool]:
+    def add(self, worker_url: str, timeout: float = 60.0) -> tuple[str, bool]:
         """(its id, whether it was added): a worker the router lists under any spelling is not added again (the
-        router would register a second spelling as a second worker); else its addition is queued."""
+        router would register a second spelling as a second worker); else its addition is queued. A worker listed
+        only as leaving (smg's ``draining``) is waited out first, up to ``timeout``: smg refuses a URL it still
+        lists (409), and its record goes at the end of the settle time, taking an addition made meanwhile along.
+        An answer that the gateway has it already (smg's 409, a race with another client) is "not added"."""
         listed = self.find(worker_url)
+        staying = [w for w in listed if not self.leaving(w)]
+        if staying:
+            return str(staying[0].get("id") or ""), False
         if listed:
-            return str(listed[0].get("id") or ""), False
+            self.wait_gone(worker_url, timeout, draining_ok=False)
         url = posted(worker_url)
-        code, doc = self._call("POST", "/workers", {"url": url})
+        body = {"url": url}
+        if self.gateway.key_in_body and self.worker_api_key:
+            body["api_key"] = self.worker_api_key
+        code, doc = self._call("POST", "/workers", body)
+        if code in self.gateway.present_codes:
+            again = [w for w in self.find(worker_url) if not self.leaving(w)]
+            named = UUID.search(str(doc.get("error") or doc.get("message") or ""))  # smg names its id there
+            return str(again[0].get("id") or "") if again else (named.group(0) if named else ""), False
         if code not in (200, 201, 202):
             raise RouterError(f"POST {self.url}/workers {url}: HTTP {code}: {clip(str(doc), 300, self.redact)}")
         return str(doc.get("worker_id") or ""), True
@@ -263,7 +355,8 @@ class Router:
         """Queue the removal of every record of the worker (any spelling, a duplicate too) by its UUID; their
         ids. RouterError when the router lists it under no spelling, naming what it lists (a worker named wrong
         would otherwise be drained and restarted while the router still sends it requests), unless missing_ok
-        ([] then)."""
+        ([] then). A record the gateway is letting go already (smg's ``draining``) is out of rotation: not
+        removed again, and not among the ids ([] when it is the only one)."""
         listing = self.workers()
         found = self.matches(worker_url, listing)
         if not found:
@@ -272,6 +365,8 @@ class Router:
             raise self.not_listed(worker_url, listing)
         ids = []
         for w in found:
+            if self.leaving(w):
+                continue
             wid = str(w.get("id") or "")
             if not wid:
                 raise RouterError(f"{self.url}/workers lists {w['url']} without an id: {w}")
@@ -310,25 +405,51 @@ class Router:
             found = self.find(worker_url, resolver)
             if not found:
                 return False, "not listed"
+            if all(self.leaving(w) for w in found):
+                return False, f"listed, {'/'.join(sorted({str(self.status(w)['status']) for w in found}))}"
             healthy = any(w["healthy"] for w in found)
             return healthy, "listed, healthy" if healthy else "listed, not healthy"
 
         return self._until(check, timeout, f"{self.url} does not list {normalize(worker_url)} as healthy")
 
-    def wait_gone(self, worker_url: str, timeout: float) -> float:
-        """Until the router no longer lists the worker under any spelling."""
+    def wait_gone(self, worker_url: str, timeout: float, draining_ok: bool = True) -> float:
+        """Until the router no longer has the worker in rotation: listed under no spelling, or only as leaving
+        (smg's ``draining``, listed until its fixed settle time ends whatever still runs there: the drain that
+        follows watches the worker itself). With ``draining_ok`` False, until it is listed under no spelling."""
         resolver = self.resolver()
 
         def check() -> tuple[bool, str]:
             found = self.find(worker_url, resolver)
-            ids = ", ".join(str(w.get("id")) for w in found)
-            return not found, f"still listed (id {ids})" if found else "gone"
+            left = [w for w in found if not (draining_ok and self.leaving(w))]
+            ids = ", ".join(str(w.get("id")) + "".join(f" {v}" for v in self.status(w).values()) for w in left)
+            return not left, f"still listed (id {ids})" if left else "draining" if found else "gone"
 
         return self._until(check, timeout, f"{self.url} still lists {normalize(worker_url)}")
 
     def membership(self) -> list[dict]:
-        """What the router lists, for a summary: url, id, healthy."""
-        return [{"url": w["url"], "id": w.get("id"), "healthy": w["healthy"]} for w in self.workers()]
+        """What the router lists, for a summary: url, id, healthy (and status, where the gateway has one)."""
+        return [{"url": w["url"], "id": w.get("id"), "healthy": w["healthy"], **self.status(w)} for w in self.workers()]
+
+    def reader(self, worker_url: str) -> Callable[[], float | None]:
+        """in_flight for this worker, one resolver for all the reads (drain's gateway_in_flight)."""
+        resolver = self.resolver()
+        return lambda: self.in_flight(worker_url, resolver=resolver)
+
+    def in_flight(
+        self, worker_url: str, listing: list[dict] | None = None, resolver: Resolver | None = None
+    ) -> float | None:
+        """The gateway's own count of the worker's requests in flight (smg's ``load``, summed over its records,
+        a draining one included): None where the gateway keeps none (0.3.2) or no longer lists the worker (smg
+        drops it, and its count, at the end of the settle time, whatever still runs there)."""
+        field = self.gateway.in_flight_field
+        if not field:
+            return None
+        counts = [
+            w[field]
+            for w in self.matches(worker_url, self.workers() if listing is None else listing, resolver)
+            if isinstance(w.get(field), (int, float)) and not isinstance(w.get(field), bool)
+        ]
+        return float(sum(counts)) if counts else None
 
 
 # ---------------------------------------------------------------------- the worker itself
@@ -414,6 +535,7 @@ def drain(
     sleep: Callable[[float], None] = time.sleep,
     settle_s: float = 0.2,
     read_timeout: float = 5.0,
+    gateway_in_flight: Callable[[], float | None] | None = None,
 ) -> dict:
     """Wait until the worker has no running nor queued request, on evidence, or the drain timeout; never raises.
 
@@ -429,17 +551,23 @@ def drain(
     connection: a server busy under load answers so), waited through until the timeout; and a /metrics that
     cannot say (404, or without either series: SGLang without --enable-metrics), which ends the drain at once.
 
-    {drained: bool, seconds, running, queued (the last values read, None when not read), why}.
+    {drained: bool, seconds, running, queued (the last values read, None when not read), why}; with
+    ``gateway_in_flight`` (Router.in_flight for this worker, read beside each load), also ``gateway_in_flight``:
+    the gateway's own count at the last read, the other side's evidence only: it decides nothing (smg drops it
+    with the worker after its settle time, while a request may still run there).
     """
     start = clock()
     last: dict = {"running": None, "queued": None}
     first_zero: float | None = None  # when the reads started saying 0 (None: the last read did not)
+    gateway: dict = {}
     while True:
         read = read_load(worker_url, timeout=read_timeout, api_key=api_key)
+        if gateway_in_flight is not None:
+            gateway = {"gateway_in_flight": _gateway_count(gateway_in_flight)}
         now = clock()
         seconds = round(now - start, 3)
         if read["state"] == "nothing_listens":
-            return {"drained": True, "seconds": seconds, **last, "why": "not serving: connection refused"}
+            return {"drained": True, "seconds": seconds, **last, "why": "not serving: connection refused", **gateway}
         if read["state"] == "no_metrics":
             return {
                 "drained": False,
@@ -447,6 +575,7 @@ def drain(
                 "running": read["running"],
                 "queued": read["queued"],
                 "why": f"cannot be drained on evidence: {read['why']}",
+                **gateway,
             }
         if read["state"] == "load":
             last = {"running": read["running"], "queued": read["queued"]}
@@ -455,11 +584,25 @@ def drain(
         elif first_zero is None:
             first_zero = now
         elif now - first_zero >= settle_s - 1e-6:  # (the tolerance: a float clock's sums)
-            return {"drained": True, "seconds": seconds, **last, "why": "no running or queued requests"}
+            return {"drained": True, "seconds": seconds, **last, "why": "no running or queued requests", **gateway}
         if now - start >= timeout:
             why = read["why"] if read["state"] == "load" else f"last read: {read['why']}"
-            return {"drained": False, "seconds": seconds, **last, "why": f"drain timeout ({timeout:g} s): {why}"}
+            return {
+                "drained": False,
+                "seconds": seconds,
+                **last,
+                "why": f"drain timeout ({timeout:g} s): {why}",
+                **gateway,
+            }
         sleep(poll)
+
+
+def _gateway_count(read: Callable[[], float | None]) -> float | None:
+    """One read of the gateway's count; None when the gateway does not answer (evidence only: never a failure)."""
+    try:
+        return read()
+    except (RouterError, http.HttpError):
+        return None
 
 
 def serving(worker_url: str, timeout: float = 5.0, api_key: str | None = None) -> tuple[bool, str]:
@@ -563,12 +706,15 @@ def act(p: dict, check_mode: bool = False) -> dict:
     if action == "drain":
         if check_mode:
             return {"changed": False, "worker_url": url, "drain": {"drained": None, "why": "check mode"}}
-        out = drain(url, p["drain_timeout"])
+        # The gateway's count beside the worker's, where a gateway is named and keeps one (evidence, not a rule).
+        gateway = Router(p["router_url"], api_key=p["api_key"], impl=_impl(p)) if p.get("router_url") else None
+        counted = {"gateway_in_flight": gateway.reader(url)} if gateway and gateway.gateway.in_flight_field else {}
+        out = drain(url, p["drain_timeout"], **counted)
         result = {"changed": False, "worker_url": url, "drain": out, "seconds": out["seconds"]}
         if not out["drained"]:
             raise ActionFailed(f"not drained: {out['why']}", result)
         return result
-    router = Router(p["router_url"], api_key=p["api_key"])
+    router = Router(p["router_url"], api_key=p["api_key"], impl=_impl(p))
     if action == "list":
         return {"changed": False, "workers": router.membership()}
     if action == "inspect":  # reads only: the same in check mode
@@ -586,9 +732,9 @@ def act(p: dict, check_mode: bool = False) -> dict:
     if action != "add":
         raise RouterError(f"unknown action {action!r}")
     if check_mode:
-        listed = router.find(url)
+        listed = [w for w in router.find(url) if not router.leaving(w)]  # a leaving record would be added again
         return {"changed": not listed, "worker_url": url, "worker_id": listed[0].get("id") if listed else None}
-    wid, added = router.add(url)
+    wid, added = router.add(url, timeout=p["timeout"])
     seconds = router.wait_healthy(url, p["timeout"])
     listed_now = router.find(url)
     return {
@@ -600,12 +746,18 @@ def act(p: dict, check_mode: bool = False) -> dict:
     }
 
 
+def _impl(p: dict) -> str:
+    """The module's gateway (its impl option; a caller without one, the playbooks' sglang-router)."""
+    return p.get("impl") or DEFAULT_IMPL
+
+
 def _remove(router: Router, p: dict, check_mode: bool) -> dict:
     url = p["worker_url"]
     if check_mode:  # nothing removed, nothing read but the router's list (as action=drain in check mode)
         listing = router.workers()
-        ids = [w.get("id") for w in router.matches(url, listing)]
-        if not ids and not p["missing_ok"]:
+        found = router.matches(url, listing)
+        ids = [w.get("id") for w in found if not router.leaving(w)]  # as remove: a leaving one is not removed again
+        if not found and not p["missing_ok"]:
             raise router.not_listed(url, listing)
         out = {"changed": bool(ids), "worker_url": url, "worker_id": ids[0] if ids else None, "worker_ids": ids}
         return {**out, "drain": {"drained": None, "why": "check mode"}} if p["drain"] else out
@@ -615,7 +767,8 @@ def _remove(router: Router, p: dict, check_mode: bool) -> dict:
         out["seconds"] = router.wait_gone(url, p["timeout"])
         out["workers"] = router.membership()
     if p["drain"]:  # the worker's /metrics: api_key is the router's here, not the worker's (and /metrics is open)
-        out["drain"] = drain(url, p["drain_timeout"])
+        counted = {"gateway_in_flight": router.reader(url)} if router.gateway.in_flight_field else {}
+        out["drain"] = drain(url, p["drain_timeout"], **counted)
         if not out["drain"]["drained"]:
             raise ActionFailed(f"not drained: {out['drain']['why']}", out)
     return out
