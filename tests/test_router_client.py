@@ -855,6 +855,41 @@ def test_inspect_reads_a_metrics_that_says_nothing_again_before_calling_it_undra
     assert out["workers"][0]["drainable"] is False and "HTTP 404" in out["problems"][0]
 
 
+# --------------------------------------------------------------------------- a gateway's bad day (review)
+
+
+@pytest.mark.parametrize("impl", ["sglang-router", "smg"])
+def test_a_delete_answered_404_is_checked_against_the_listing_not_taken_as_removed(impl):
+    """The gateway restarts between remove's listing and its DELETE (or re-registers the worker: smg's discovery
+    lists one that came back under a new id): the DELETE of the listed id is 404, while the gateway lists the
+    worker again, in rotation, under a new id. "Removed meanwhile" must be checked, never assumed: else the
+    module says nothing was removed, skips wait_gone, drains, and the rollout stops a worker the gateway still
+    routes to."""
+    state = FakeRouterState(smg=impl == "smg")
+    srv, url = serve(fake_router_handler(state))
+    try:
+        old = state.add_now("http://10.0.0.1:30000")
+        r = rt.Router(url, api_key="k", poll=0.01, impl=impl)
+        real = r.workers
+        renamed = []
+
+        def restarted_after_the_first_listing():
+            listing = real()
+            if not renamed:  # the restart: every worker registered again, under a new id
+                state.workers.clear()
+                renamed.append(state.add_now("http://10.0.0.1:30000"))
+            return listing
+
+        r.workers = restarted_after_the_first_listing
+        ids = r.remove("http://10.0.0.1:30000")
+        assert ("DELETE", f"/workers/{old}") in state.requests  # the 404
+        assert ids == renamed  # the record in rotation now is removed, not left there
+        r.workers = real
+        assert r.wait_gone("http://10.0.0.1:30000", timeout=5) >= 0
+    finally:
+        srv.shutdown()
+
+
 # --------------------------------------------------------------------------- the real sglang-router
 
 ROUTER_VERSION = "0.3.2"
