@@ -107,6 +107,10 @@ GATEWAYS = {
 DEFAULT_IMPL = "sglang-router"  # what the playbooks ran before smg: the module's default
 
 
+# How often remove lists the worker again after a DELETE answered 404 (the id gone: the gateway may list it anew).
+REMOVE_ROUNDS = 3
+
+
 class RouterError(RuntimeError):
     pass
 
@@ -356,29 +360,46 @@ class Router:
         ids. RouterError when the router lists it under no spelling, naming what it lists (a worker named wrong
         would otherwise be drained and restarted while the router still sends it requests), unless missing_ok
         ([] then). A record the gateway is letting go already (smg's ``draining``) is out of rotation: not
-        removed again, and not among the ids ([] when it is the only one)."""
+        removed again, and not among the ids ([] when it is the only one). A DELETE answered 404 (the id gone) is
+        checked against the listing, never assumed: a record of the worker in rotation under a new id (the gateway
+        restarted, or re-registered it) is removed too; RouterError when it still is after REMOVE_ROUNDS listings."""
         listing = self.workers()
         found = self.matches(worker_url, listing)
         if not found:
             if missing_ok:
                 return []
             raise self.not_listed(worker_url, listing)
-        ids = []
-        for w in found:
-            if self.leaving(w):
-                continue
-            wid = str(w.get("id") or "")
-            if not wid:
-                raise RouterError(f"{self.url}/workers lists {w['url']} without an id: {w}")
-            code, doc = self._call("DELETE", f"/workers/{urllib.parse.quote(wid, safe='')}")
-            if code == 404:  # removed meanwhile
-                continue
-            if code not in (200, 202, 204):
-                raise RouterError(
-                    f"DELETE {self.url}/workers/{wid} ({w['url']}): HTTP {code}: {clip(str(doc), 300, self.redact)}"
-                )
-            ids.append(wid)
-        return ids
+        ids: list[str] = []
+        tried: set[str] = set()
+        for _ in range(REMOVE_ROUNDS):
+            unknown = False  # a 404: the id is gone, though the worker may be listed again under a new one
+            for w in found:
+                if self.leaving(w):
+                    continue
+                wid = str(w.get("id") or "")
+                if not wid:
+                    raise RouterError(f"{self.url}/workers lists {w['url']} without an id: {w}")
+                if wid in tried:
+                    continue
+                tried.add(wid)
+                code, doc = self._call("DELETE", f"/workers/{urllib.parse.quote(wid, safe='')}")
+                if code == 404:  # removed meanwhile, or the gateway restarted and lists it under a new id
+                    unknown = True
+                    continue
+                if code not in (200, 202, 204):
+                    raise RouterError(
+                        f"DELETE {self.url}/workers/{wid} ({w['url']}): HTTP {code}: {clip(str(doc), 300, self.redact)}"
+                    )
+                ids.append(wid)
+            if not unknown:
+                return ids
+            found = self.find(worker_url)  # checked, never assumed: a record in rotation under a new id is removed
+            if not [w for w in found if not self.leaving(w) and str(w.get("id") or "") not in tried]:
+                return ids
+        raise RouterError(
+            f"{self.url} still lists {normalize(worker_url)} under a new id after {REMOVE_ROUNDS} removals answered "
+            f"404 (ids tried: {', '.join(sorted(tried))})"
+        )
 
     # ------------------------------------------------------------------ waits: poll a condition
 
