@@ -890,6 +890,23 @@ def test_a_delete_answered_404_is_checked_against_the_listing_not_taken_as_remov
         srv.shutdown()
 
 
+def test_smg_add_waiting_out_a_draining_record_takes_the_worker_listed_again_as_there(fake_smg):
+    """add waits out a `draining` record before posting; meanwhile the gateway may list the worker again, in
+    rotation under a new id (smg restarted and registered its --worker-urls, or its discovery re-added it). That
+    is "already there", at once: waiting until the worker is listed under no spelling never ends, and the put-back
+    fails at its timeout with the worker serving."""
+    state, url = fake_smg
+    old = state.add_now("http://10.0.0.1:30000")
+    r = smg(url)
+    assert r.remove("http://10.0.0.1:30000") == [old]
+    state.pending[:] = [[2, "add", "http://10.0.0.1:30000"], [3, "healthy", "http://10.0.0.1:30000"]]
+    posts = state.requests.count(("POST", "/workers"))
+    wid, added = r.add("http://10.0.0.1:30000", timeout=2)
+    new = state.workers["http://10.0.0.1:30000"]["id"]
+    assert (wid, added) == (new, False) and new != old
+    assert state.requests.count(("POST", "/workers")) == posts  # nothing posted: smg would answer 409
+
+
 # --------------------------------------------------------------------------- the real sglang-router
 
 ROUTER_VERSION = "0.3.2"
