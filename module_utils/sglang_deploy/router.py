@@ -329,14 +329,18 @@ class Router:
         """(its id, whether it was added): a worker the router lists under any spelling is not added again (the
         router would register a second spelling as a second worker); else its addition is queued. A worker listed
         only as leaving (smg's ``draining``) is waited out first, up to ``timeout``: smg refuses a URL it still
-        lists (409), and its record goes at the end of the settle time, taking an addition made meanwhile along.
+        lists (409), and its record goes at the end of the settle time, taking an addition made meanwhile along
+        (a record in rotation that appears meanwhile, the gateway restarted or re-registered it: "not added").
         An answer that the gateway has it already (smg's 409, a race with another client) is "not added"."""
         listed = self.find(worker_url)
         staying = [w for w in listed if not self.leaving(w)]
         if staying:
             return str(staying[0].get("id") or ""), False
         if listed:
-            self.wait_gone(worker_url, timeout, draining_ok=False)
+            self.wait_left(worker_url, timeout)
+            staying = [w for w in self.find(worker_url) if not self.leaving(w)]
+            if staying:  # listed again meanwhile, in rotation (the gateway restarted, or re-registered it)
+                return str(staying[0].get("id") or ""), False
         url = posted(worker_url)
         body = {"url": url}
         if self.gateway.key_in_body and self.worker_api_key:
@@ -444,6 +448,19 @@ class Router:
             left = [w for w in found if not (draining_ok and self.leaving(w))]
             ids = ", ".join(str(w.get("id")) + "".join(f" {v}" for v in self.status(w).values()) for w in left)
             return not left, f"still listed (id {ids})" if left else "draining" if found else "gone"
+
+        return self._until(check, timeout, f"{self.url} still lists {normalize(worker_url)}")
+
+    def wait_left(self, worker_url: str, timeout: float) -> float:
+        """Until the worker has no leaving record (smg's ``draining``) or is listed in rotation again (a new record:
+        the gateway restarted, or re-registered it), for ``add`` to post it or find it there."""
+        resolver = self.resolver()
+
+        def check() -> tuple[bool, str]:
+            found = self.find(worker_url, resolver)
+            leaving = [w for w in found if self.leaving(w)]
+            ids = ", ".join(str(w.get("id")) + "".join(f" {v}" for v in self.status(w).values()) for w in found)
+            return not leaving or len(leaving) < len(found), f"still listed (id {ids})" if found else "gone"
 
         return self._until(check, timeout, f"{self.url} still lists {normalize(worker_url)}")
 
