@@ -907,6 +907,29 @@ def test_smg_add_waiting_out_a_draining_record_takes_the_worker_listed_again_as_
     assert state.requests.count(("POST", "/workers")) == posts  # nothing posted: smg would answer 409
 
 
+def test_a_gateway_other_than_impl_names_is_refused_not_misread(fake_router, fake_smg):
+    """impl names one gateway, another runs (the playbooks pass no impl: the default, sglang-router). Their
+    listings tell them apart (docs/router.md: smg lists every worker with `status`, 0.3.2 none): read as the other's,
+    smg's answers mislead. With the default against smg, add posts the worker without its key: smg registers it
+    keyless, a keyed worker refuses it, it is never listed, and that registration runs on (smg answers the next
+    POST 409 WORKER_CREATE_IN_PROGRESS): the worker stays out. With impl=smg against 0.3.2, 0.3.2's `load` (0 with
+    requests running) is reported as the gateway's in-flight count."""
+    state, url = fake_smg
+    state.add_now("http://10.0.0.1:30000", load=2)
+    wrong = rt.Router(url, api_key="k", poll=0.01)  # the default impl, smg running
+    with pytest.raises(rt.RouterError, match=r"status.*sglang-router 0\.3\.2.*impl"):
+        wrong.workers()
+    with pytest.raises(rt.RouterError, match="impl"):
+        wrong.add("http://10.0.0.2:30000")
+    assert ("POST", "/workers") not in state.requests  # nothing posted without the key
+    state32, url32 = fake_router
+    state32.add_now("http://127.0.0.1:30000")
+    state32.workers["http://127.0.0.1:30000"]["load"] = 0  # 0.3.2's load: 0 with requests running
+    with pytest.raises(rt.RouterError, match=r"status.*smg 1\.13\.0.*impl"):
+        smg(url32).workers()
+    assert rt._gateway_count(smg(url32).reader("http://127.0.0.1:30000")) is None  # no count, not 0
+
+
 # --------------------------------------------------------------------------- the real sglang-router
 
 ROUTER_VERSION = "0.3.2"
