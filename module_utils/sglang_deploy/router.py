@@ -296,9 +296,27 @@ class Router:
         out = []
         for w in doc["workers"]:
             if isinstance(w, dict) and w.get("url"):
+                self.same_gateway(w)
                 healthy = bool(w.get("is_healthy")) and not self.leaving(w)
                 out.append({**w, "url": normalize(w["url"]), "healthy": healthy})
         return out
+
+    def same_gateway(self, worker: dict) -> None:
+        """RouterError when a listed record is another gateway's than impl names (docs/router.md: smg lists every
+        worker with ``status``, 0.3.2 none): read as the other's, its answers mislead (a worker posted to smg without
+        its key is never listed, and its registration runs on; 0.3.2's ``load`` is no in-flight count)."""
+        own = self.gateway.status_field
+        foreign = sorted(({g.status_field for g in GATEWAYS.values()} - {own, None}) & set(worker))
+        if own and own not in worker:
+            why = f"without `{own}`, which {self.gateway.name} lists every worker with"
+        elif foreign:
+            why = f"with `{foreign[0]}`, which {self.gateway.name} never lists"
+        else:
+            return
+        raise RouterError(
+            f"{self.url}/workers lists {normalize(str(worker.get('url')))} {why}: is the gateway another one than "
+            f"impl {self.impl} names?"
+        )
 
     def leaving(self, worker: dict) -> bool:
         """Whether the gateway lists this record but is letting it go (smg's ``draining``): out of rotation, as
