@@ -930,6 +930,23 @@ def test_a_gateway_other_than_impl_names_is_refused_not_misread(fake_router, fak
     assert rt._gateway_count(smg(url32).reader("http://127.0.0.1:30000")) is None  # no count, not 0
 
 
+def test_a_gateway_count_that_cannot_be_read_never_kills_the_drain(fake_smg, fake_worker):
+    """The gateway's count is evidence only ("never a failure"): a listing the count cannot be read from (a `status`
+    that is no string, a `load` beyond a float) gives no count; the drain goes on, on the worker's own gauges. And
+    a record whose `status` is no string is not taken for a leaving one, nor does it crash the listing."""
+    state, url = fake_smg
+    _, worker = fake_worker
+    state.add_now(worker, load=1)
+    r = smg(url)
+    state.workers[worker]["status"] = {"state": "draining"}  # not smg 1.13.0's string
+    assert [w["healthy"] for w in r.workers()] == [True]
+    out = fake_drain(worker, timeout=60, gateway_in_flight=r.reader(worker))
+    assert out["drained"] is True and out["gateway_in_flight"] == 1.0
+    state.workers[worker].update(status="ready", load=10**400)  # a JSON integer no float holds
+    out = fake_drain(worker, timeout=60, gateway_in_flight=r.reader(worker))
+    assert out["drained"] is True and out["gateway_in_flight"] is None
+
+
 # --------------------------------------------------------------------------- the real sglang-router
 
 ROUTER_VERSION = "0.3.2"
