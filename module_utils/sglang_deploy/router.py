@@ -322,7 +322,8 @@ class Router:
         """Whether the gateway lists this record but is letting it go (smg's ``draining``): out of rotation, as
         good as removed for the rollout, though listed until the gateway's own settle time ends."""
         field = self.gateway.status_field
-        return bool(field) and worker.get(field) in self.gateway.leaving
+        state = worker.get(field) if field else None
+        return isinstance(state, str) and state in self.gateway.leaving
 
     def status(self, worker: dict) -> dict:
         """The record's state where the gateway has one ({"status": ...}), for a summary; {} for 0.3.2."""
@@ -654,10 +655,11 @@ def drain(
 
 
 def _gateway_count(read: Callable[[], float | None]) -> float | None:
-    """One read of the gateway's count; None when the gateway does not answer (evidence only: never a failure)."""
+    """One read of the gateway's count; None when the gateway does not answer, or answers what no count can be read
+    from (evidence only: never a failure, whatever the gateway says)."""
     try:
         return read()
-    except (RouterError, http.HttpError):
+    except Exception:  # RouterError, HttpError; a listing no count comes from (OverflowError, TypeError)
         return None
 
 
