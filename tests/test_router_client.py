@@ -947,6 +947,28 @@ def test_a_gateway_count_that_cannot_be_read_never_kills_the_drain(fake_smg, fak
     assert out["drained"] is True and out["gateway_in_flight"] is None
 
 
+def test_smg_a_409_that_names_nothing_listed_is_an_error_carrying_its_message(fake_smg):
+    """A 409 is "already there" when the gateway lists the worker again, names its id, or says its addition runs
+    (WORKER_CREATE_IN_PROGRESS: the wait that follows sees it listed). One that does none of these (a body that
+    cannot be parsed, another code) is no evidence the worker is there: "not added" hid it, and the add failed a
+    whole timeout later, "not listed", the gateway's answer lost."""
+    state, url = fake_smg
+    r = smg(url)
+    real_call = r._call
+
+    def conflict(method, path, body=None):
+        if method == "POST":
+            state.requests.append((method, path))
+            return 409, {"raw": "<html>409 Conflict: upstream admission said no</html>"}
+        return real_call(method, path, body)
+
+    r._call = conflict
+    with pytest.raises(rt.RouterError, match=r"HTTP 409: .*upstream admission said no"):
+        r.add("http://10.0.0.9:30000")
+    state.adding.add("http://10.0.0.2:30000")  # an addition that runs: still "not added", no error
+    assert smg(url).add("http://10.0.0.2:30000") == ("", False)
+
+
 # --------------------------------------------------------------------------- the real sglang-router
 
 ROUTER_VERSION = "0.3.2"
