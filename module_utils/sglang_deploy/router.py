@@ -69,6 +69,9 @@ class Gateway:
     # POST /workers's answers for a URL the gateway already has (smg 409 WORKER_ALREADY_EXISTS, and
     # WORKER_CREATE_IN_PROGRESS while its addition runs): not added, already there. 0.3.2 answers 202 with its id.
     present_codes: frozenset[int]
+    # Such an answer's `code` when the gateway has the URL but does not list it yet (its addition runs): the wait
+    # that follows sees it listed. A present_codes answer that neither names an id nor says this is an error.
+    adding_answers: frozenset[str]
     # POST /workers without a url: 0.3.2 422, smg 400. Never sent by this client (it always posts one); here so
     # that the table is whole, and the tests' fake gateways answer with it.
     bad_body_code: int
@@ -87,6 +90,7 @@ GATEWAYS = {
         name="sglang-router 0.3.2",
         key_in_body=False,
         present_codes=frozenset(),
+        adding_answers=frozenset(),
         bad_body_code=422,
         status_field=None,
         leaving=frozenset(),
@@ -97,6 +101,7 @@ GATEWAYS = {
         name="smg 1.13.0",
         key_in_body=True,
         present_codes=frozenset({409}),
+        adding_answers=frozenset({"WORKER_CREATE_IN_PROGRESS"}),
         bad_body_code=400,
         status_field="status",
         leaving=frozenset({"draining"}),
@@ -368,8 +373,9 @@ class Router:
         if code in self.gateway.present_codes:
             again = [w for w in self.find(worker_url) if not self.leaving(w)]
             named = UUID.search(str(doc.get("error") or doc.get("message") or ""))  # smg names its id there
-            return str(again[0].get("id") or "") if again else (named.group(0) if named else ""), False
-        if code not in (200, 201, 202):
+            if again or named or doc.get("code") in self.gateway.adding_answers:
+                return str(again[0].get("id") or "") if again else (named.group(0) if named else ""), False
+        if code not in (200, 201, 202) or code in self.gateway.present_codes:  # (one that says nothing is there)
             raise RouterError(f"POST {self.url}/workers {url}: HTTP {code}: {clip(str(doc), 300, self.redact)}")
         return str(doc.get("worker_id") or ""), True
 
