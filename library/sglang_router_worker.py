@@ -257,6 +257,9 @@ REQUIRED_IF = (
 
 def main():
     module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_if=REQUIRED_IF, supports_check_mode=True)
+    for name in ("timeout", "drain_timeout"):  # Ansible's float takes nan and inf: a wait that never ends
+        if not 0 <= module.params[name] < float("inf"):
+            module.fail_json(msg=f"{name}={module.params[name]!r}: a number of seconds, 0 or more, is wanted")
     what = f"{module.params['action']} {module.params['worker_url'] or ''}".rstrip()
     # A router's answer may echo the key in any escaping (JSON, a repr): Ansible's no_log masks the literal only.
     redact = Redactor([module.params["api_key"] or ""])
