@@ -1356,6 +1356,19 @@ def test_every_phase_and_failure_kind_ends_in_its_defined_outcome_and_unit_state
     f = res["failure"]
     assert f["phase"] == case.phase, f
     assert case.cause in f["cause"], f["cause"]
+    # A step's own failure names its own phase (nothing "raised_in" another), and a refusal's kind is its outcome.
+    assert "raised_in" not in f and "kind" not in f and "checked" not in f, f
+    assert res["phases"][-1]["detail"] == f["cause"] and set(res["phases"][-1]) == {
+        "phase",
+        "at",
+        "seconds",
+        "ok",
+        "detail",
+    }
+    if case.phase == "gpus" and case.id == "gpus-not-clean":  # who holds them, and how much
+        assert f["offenders"] == [] and [g["index"] for g in f["busy"]] == [0], f  # memory held, no process
+    if case.phase == "verify" and "verify" in f:  # the verification that failed, at the result's top too
+        assert res["verify"] == f["verify"] and res["verify"]["ok"] is False
     assert bool(f.get("interrupted")) == (case.interrupted and not case.rb_phase)
     assert res["phases"][-1] == {**res["phases"][-1], "phase": case.phase, "ok": False}
     assert w.generations() == gens  # a failed restart never records
@@ -1387,6 +1400,7 @@ def test_every_phase_and_failure_kind_ends_in_its_defined_outcome_and_unit_state
     if case.rb_phase:
         assert rb["attempted"] and rb["outcome"] == "failed"
         assert rb["failure"]["phase"] == case.rb_phase, rb["failure"]
+        assert "raised_in" not in rb["failure"], rb["failure"]
         assert case.rb_cause in rb["failure"]["cause"], rb["failure"]["cause"]
         assert bool(rb["failure"].get("interrupted")) == case.interrupted
         assert rb["phases"][-1]["phase"] == "rollback-" + case.rb_phase and not rb["phases"][-1]["ok"]
@@ -1428,6 +1442,7 @@ def test_a_record_enables_the_unit_and_ends_a_containments_note(world, handlers)
     note = Path(world.inst.kg_dir, "contained.json")
     note.write_text(json.dumps({"generation": "0001"}))
     res = restart.restart(world.machine())
+    assert "unmark" not in res  # said only when ending the unverified window failed
     assert res["outcome"] == REST and res["known_good"]["enabled"] is True and "enable_error" not in res["known_good"]
     assert not note.exists()
 
@@ -1537,6 +1552,29 @@ def test_a_unit_exiting_without_a_journal_line_falls_back_to_the_generic_cause(w
     res = restart.restart(world.machine())
     assert res["failure"]["cause"] == f"{UNIT} exited while starting"
     assert res["failure"]["journal_tail"] == [] and res["outcome"] == R
+
+
+def test_a_clock_that_fails_before_the_first_phase_starts_fails_that_phase_with_no_time(world, handlers):
+    def wall():
+        raise OSError(errno.EIO, "Input/output error")
+
+    m = Machine(world.inst, world.settings, replace(world.host.ports(), wall=wall))
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.REFUSED
+    assert res["phases"] == [
+        {"phase": "lock", "at": None, "seconds": 0.0, "ok": False, "detail": "OSError: [Errno 5] Input/output error"}
+    ]
+    untouched(world)
+
+
+def test_each_phase_is_logged_with_its_wall_time_and_seconds(world, handlers):
+    world.host.t = 1234.56789
+    m = Machine(world.inst, world.settings, replace(world.host.ports(), wall=lambda: 1700000000.123456))
+    res = restart.restart(m)
+    assert res["outcome"] == REST
+    for p in res["phases"]:
+        assert set(p) == {"phase", "at", "seconds", "ok", "detail"} and p["at"] == 1700000000.123, p
+        assert p["seconds"] == round(p["seconds"], 3) >= 0
 
 
 def test_a_unit_that_hit_its_start_limit_is_reset_and_started(world, handlers):
@@ -2996,6 +3034,7 @@ def test_a_staged_configuration_that_is_not_whole_or_not_this_runs_is_refused_be
     res = restart.restart(w.machine(**settings))
     assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
     assert res["failure"]["phase"] == "preflight" and res["failure"]["cause"].startswith(cause), res["failure"]
+    assert set(res["failure"]) == {"phase", "cause"}  # its kind became the outcome
     assert res["failure"]["cause"].endswith("Nothing was stopped.")
     if settings:  # the staged one's hash, then this run's
         staged = known_good.content_hash(w.files["new"])
