@@ -1917,6 +1917,7 @@ def test_a_restart_validating_in_its_own_call_refuses_a_bad_setting_naming_it_an
     assert res["outcome"] == outcomes.INVALID_CONFIG and res["changed"] is False
     assert res["failure"]["phase"] == outcomes.VALIDATE and res["failure"]["problems"] == [problem]
     assert res["failure"]["cause"] == f"{msg}. Nothing was stopped."
+    assert set(res["failure"]) == {"phase", "cause", "problems"}  # the refusal's flags are not the result's
     assert [p["phase"] for p in res["phases"]] == [outcomes.LOCK, outcomes.VALIDATE]
     assert res["downtime_s"] == 0.0, "nothing was stopped"
     untouched(world)
@@ -2966,6 +2967,7 @@ def test_a_unit_systemd_refuses_at_the_restarts_staging_is_invalid_config_and_no
     assert res["outcome"] == outcomes.INVALID_CONFIG
     assert res["failure"]["phase"] == outcomes.STAGE
     assert "systemd-analyze verify refused the unit: bad ExecStart. Nothing was stopped." in res["failure"]["cause"]
+    assert set(res["failure"]) == {"phase", "cause"}
     assert w.host.systemctl_calls() == [] and w.host.unit.invocation == w.boot_invocation
     serving(w, "good")
     assert w.live() == w.files["good"] and w.pending() == []
@@ -3442,6 +3444,21 @@ def test_force_still_stops_another_instances_unit_and_says_whose_it_was(tmp_path
             "how": "SIGTERM",
         }
     ]
+
+
+def test_the_processes_a_restart_stopped_are_gathered_with_the_phase_that_stopped_them(tmp_path, kills, handlers):
+    w = build(tmp_path, stop_policy="force")
+    kills(w.host)
+    w.host.others = on_gpus(52001, "sglang-main.service")
+    res = restart.restart(w.machine())
+    assert res["outcome"] == REST, res.get("failure")
+    gpus = next(p for p in res["phases"] if p["phase"] == outcomes.GPUS)
+    assert Machine.stopped_in(res) == [{**p, "phase": "gpus"} for p in gpus["detail"]["stopped_processes"]]
+    assert [p["pid"] for p in Machine.stopped_in(res)] == [52001]
+    # a rollback's own GPU wait, labelled as the rollback logs it; a phase whose detail is text is passed over
+    res["rollback"] = {"phases": [{"phase": "rollback-gpus", "detail": {"stopped_processes": [{"pid": 7}]}}]}
+    res["phases"].append({"phase": "verify", "detail": "accept length 1.0"})
+    assert [(p["pid"], p["phase"]) for p in Machine.stopped_in(res)] == [(52001, "gpus"), (7, "rollback-gpus")]
 
 
 @pytest.mark.parametrize("unit", [None, "session-4.scope", UNIT], ids=["no-unit", "login-session", "this-unit"])

@@ -241,11 +241,7 @@ class Machine:
             raise Failure(outcomes.VALIDATE, f"{exc}. Nothing was stopped.") from None
         if out.get("failed"):
             raise Failure(
-                outcomes.VALIDATE,
-                f"{out['msg']}. Nothing was stopped.",
-                kind=outcomes.INVALID_CONFIG,
-                checked=True,
-                problems=out["problems"],
+                outcomes.VALIDATE, f"{out['msg']}. Nothing was stopped.", checked=True, problems=out["problems"]
             )
         return {"msg": out["msg"], "seconds": out["seconds"]}
 
@@ -257,9 +253,7 @@ class Machine:
         try:
             out = self.ports.stage(self.inst, self.s.rendered, self.s.secrets, self.s.check_mode)
         except ValueError as exc:  # systemd-analyze refused the unit: before anything was written
-            raise Failure(
-                outcomes.STAGE, f"{exc}. Nothing was stopped.", kind=outcomes.INVALID_CONFIG, checked=True
-            ) from None
+            raise Failure(outcomes.STAGE, f"{exc}. Nothing was stopped.", checked=True) from None
         if not self.s.check_mode:  # in check mode nothing was written: the files on disk are not this run's
             self.s.expected_config_hash = out["config_hash"]
         return {k: out[k] for k in ("outcome", "pending", "wrote", "config_hash") if k in out}
@@ -852,10 +846,10 @@ def refused(m: Machine, res: dict, steps: tuple[Step, ...]) -> bool:
     if failed is None:
         return False
     step, failure = failed
-    # The step's refusal when its own check said no; any other exception there touched nothing either.
-    outcome = failure.details.pop("kind", None) or (
-        step.refusal if failure.details.pop("checked", False) else outcomes.REFUSED
-    )
+    # The step's refusal when its own check said no; any other exception there touched nothing either. Both
+    # flags are taken out whatever they say: they are this function's, never the result's.
+    kind, checked = failure.details.pop("kind", None), failure.details.pop("checked", False)
+    outcome = kind or (step.refusal if checked else outcomes.REFUSED)
     res.update(outcome=outcome, failure=failure.as_dict())
     if "lock" in failure.details:
         res["lock"] = failure.details["lock"]
