@@ -1410,6 +1410,14 @@ def test_every_phase_and_failure_kind_ends_in_its_defined_outcome_and_unit_state
         assert f"Not rolled back: {SAME}" in res["msg"]
     assert res["contained"]["stop"] is None
     assert res["contained"]["unit_state"] in ("inactive/dead", "failed/failed")
+    c = res["contained"]
+    said = (
+        f". Rollback failed too: {rb['failure']['phase']}: {rb['failure']['cause']}"
+        if case.rb_phase
+        else f". Not rolled back: {SAME}"
+    )
+    files = f" {c['files']}." if c.get("files") else ""
+    assert res["msg"] == f"m: {f['phase']} failed: {f['cause']}{said}; {UNIT} is stopped ({c['unit_state']}).{files}"
     assert w.host.unit.file_state == "enabled"  # the files are the known-good ones: a boot may start them
 
 
@@ -3130,7 +3138,7 @@ LOAD_LOG = [
 
 def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_their_times(world, handlers):
     """The journal's new lines are read while start waits (a cursor each time), the steps SGLang logs reported
-    as they come; the server turns healthy after the last batch."""
+    as they come; the server turns healthy before its last batch is read, which the start's last read takes."""
     from sglang_deploy import progress
 
     world.host.behave("new", health=503)
@@ -3139,11 +3147,11 @@ def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_t
     said = []
 
     def journal_since(invocation, cursor=None):
+        assert invocation == world.host.unit.invocation != world.boot_invocation  # the new server's journal
         cursors.append(cursor)
-        if not batches:
+        if len(batches) == 2:  # healthy now: the last batch is read by the start's last read, whenever it comes
             world.host.unit.server.b.health = 200
-            return [], cursor
-        return batches.pop(0), f"c{len(cursors)}"
+        return (batches.pop(0) if batches else []), f"c{len(cursors)}"
 
     m = world.machine()
     m.ports = replace(m.ports, journal_since=journal_since)
@@ -3171,7 +3179,8 @@ def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_t
     assert cursors[:3] == [None, "c1", "c2"]  # each read goes on from the last
     steps = m.progress.finish()
     assert [s["step"] for s in steps] == [progress.WEIGHTS, progress.DRAFT_WEIGHTS, progress.GRAPHS]
-    assert all(s["seconds"] >= 0.5 for s in steps), steps  # one read at most every 0.5 s of the fake clock
+    # One read at most every 0.5 s of the fake clock; the last batch came with the ready server's last read, at once.
+    assert all(s["seconds"] >= 0.5 for s in steps[:-1]) and steps[-1]["seconds"] < 0.5, steps
 
 
 # ---------------------------------------------------------------------------- autotune's benchmark in the restart
