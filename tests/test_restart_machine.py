@@ -1384,6 +1384,8 @@ def test_every_phase_and_failure_kind_ends_in_its_defined_outcome_and_unit_state
     if case.outcome == R:
         rb = res["rollback"]
         assert rb["attempted"] and rb["outcome"] == "serving" and rb["to_profile"] == "good"
+        good = Store(w.inst).latest()
+        assert (rb["to_generation"], rb["config_hash"]) == (good["generation"], good["config_hash"])
         assert [p["phase"] for p in rb["phases"]] == ["rollback-" + p for p in outcomes.ROLLBACK_PHASES]
         assert rb["verify"]["ok"] and rb["verify"]["running_profile"] == "good"
         serving(w, "good")
@@ -2366,7 +2368,10 @@ def test_a_multinode_stop_is_refused_when_a_rank_is_not_in_the_run(tmp_path, han
     w = build(tmp_path, nnodes=2, node_rank=0)
     res = restart.restart(w.machine(phase="stop", group_ok=False, group_why="1 of its 2 nodes not in this run"))
     assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
-    assert res["failure"]["cause"] == "1 of its 2 nodes not in this run. Nothing was stopped on any node."
+    assert res["failure"] == {
+        "phase": "preflight",
+        "cause": "1 of its 2 nodes not in this run. Nothing was stopped on any node.",
+    }
     assert w.host.calls == []  # not even the lock
 
 
@@ -2530,11 +2535,26 @@ def test_operator_rollback_whose_record_fails_still_serves(tmp_path, handlers):
     serving(w, "good")
 
 
+def test_operator_rollback_whose_record_cannot_be_written_says_why_and_still_serves(tmp_path, monkeypatch, handlers):
+    w = build(tmp_path, new="live-running")
+
+    def full(self, *a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Store, "record", full)
+    res = restart.rollback(w.machine())
+    assert res["outcome"] == R
+    assert res["known_good"] == {"recorded": False, "why": "OSError: [Errno 28] No space left on device"}
+    assert "Not recorded as known-good (OSError: [Errno 28] No space left on device)" in res["msg"]
+    serving(w, "good")
+
+
 def test_operator_rollback_failing_ends_stopped(tmp_path, handlers):
     w = build(tmp_path, new="live-running")
     w.host.behave("good", crash_at_start=True)
     res = restart.rollback(w.machine())
     assert res["outcome"] == N and res["failure"]["phase"] == "start" and res["rollback"]["outcome"] == "failed"
+    assert res["contained"]["stop"] is None and res["contained"]["unit_state"] in ("inactive/dead", "failed/failed")
     stopped(w)
     assert w.live() == w.files["good"] and w.lock_free()
 
@@ -3775,6 +3795,10 @@ def test_status_names_the_instances_restart_workers_running_ended_uncollected_or
     assert out["jobs"][0]["outcome"] == "rolled_back" and out["jobs"][0]["journal"] == []  # no unit: no journal
     assert out["jobs"][3]["journal"] == ["phase start", "job of sglang-deploy-job-m-3000000000-1.scope"]
     msg = out["msg"]
+    assert (
+        msg.startswith("m: active/running, profile good; a restart's worker ended")
+        and "; a restart's worker (pid" in msg
+    )
     assert "a restart's worker ended (pid 999999999), its result never collected: rolled_back: m: start failed" in msg
     assert f"a restart's worker (pid 999999999) was killed during stop, without a result: {lost.dir}" in msg
     assert "a restart's worker runs in sglang-deploy-job-m-3000000000-1.scope: start, loading weights" in msg
@@ -3795,7 +3819,12 @@ def test_operator_rollback_after_a_verified_restart_puts_the_generation_before_i
 def test_operator_rollback_with_only_the_live_configuration_recorded_is_refused(tmp_path, handlers):
     w = build(tmp_path, new=None)  # one generation: the good files, on disk and running
     res = restart.rollback(w.machine())
-    assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
+    gen = Store(w.inst).latest()["generation"]
+    assert res["outcome"] == outcomes.REFUSED and res["failure"] == {
+        "phase": "restore",
+        "cause": f"every known-good generation of m kept in {Store(w.inst).dir} is the configuration on disk now (the "
+        f"newest, {gen}, verified): there is no other to roll back to. Nothing was touched.",
+    }
     assert w.host.systemctl_calls() == [] and w.lock_free()
 
 
@@ -3902,7 +3931,11 @@ def test_operator_rollback_to_a_generation_whose_software_is_gone_is_refused_bef
     calls = len(w.host.systemctl_calls())
     (tmp_path / "venv-good" / "bin" / "python").unlink()  # its software generation removed by hand
     res = restart.rollback(w.machine())
-    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
+    assert res["outcome"] == outcomes.REFUSED and res["changed"] is False and res["failure"]["phase"] == "restore"
+    gen = Store(w.inst).records()[0]
+    assert res["failure"]["cause"].startswith(
+        f"known-good generation {json.loads(Path(gen).read_text())['generation']} of m runs "
+    )
     assert "venv-good/bin/python, which is not on this host" in res["failure"]["cause"]
     assert w.host.systemctl_calls()[calls:] == [] and w.live() == w.files["new"] and w.lock_free()
     serving(w, "new")
