@@ -2264,6 +2264,8 @@ def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
     assert w.pending() == []
     marker = Path(w.machine().unverified_dir, "m")
     assert marker.exists()  # unverified until the group's record: a rank started again meanwhile is let through
+    saved = Path(w.machine().started_path)  # the start's snapshot for the record phase: the files' contents
+    assert saved.stat().st_mode & 0o777 == 0o600 and saved.parent.stat().st_mode & 0o777 == 0o700
     confirm = restart.restart(w.machine(phase="confirm"))
     assert start["outcome"] == outcomes.STARTED and confirm["outcome"] == outcomes.VERIFIED
     assert marker.exists()
@@ -2640,6 +2642,27 @@ def test_verify_with_an_exception_inside_is_verify_failed_never_raised(tmp_path,
     assert res["verify"]["warnings"] == [] and res["verify"]["failed_checks"] == [f"verify: {cause}"]
     assert res["failure"] == {"phase": "verify", "cause": f"verify: {cause}"}
     assert res["msg"] == f"m: verification failed: verify: {cause}"
+
+
+def test_a_restarts_verify_reads_the_patch_manifest_its_settings_name_and_says_each_failed_check(tmp_path, handlers):
+    w = build(tmp_path)
+    w.host.behave("new", accept=1.0)  # a second failed check: no draft token accepted
+    manifest = write_manifest(tmp_path, tmp_path / "elsewhere.json", matches=False)
+    res = restart.restart(w.machine(patch_manifest=manifest))
+    # the installed files differ for the rollback too (one manifest): contained after its verify
+    assert (
+        res["outcome"] == N and res["failure"]["phase"] == "verify" and res["rollback"]["failure"]["phase"] == "verify"
+    )
+    failed = res["verify"]["failed_checks"]
+    assert len(failed) == 2 and any("installed files differ from the patch manifest" in x for x in failed), failed
+    assert res["failure"]["cause"] == "verification failed: " + "; ".join(failed)
+
+
+def test_a_restarts_verify_phase_says_how_many_checks_ran_and_their_warnings(world, handlers):
+    res = restart.restart(world.machine())
+    verify = next(p for p in res["phases"] if p["phase"] == "verify")
+    assert verify["detail"] == {"checks": len(res["verify"]["checks"]), "warnings": res["verify"]["warnings"]}
+    assert verify["detail"]["checks"] >= 5
 
 
 def test_verify_reads_the_patch_manifest_its_settings_name(tmp_path):
@@ -3291,9 +3314,13 @@ def rank_start_sees_it_die(w, show) -> None:
     w.host.show = show
     m = w.machine(phase="start", ready_timeout=20.0)
     m.ports.show = show
+    calls = len(w.host.calls)
     res = restart.restart(m)
     assert res["outcome"] == N and res["failure"]["phase"] == "start", res
     assert "out of memory while loading draft model weights" in res["failure"]["cause"]
+    stops = [c for c in w.host.calls[calls:] if c[:2] == ("systemctl", "stop")]
+    assert len(stops) == 1  # contained once, by this phase
+    assert [b["failure"]["phase"] for b in w.host.bundles] == ["start"]  # its evidence, before the stop
     stopped(w)
 
 

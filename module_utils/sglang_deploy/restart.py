@@ -290,7 +290,8 @@ class Machine:
         return out
 
     def check_staged(self) -> None:
-        """The configuration this run would start (pending, else the unit's) is complete and the one it staged."""
+        """The configuration this run would start (pending, else the unit's) is complete and the one it staged.
+        Its failures are not `checked`: refused, not the preflight's GPUs-not-clean."""
         i = self.inst
         try:
             target = {live: read_text(i.pending_files.get(live, live)) for live in i.config_files}
@@ -298,14 +299,12 @@ class Machine:
             raise Failure(
                 outcomes.PREFLIGHT,
                 f"the configuration to start cannot be read ({exc}): run deploy again. Nothing was stopped.",
-                kind=outcomes.REFUSED,
             ) from None
         if i.pending_files and not stage_complete(i):
             raise Failure(
                 outcomes.PREFLIGHT,
                 f"the pending configuration of {i.name} is incomplete (a deploy was "
                 "interrupted?): run deploy again. Nothing was stopped.",
-                kind=outcomes.REFUSED,
             )
         expected = self.s.expected_config_hash
         if expected and content_hash(target) != expected:
@@ -314,7 +313,6 @@ class Machine:
                 f"the configuration staged for {i.name} is not the one this run rendered "
                 f"(hash {content_hash(target)}, this run {expected}): another controller staged it. "
                 "Nothing was stopped.",
-                kind=outcomes.REFUSED,
             )
 
     def stop(self) -> dict:
@@ -846,10 +844,9 @@ def refused(m: Machine, res: dict, steps: tuple[Step, ...]) -> bool:
     if failed is None:
         return False
     step, failure = failed
-    # The step's refusal when its own check said no; any other exception there touched nothing either. Both
-    # flags are taken out whatever they say: they are this function's, never the result's.
-    kind, checked = failure.details.pop("kind", None), failure.details.pop("checked", False)
-    outcome = kind or (step.refusal if checked else outcomes.REFUSED)
+    # The step's refusal when its own check said no; any other exception there touched nothing either. The flag
+    # is taken out: it is this function's, never the result's.
+    outcome = step.refusal if failure.details.pop("checked", False) else outcomes.REFUSED
     res.update(outcome=outcome, failure=failure.as_dict())
     if "lock" in failure.details:
         res["lock"] = failure.details["lock"]
