@@ -2442,6 +2442,27 @@ def test_a_rank_above_0_is_not_confirmed_while_rank_0_does_not_serve(tmp_path, h
     assert w.live() == w.files["good"] and len(w.generations()) == 1, "nothing recorded; the known-good files back"
 
 
+def test_a_rank_above_0_whose_unit_has_no_invocation_any_more_is_not_confirmed(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    w.inst.dist_init_addr = "127.0.0.2:5000"
+    rank0 = rank0_serving(w.inst.port)
+    try:
+        restart.restart(w.machine(phase="stop"))
+        assert restart.restart(w.machine(phase="start"))["outcome"] == outcomes.STARTED
+        seen = w.host.unit.invocation
+        w.host.systemctl("stop", UNIT)
+        w.host.unit.invocation = ""  # systemd forgets a stopped unit's invocation (a daemon-reexec, a reload)
+        res = restart.restart(w.machine(phase="confirm"))
+    finally:
+        rank0.shutdown()
+        rank0.server_close()
+    assert res["outcome"] == N and res["failure"]["phase"] == "verify"
+    assert res["failure"]["cause"] == (
+        f"{UNIT} is not the process its start phase saw (invocation {seen}, now none): it exited and systemd "
+        "started it again"
+    )
+
+
 def test_a_rank_above_0_started_again_behind_our_back_is_not_confirmed(tmp_path, handlers):
     """Rank 1 passed its start phase, then died; Restart=on-failure started it again and its restart count was
     reset (reset-failed, an operator's start): the process the confirm phase finds is not the one the start phase
@@ -3273,6 +3294,23 @@ def test_a_restart_with_a_benchmark_measures_after_the_record_under_its_lock_and
     assert res["downtime_s"] < 30.0, res["downtime_s"]  # the benchmark is not downtime
     assert w.lock_free()
     serving(w, "new")
+
+
+def test_a_benchmarks_long_error_is_cut_to_600_characters_and_the_live_table_says_bench(world, handlers):
+    from sglang_deploy import progress
+
+    def long_error():
+        raise RuntimeError("x" * 2000)
+
+    m, _ = benching(world, long_error)
+    m.progress = progress.Reporter(None, clock=world.host.clock)
+    phases = []
+    real_phase = m.progress.phase
+    m.progress.phase = lambda name: (phases.append(name), real_phase(name))[1]
+    res = restart.restart(m)
+    assert res["outcome"] == REST and res["bench"] is None
+    assert res["bench_error"] == f"the benchmark could not run: RuntimeError('{'x' * 2000}')"[:600]
+    assert phases[-1] == outcomes.BENCH
 
 
 def test_a_benchmark_that_cannot_run_leaves_the_restart_standing_with_the_cause(world, handlers):
