@@ -1622,6 +1622,8 @@ def test_the_ready_timeout_with_no_line_of_the_servers_says_none_and_keeps_the_i
 
 def test_the_ready_timeout_reports_the_last_journal_line(world, handlers):
     world.host.behave("new", health=503)
+    many = [f"loading shard {n}" for n in range(50)]
+    world.host.hook("show", lambda h: h.journals[h.unit.invocation].extend(many), nth=9)
     world.host.hook("show", lambda h: h.journals[h.unit.invocation].append("Capturing CUDA graphs (bs=160)"), nth=10)
     # systemd logs about the unit under its invocation too (a namespace it could not set up): not the server's line
     world.host.hook(
@@ -1631,6 +1633,8 @@ def test_the_ready_timeout_reports_the_last_journal_line(world, handlers):
     )
     res = restart.restart(world.machine())
     assert res["failure"]["cause"].endswith("Last log line: Capturing CUDA graphs (bs=160)")
+    tail = res["failure"]["journal_tail"]
+    assert len(tail) == 40 and tail[-2] == "Capturing CUDA graphs (bs=160)"  # the last 40, systemd's line last
     assert "unit active/running" in res["failure"]["cause"]
 
 
@@ -2054,7 +2058,15 @@ def test_a_successful_restart_promotes_records_a_masked_generation_with_its_soft
     assert res["phases"][1]["detail"] == {"skipped": "validated by an earlier task"}
     assert res["phases"][2]["detail"] == {"skipped": "staged by an earlier task"}
     assert res["phases"][3]["detail"] == {"processes": 2, "pending": True}
+    gpus = res["phases"][5]["detail"]
+    assert set(gpus) == {"waited_s", "polls", "stopped", "stopped_processes"} and gpus["polls"] >= 1
+    assert gpus["waited_s"] == round(gpus["waited_s"], 3) >= 0
+    start = res["phases"][7]
+    assert start["detail"] == {"main_pid": w.host.unit.pid, "ready_after_s": start["detail"]["ready_after_s"]}
+    assert 0 <= start["detail"]["ready_after_s"] <= start["seconds"]
+    assert (res["instance"], res["unit"], res["profile"]) == ("m", UNIT, "new")
     serving(w, "new")
+
     assert w.live() == w.files["new"] and w.pending() == []
     assert ("systemctl", "enable", UNIT) in w.host.calls and w.host.unit.file_state == "enabled"
     # the generation: files, hash, argv as started with the key masked, the software of the unit's venv
@@ -2081,6 +2093,21 @@ def test_a_successful_restart_promotes_records_a_masked_generation_with_its_soft
     # the server demands the key on every request: health, generate and verify authenticated
     assert {"/health", "/generate", "/health_generate", "/server_info"} <= set(w.host.unit.server.requests)
     assert res["msg"] == "m: restarted"
+
+
+def test_the_start_polls_a_start_job_every_tenth_of_a_second_not_in_a_busy_loop(world, handlers):
+    world.host.start_lag = 3  # three polls find no main process yet
+    res = restart.restart(world.machine())
+    start = next(p for p in res["phases"] if p["phase"] == "start")
+    assert res["outcome"] == REST and start["detail"]["ready_after_s"] >= 0.3, start
+
+
+def test_the_stop_policy_none_still_restarts_a_unit_whose_own_server_holds_its_gpus(tmp_path, handlers):
+    """The unit's own server is on its GPUs until the stop: not an offender, whatever the policy."""
+    w = build(tmp_path, stop_policy="none")
+    res = restart.restart(w.machine())
+    assert res["outcome"] == REST, res.get("failure")
+    assert (res["instance"], res["unit"]) == ("m", UNIT)
 
 
 def test_generations_are_pruned_to_keep(tmp_path, handlers):
@@ -3210,8 +3237,10 @@ def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_t
     cursors = []
     said = []
 
+    asked = []
+
     def journal_since(invocation, cursor=None):
-        assert invocation == world.host.unit.invocation != world.boot_invocation  # the new server's journal
+        asked.append(invocation)  # an assertion here would be swallowed: progress never fails the start
         cursors.append(cursor)
         if len(batches) == 2:  # healthy now: the last batch is read by the start's last read, whenever it comes
             world.host.unit.server.b.health = 200
@@ -3241,6 +3270,7 @@ def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_t
         (progress.GRAPHS, "4/4 (100%)"),
     ]
     assert cursors[:3] == [None, "c1", "c2"]  # each read goes on from the last
+    assert set(asked) == {world.host.unit.invocation} != {world.boot_invocation}  # the new server's journal only
     steps = m.progress.finish()
     assert [s["step"] for s in steps] == [progress.WEIGHTS, progress.DRAFT_WEIGHTS, progress.GRAPHS]
     # One read at most every 0.5 s of the fake clock; the last batch came with the ready server's last read, at once.
@@ -3503,6 +3533,17 @@ def test_another_instances_unit_on_the_gpus_is_refused_before_anything_is_stoppe
     assert "Nothing was stopped." in cause and res["downtime_s"] == 0.0
     assert killed == [] and len(w.host.others) == 5
     untouched(w)
+
+
+def test_a_stranger_on_the_gpus_is_refused_naming_it_and_nothing_else(world, handlers):
+    world.host.foreign = True
+    res = restart.restart(world.machine())
+    f = res["failure"]
+    assert res["outcome"] == outcomes.GPUS_NOT_CLEAN and f["phase"] == "preflight"
+    assert [(o["pid"], o["user"]) for o in f["offenders"]] == [(999999, "alice")]  # not the unit's own server
+    assert f["cause"].startswith("GPUs held by processes outside this service: ") and "another unit" not in f["cause"]
+    assert f["cause"].endswith(". Nothing was stopped. Stop them, or rerun with stop policy 'force'.")
+    untouched(world)
 
 
 def test_a_unit_not_named_as_an_instance_is_named_as_it_is(tmp_path, kills):
