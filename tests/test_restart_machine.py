@@ -2148,7 +2148,11 @@ def test_no_known_good_generation_ends_stopped_and_disabled(tmp_path, handlers):
     assert (
         res["contained"]["files"] == "no known-good generation: the unit is disabled so that a boot does not start it"
     )
-    assert res["msg"].endswith("the unit is disabled so that a boot does not start it.")
+    c = res["contained"]
+    assert res["msg"] == (
+        f"m: start failed: {res['failure']['cause']}. Not rolled back: no known-good generation is recorded; "
+        f"{UNIT} is stopped ({c['unit_state']}). {c['files']}."
+    )
 
 
 def test_rollback_off_ends_stopped_with_the_known_good_files_back(tmp_path, handlers):
@@ -2160,6 +2164,7 @@ def test_rollback_off_ends_stopped_with_the_known_good_files_back(tmp_path, hand
     stopped(w)
     assert w.live() == w.files["good"] and "put back, not started" in res["contained"]["files"]
     assert w.host.starts == ["good", "new"]
+    assert ". Not rolled back: rollback is off (sglang_service_rollback); " in res["msg"]
 
 
 def test_a_failed_configuration_equal_to_the_known_good_ends_stopped_with_its_files(tmp_path, handlers):
@@ -2573,7 +2578,7 @@ def test_operator_rollback_rolls_back_and_records(tmp_path, handlers):
     serving(w, "good")
     assert w.live() == w.files["good"]
     assert res["known_good"]["profile"] == "good" and len(w.generations()) == 2
-    assert res["msg"].startswith("m: rolled back to generation ") and res["msg"].endswith("(profile good): serving.")
+    assert res["msg"] == f"m: rolled back to generation {good['generation']} (profile good): serving."
     assert w.lock_free()
 
 
@@ -2793,7 +2798,7 @@ def test_status_says_state_and_running_profile_in_one_line_and_rounds_the_accept
     w = build(tmp_path, new=None, api_key=True)
     w.host.unit.server.b = Behaviour(server_info="no_states", accept=2.34567)  # from /metrics, with the key
     out = restart.status(w.machine())
-    assert out["errors"] == [] and out["unit"] == UNIT and out["accept_length"] == 2.346
+    assert out["errors"] == [] and out["unit"] == UNIT and out["accept_length"] == 2.346 and out["instance"] == "m"
     assert out["msg"] == "m: active/running, profile good"
 
 
@@ -3901,10 +3906,7 @@ def test_status_names_the_instances_restart_workers_running_ended_uncollected_or
     assert out["jobs"][0]["outcome"] == "rolled_back" and out["jobs"][0]["journal"] == []  # no unit: no journal
     assert out["jobs"][3]["journal"] == ["phase start", "job of sglang-deploy-job-m-3000000000-1.scope"]
     msg = out["msg"]
-    assert (
-        msg.startswith("m: active/running, profile good; a restart's worker ended")
-        and "; a restart's worker (pid" in msg
-    )
+    assert msg.split("; ") == ["m: active/running, profile good", *(job.describe(j) for j in out["jobs"])]
     assert "a restart's worker ended (pid 999999999), its result never collected: rolled_back: m: start failed" in msg
     assert f"a restart's worker (pid 999999999) was killed during stop, without a result: {lost.dir}" in msg
     assert "a restart's worker runs in sglang-deploy-job-m-3000000000-1.scope: start, loading weights" in msg
