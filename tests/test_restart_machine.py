@@ -1030,6 +1030,7 @@ CASES = [
         failed_kept=False,
     ),
     Case("stop-timeout", inject("stop", "timeout"), PRE_START, "stop", "TimeoutExpired", **KEPT),
+    Case("stop-rc", inject("stop", "rc"), PRE_START, "stop", f"systemctl stop {UNIT} failed: Failed to stop", **KEPT),
     Case("stop-sigterm", inject("stop", "sigterm"), PRE_START, "stop", "SIGTERM", interrupted=True, **KEPT),
     Case("gpus-not-clean", inject("wait_clean", "dirty"), PRE_START, "gpus", "not clean after 1s", **KEPT),
     Case("gpus-nvsmi", inject("wait_clean", "nvsmi"), PRE_START, "gpus", "NvidiaSmiError", **KEPT),
@@ -2315,6 +2316,8 @@ def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
     record = restart.restart(w.machine(phase="record"))
     ran = [p["phase"] for p in record["phases"]]
     assert record["outcome"] == REST and ran == ["lock", "validate", "stage", "preflight", "record", "record"]
+    started = json.loads(Path(w.machine().started_path).read_text())["started"]
+    assert record["phases"][-2]["detail"] == {"started_hash": started["config_hash"]}  # the start phase's snapshot
     assert not marker.exists()
     assert len(w.generations()) == before + 1
     rec = json.loads(Path(w.generations()[-1]).read_text())
@@ -3165,14 +3168,14 @@ def test_check_mode_stages_nothing_and_says_it_would_restart(tmp_path, handlers,
 
 def test_a_crash_on_the_first_generation_is_bundled_before_the_rollback_stops_anything(world, handlers):
     world.host.behave("new", generate_fault="crash")
-    res = restart.restart(world.machine())
+    res = restart.restart(world.machine(evidence_budget_s=4.5))
     assert res["outcome"] == R
     [bundle] = world.host.bundles
     assert res["evidence"]["path"] == "/var/lib/sglang/evidence/m/bundle-1.tar.gz"
     assert bundle["failure"]["phase"] == outcomes.GENERATE and bundle["failure"]["cause"] == res["failure"]["cause"]
     assert bundle["invocation"] and bundle["invocation"] == res["failure"]["invocation"]  # the failing start's
     assert bundle["request"] == {"prompt": "The capital of France is", "max_new_tokens": 16}
-    assert bundle["budget_s"] == 10.0
+    assert bundle["budget_s"] == 4.5  # the setting's, not the port's default
     # taken before any stop of the rollback: the rollback's systemctl calls all come after it
     later = [c for c in world.host.calls[bundle["calls_before"] :] if c[:2] == ("systemctl", "stop")]
     assert later and not [c for c in world.host.calls[: bundle["calls_before"]] if c[:2] == ("systemctl", "stop")][1:]
