@@ -1106,7 +1106,13 @@ CASES = [
     Case("record-config-changed", env_changed_during_verify, REST, "record", "changed during the restart"),
     Case("record-oserror", record_write_fails, REST, "record", "Read-only file system"),
     Case("record-generations-dir-is-a-file", generations_dir_is_a_file, REST, "record", "FileExistsError"),
-    Case("record-enable-rc", inject("enable", "rc"), REST, "record", "systemctl enable sglang-m.service failed"),
+    Case(
+        "record-enable-rc",
+        inject("enable", "rc"),
+        REST,
+        "record",
+        "systemctl enable sglang-m.service failed: Failed to enable sglang-m.service: Access denied",
+    ),
     Case("record-enable-timeout", inject("enable", "timeout"), REST, "record", "TimeoutExpired"),
     Case("record-sigterm", inject("cmdline", "sigterm", nth=3), REST, "record", "SIGTERM", interrupted=True),
     # the rollback's phases (the new configuration fails verify), each failing: stopped and not recovered
@@ -1651,7 +1657,8 @@ def test_an_unexpected_exception_in_a_port_is_a_failure_with_its_traceback(world
     res = restart.restart(world.machine())
     f = res["failure"]
     assert f["phase"] == "verify" and f["cause"] == "unexpected RuntimeError: boom: a bug in a port"
-    assert any("boom" in line for line in f["traceback"])
+    # the traceback's last 12 lines: where it was raised and what, not the whole stack of the machine
+    assert len(f["traceback"]) == 12 and f["traceback"][-1] == "RuntimeError: boom: a bug in a port"
     assert res["outcome"] == R
     serving(world, "good")
 
@@ -1906,6 +1913,9 @@ def test_an_operators_rollback_holds_the_lock_as_a_rollback(tmp_path, handlers):
     assert seen["operation"] == "rollback m"  # its target is chosen under the lock: no profile to name yet
 
 
+NO_MANIFEST = "/nonexistent/sglang-deploy/patches.json"  # named, absent: no patch check fails on it
+
+
 def validating(w: World, verdict):
     """A machine whose restart validates the host's instances itself (restart.yml's replicas), with `verdict` as
     sglang_deploy.validate.validate_host's: a result, or an exception; the calls it got are kept."""
@@ -1917,7 +1927,7 @@ def validating(w: World, verdict):
             raise verdict
         return verdict
 
-    m = w.machine(validate_instances=[{"name": "m"}, {"name": "other"}], min_shm_mib=512)
+    m = w.machine(validate_instances=[{"name": "m"}, {"name": "other"}], min_shm_mib=512, patch_manifest=NO_MANIFEST)
     m.ports = replace(m.ports, validate=fake)
     return m, calls
 
@@ -1961,6 +1971,7 @@ def test_a_restart_validating_in_its_own_call_goes_on_when_valid(world, handlers
     m.ports = replace(m.ports, validate=slow_parser)
     res = restart.restart(m)
     assert res["outcome"] == outcomes.RESTARTED and len(calls) == 1
+    assert calls[0]["patch_manifest"] == NO_MANIFEST and calls[0]["min_shm_mib"] == 512  # the settings', as given
     stop = next(p for p in res["phases"] if p["phase"] == outcomes.STOP)
     assert res["downtime_s"] == pytest.approx(sum(p["seconds"] for p in res["phases"][res["phases"].index(stop) :]))
     assert res["downtime_s"] < 30, "the downtime starts at the stop, not with the validation"
@@ -2059,6 +2070,7 @@ def test_a_successful_restart_promotes_records_a_masked_generation_with_its_soft
     assert res["phases"][1]["detail"] == {"skipped": "validated by an earlier task"}
     assert res["phases"][2]["detail"] == {"skipped": "staged by an earlier task"}
     assert res["phases"][3]["detail"] == {"processes": 2, "pending": True}
+    assert res["phases"][4]["detail"] == {"state": "inactive/dead"}  # the stop's
     gpus = res["phases"][5]["detail"]
     assert set(gpus) == {"waited_s", "polls", "stopped", "stopped_processes"} and gpus["polls"] >= 1
     assert gpus["waited_s"] == round(gpus["waited_s"], 3) >= 0
@@ -2310,7 +2322,9 @@ def test_multinode_phases_stop_start_confirm_record(tmp_path, rank, handlers):
     else:  # a rank above 0: running (2 s on), verified once rank 0 serves
         assert start["msg"] == "m: started", start["msg"]
         assert [p["phase"] for p in start["phases"]][-2:] == ["promote", "start"]
-        assert start["phases"][-1]["detail"]["running_after_s"] >= 2.0
+        detail = start["phases"][-1]["detail"]
+        assert set(detail) == {"main_pid", "running_after_s"} and isinstance(detail["running_after_s"], float)
+        assert 2.0 <= detail["running_after_s"] <= start["phases"][-1]["seconds"]
         assert [p["phase"] for p in confirm["phases"]][-1] == "verify"
         assert confirm["verify"]["node_rank"] == 1
     record = restart.restart(w.machine(phase="record"))
@@ -2613,6 +2627,7 @@ def test_operator_rollback_failing_ends_stopped(tmp_path, handlers):
     res = restart.rollback(w.machine())
     assert res["outcome"] == N and res["failure"]["phase"] == "start" and res["rollback"]["outcome"] == "failed"
     assert res["contained"]["stop"] is None and res["contained"]["unit_state"] in ("inactive/dead", "failed/failed")
+    assert len(w.host.systemctl_calls("stop")) == 2  # the rollback's stop, then the containment's: once each
     stopped(w)
     assert w.live() == w.files["good"] and w.lock_free()
 
@@ -3059,6 +3074,8 @@ def test_a_restart_given_its_configuration_stages_it_under_the_lock_it_holds_the
     stage_phase = res["phases"][2]
     assert stage_phase["phase"] == outcomes.STAGE and stage_phase["ok"]
     assert stage_phase["detail"]["outcome"] == outcomes.STAGED and stage_phase["detail"]["pending"] is True
+    # what the staging wrote: the pending copies of the unit's files
+    assert sorted(stage_phase["detail"]["wrote"]) == sorted(w.inst.pending_path(f) for f in w.inst.config_files)
     assert m.s.expected_config_hash == known_good.content_hash(w.files["new"]) == stage_phase["detail"]["config_hash"]
     serving(w, "new")
     assert w.live() == w.files["new"] and w.pending() == []
@@ -3989,6 +4006,7 @@ def test_a_containment_puts_the_known_good_files_back_and_notes_it_for_the_opera
     }
     note = Path(w.inst.kg_dir, "contained.json")
     assert json.loads(note.read_text())["generation"] == good["generation"] and note.stat().st_mode & 0o777 == 0o600
+    assert set(json.loads(note.read_text())) == {"generation", "at"}
     assert w.live() == w.files["good"] and w.host.unit.file_state == "enabled"
 
 
