@@ -66,7 +66,66 @@ PROSE = "the wording of a message to a person (a string with a space, wrapped in
 _FALSY = "None for False where only the truth value is read (Checks.add's ok, subprocess.run's check)"
 _DEFAULT_MODE = "0o600 spelled out or left to write_atomic's default, 0o600"
 _LIMIT = "a time limit a second longer: only a run that hangs 60 s would show it"
+_PRECISION = "a duration kept to 4 decimals instead of 3: the fake clock's times are exact to the millisecond"
+_BOUNDARY = "a poll's deadline reached to the instant: one more poll (50-100 ms) at a time that is a least wait"
+_PROC0 = "procinfo.cmdline(0) reads /proc/0/cmdline, which no host has: [] as the else branch gives"
+_CAUSE_ONLY = "the phase as_failure is given names the failure, and only its cause is read here"
+_SAME_PHASE = "failed[1].phase is failed[0].phase: run_steps' as_failure names the Failure after its step"
+_SET_BEFORE_READ = "an attribute the phase that reads it always finds set by an earlier phase, or reads for its truth"
 EQUIVALENT = {
+    "sglang_deploy/restart.py": {
+        "xǁMachineǁ__init____mutmut_8": _SET_BEFORE_READ,
+        "xǁMachineǁ__init____mutmut_9": _SET_BEFORE_READ,
+        "xǁMachineǁ__init____mutmut_10": _SET_BEFORE_READ,
+        "xǁMachineǁ__init____mutmut_11": _SET_BEFORE_READ,
+        "xǁMachineǁ__init____mutmut_12": _SET_BEFORE_READ,
+        "xǁMachineǁ__init____mutmut_13": _SET_BEFORE_READ,
+        "xǁMachineǁ__init____mutmut_16": _SET_BEFORE_READ,
+        "xǁMachineǁtake_lock__mutmut_17": _FALSY,
+        "xǁMachineǁcontain__mutmut_25": _FALSY,
+        "xǁMachineǁcontain__mutmut_72": _DEFAULT_MODE,
+        "xǁMachineǁsave_started__mutmut_23": _DEFAULT_MODE,
+        "xǁMachineǁload_started__mutmut_2": _LOCALE,
+        "xǁMachineǁload_started__mutmut_4": _LOCALE,
+        "xǁMachineǁload_started__mutmut_6": _UTF8,
+        "xǁMachineǁrecord__mutmut_6": _PROC0,
+        "x_status__mutmut_24": _PROC0,
+        "xǁMachineǁrecord__mutmut_72": "a containment note that is not there unlinked anyway: FileNotFoundError, "
+        "which quietly() swallows, as the else branch does nothing",
+        "x_status__mutmut_16": _CAUSE_ONLY,
+        "x_restart__mutmut_74": _SAME_PHASE,
+        "x_multinode__mutmut_44": _SAME_PHASE,
+        "x_multinode__mutmut_26": "steps[:+1] is steps[:-1] for the record phase's two steps (load, record)",
+        "xǁMachineǁrank0_serving__mutmut_20": _LIMIT,
+        "x_status__mutmut_86": _LIMIT,
+        "x_status__mutmut_96": _LIMIT,
+        "x_end__mutmut_15": _PRECISION,
+        "xǁMachineǁrun_steps__mutmut_34": _PRECISION,
+        "xǁMachineǁrun_steps__mutmut_62": _PRECISION,
+        "xǁMachineǁfailure_from_journal__mutmut_38": _PRECISION,
+        "xǁMachineǁfailure_from_journal__mutmut_48": _PRECISION,
+        "xǁMachineǁstart__mutmut_131": _PRECISION,
+        "xǁMachineǁstart__mutmut_175": _PRECISION,
+        "xǁMachineǁwait_gpus__mutmut_44": _PRECISION,
+        "xǁMachineǁstart__mutmut_97": _BOUNDARY,
+        "xǁMachineǁstart__mutmut_177": _BOUNDARY,
+        "xǁMachineǁgeneration__mutmut_24": _BOUNDARY,
+        "xǁMachineǁfailure_from_journal__mutmut_5": _BOUNDARY,
+        "xǁLoadFollowerǁpoll__mutmut_6": _BOUNDARY,
+        "xǁLoadFollowerǁ__init____mutmut_6": "the first read not before monotonic second 1.0: time.monotonic() counts "
+        "from boot, past 1.0 by the time any restart runs",
+        "xǁMachineǁfailure_from_journal__mutmut_2": "lines' first value is never read: the loop reads the journal at "
+        "least once (its deadline is 1 s ahead)",
+        "xǁMachineǁfailure_from_journal__mutmut_78": "ExecMainCode's default: unit.show asks systemctl for it, and "
+        "systemctl show prints every property asked for",
+        "xǁMachineǁlogged__mutmut_1": "an invocation without a pid, or a pid without one, matches no journal line "
+        "either way (journalctl _PID=0 or an empty _SYSTEMD_INVOCATION_ID)",
+        "xǁMachineǁlogged__mutmut_4": "called only for an active unit, which has both an invocation and a main pid",
+        "xǁMachineǁlogged__mutmut_11": "reads up to 2000 of the process's own lines instead of 3: any one answers",
+        "xǁMachineǁlogged__mutmut_13": "reads 4 of the process's own lines instead of 3: any one answers",
+        "xǁMachineǁstart__mutmut_160": "the serving rank's invocation: saved with its start, read only by a rank "
+        "above 0's confirm",
+    },
     "sglang_deploy/stage.py": {
         "x_read_text__mutmut_2": _LOCALE,
         "x_read_text__mutmut_4": _LOCALE,
