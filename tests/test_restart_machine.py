@@ -2491,20 +2491,28 @@ def test_a_rank_above_0_is_not_confirmed_while_rank_0_does_not_serve(tmp_path, h
     assert w.live() == w.files["good"] and len(w.generations()) == 1, "nothing recorded; the known-good files back"
 
 
-def test_a_rank_above_0_whose_unit_has_no_invocation_any_more_is_not_confirmed(tmp_path, handlers):
-    w = build(tmp_path, nnodes=2, node_rank=1)
+def confirmed_after(w: World, meanwhile: Callable[[Host], None]) -> tuple[dict, str]:
+    """Rank 1 stopped and started, then `meanwhile` done to its host, then its confirm phase (rank 0 serving): the
+    confirm's result, and the invocation its start phase saw."""
     w.inst.dist_init_addr = "127.0.0.2:5000"
     rank0 = rank0_serving(w.inst.port)
     try:
         restart.restart(w.machine(phase="stop"))
         assert restart.restart(w.machine(phase="start"))["outcome"] == outcomes.STARTED
         seen = w.host.unit.invocation
-        w.host.systemctl("stop", UNIT)
-        w.host.unit.invocation = ""  # systemd forgets a stopped unit's invocation (a daemon-reexec, a reload)
-        res = restart.restart(w.machine(phase="confirm"))
+        meanwhile(w.host)
+        return restart.restart(w.machine(phase="confirm")), seen
     finally:
         rank0.shutdown()
         rank0.server_close()
+
+
+def test_a_rank_above_0_whose_unit_has_no_invocation_any_more_is_not_confirmed(tmp_path, handlers):
+    def forgotten(h: Host) -> None:
+        h.systemctl("stop", UNIT)
+        h.unit.invocation = ""  # systemd forgets a stopped unit's invocation (a daemon-reexec, a reload)
+
+    res, seen = confirmed_after(build(tmp_path, nnodes=2, node_rank=1), forgotten)
     assert res["outcome"] == N and res["failure"]["phase"] == "verify"
     assert res["failure"]["cause"] == (
         f"{UNIT} is not the process its start phase saw (invocation {seen}, now none): it exited and systemd "
@@ -2517,22 +2525,18 @@ def test_a_rank_above_0_started_again_behind_our_back_is_not_confirmed(tmp_path,
     reset (reset-failed, an operator's start): the process the confirm phase finds is not the one the start phase
     saw. Not confirmed: contained for the group's rollback, nothing recorded."""
     w = build(tmp_path, nnodes=2, node_rank=1)
-    w.inst.dist_init_addr = "127.0.0.2:5000"
-    rank0 = rank0_serving(w.inst.port)
-    try:
-        restart.restart(w.machine(phase="stop"))
-        assert restart.restart(w.machine(phase="start"))["outcome"] == outcomes.STARTED
-        seen = w.host.unit.invocation
-        w.host.crash(["RuntimeError: CUDA error: an illegal memory access was encountered"])
-        w.host.launch()  # started again: a new invocation, NRestarts 0
-        assert w.host.unit.invocation != seen and w.host.unit.restarts == 0
-        res = restart.restart(w.machine(phase="confirm"))
-        assert res["outcome"] == N and res["failure"]["phase"] == "verify", res
-        assert res["failure"]["cause"].startswith(f"{UNIT} is not the process its start phase saw (invocation {seen}")
-        stopped(w)
-        assert w.live() == w.files["good"] and len(w.generations()) == 1, "nothing recorded; the known-good files back"
-    finally:
-        rank0.shutdown()
+
+    def started_again(h: Host) -> None:
+        h.crash(["RuntimeError: CUDA error: an illegal memory access was encountered"])
+        before = h.unit.invocation
+        h.launch()  # started again: a new invocation, NRestarts 0
+        assert h.unit.invocation != before and h.unit.restarts == 0
+
+    res, seen = confirmed_after(w, started_again)
+    assert res["outcome"] == N and res["failure"]["phase"] == "verify", res
+    assert res["failure"]["cause"].startswith(f"{UNIT} is not the process its start phase saw (invocation {seen}")
+    stopped(w)
+    assert w.live() == w.files["good"] and len(w.generations()) == 1, "nothing recorded; the known-good files back"
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -31,6 +31,7 @@ import pytest
 from sglang_deploy import http
 from sglang_deploy import router as rt
 from support import REPO, lab_standin
+from support.smg import STANDIN, WHEELHOUSE, free_port
 
 
 class FakeClock:
@@ -972,38 +973,6 @@ def test_smg_a_409_that_names_nothing_listed_is_an_error_carrying_its_message(fa
 # --------------------------------------------------------------------------- the real sglang-router
 
 ROUTER_VERSION = "0.3.2"
-WHEELHOUSE = Path.home() / ".cache" / "sglang-deploy" / "wheelhouse"
-
-# The lab stand-in's HTTP server (lab/standin/lab_sglang_standin.py: State, Handler) on a loopback port, stdlib
-# only (no SGLang parser, no simulated GPUs): it counts its running requests into sglang:num_running_reqs and
-# streams as SGLang does. Started as SGLang with --enable-metrics (the drain reads /metrics); a stand-in that
-# does not report sglang:num_queue_reqs yet gets it here, 0 (it queues nothing: every request runs at once).
-STANDIN = r"""
-import argparse, sys
-from http.server import ThreadingHTTPServer
-import lab_sglang_standin as s
-
-port, key, tps = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-args = argparse.Namespace(model_path="/srv/models/lab-target", served_model_name=None, api_key=key,
-                          speculative_algorithm=None, enable_metrics=True)
-metrics = s.State.metrics
-def with_queue(self):
-    text = metrics(self)
-    return text if "sglang:num_queue_reqs" in text else text + 'sglang:num_queue_reqs{model_name="lab"} 0.0\n'
-s.State.metrics = with_queue
-state = s.State(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": tps}, args))
-state.ready = True
-srv = ThreadingHTTPServer(("127.0.0.1", port), type("H", (s.Handler,), {"state": state}))
-srv.daemon_threads = True
-print("serving", flush=True)
-srv.serve_forever()
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def router_python() -> Path:

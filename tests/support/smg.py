@@ -28,8 +28,10 @@ KEY = "smg-test-key"
 MODEL = "/srv/models/lab-target"
 TOKENS_PER_S = 40
 
-# The lab stand-in's HTTP server on a loopback port: SGLang with --enable-metrics and --api-key, decoding
-# TOKENS_PER_S tokens a second.
+# The lab stand-in's HTTP server (lab/standin/lab_sglang_standin.py: State, Handler) on a loopback port, stdlib
+# only (no SGLang parser, no simulated GPUs): it counts its running requests into sglang:num_running_reqs and
+# streams as SGLang does. Started as SGLang with --enable-metrics (the drain reads /metrics); a stand-in that
+# does not report sglang:num_queue_reqs yet gets it here, 0 (it queues nothing: every request runs at once).
 STANDIN = r"""
 import argparse, sys
 from http.server import ThreadingHTTPServer
@@ -38,10 +40,16 @@ import lab_sglang_standin as s
 port, key, tps = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 args = argparse.Namespace(model_path="/srv/models/lab-target", served_model_name=None, api_key=key,
                           speculative_algorithm=None, enable_metrics=True)
+metrics = s.State.metrics
+def with_queue(self):
+    text = metrics(self)
+    return text if "sglang:num_queue_reqs" in text else text + 'sglang:num_queue_reqs{model_name="lab"} 0.0\n'
+s.State.metrics = with_queue
 state = s.State(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": tps}, args))
 state.ready = True
 srv = ThreadingHTTPServer(("127.0.0.1", port), type("H", (s.Handler,), {"state": state}))
 srv.daemon_threads = True
+print("serving", flush=True)
 srv.serve_forever()
 """
 
