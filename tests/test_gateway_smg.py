@@ -240,7 +240,8 @@ def test_smg_metrics_per_worker_on_the_prometheus_port(gateway, standins):
         assert series["smg_worker_requests_total"] == before[w] + 1, series
         assert (series["smg_worker_requests_active"], series["smg_worker_health"]) == (0.0, 1.0)  # idle, healthy
         assert (series["smg_worker_cb_state"], series["smg_worker_cb_consecutive_failures"]) == (0.0, 0.0)  # closed
-        assert {"smg_worker_cb_consecutive_successes", "smg_worker_cb_transitions_total"} <= set(series)
+        # smg_worker_cb_transitions_total only once the breaker has changed state (present or not, by test order)
+        assert "smg_worker_cb_consecutive_successes" in set(series)
     # Retries are counted per worker type and endpoint, not per worker.
     retries = [line for line in text.splitlines() if line.startswith("smg_worker_retries_total{")]
     assert retries and all("worker=" not in line for line in retries)

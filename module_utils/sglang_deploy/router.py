@@ -764,6 +764,9 @@ def act(p: dict, check_mode: bool = False) -> dict:
     """library/sglang_router_worker.py's action ``p["action"]`` with its parameters; its result. ActionFailed
     (with a result) or RouterError/HttpError when it fails."""
     url, action = p.get("worker_url"), p["action"]
+    for name in ("timeout", "drain_timeout"):  # Ansible's float takes nan and inf: a wait that would never end
+        if name in p and not 0 <= p[name] < float("inf"):
+            raise RouterError(f"{name}={p[name]!r}: a number of seconds, 0 or more, is wanted")
     if action == "measure":
         out = measure(url, p["prompt"], p["requests"], p["max_new_tokens"], api_key=p["api_key"])
         return {"changed": False, "worker_url": url, **out}
