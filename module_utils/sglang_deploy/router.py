@@ -72,17 +72,13 @@ class Gateway:
     # Such an answer's `code` when the gateway has the URL but does not list it yet (its addition runs): the wait
     # that follows sees it listed. A present_codes answer that neither names an id nor says this is an error.
     adding_answers: frozenset[str]
-    # POST /workers without a url: 0.3.2 422, smg 400. Never sent by this client (it always posts one); here so
-    # that the table is whole, and the tests' fake gateways answer with it.
-    bad_body_code: int
     # The listing's field with a worker's state (None: the gateway has none), and the states of one listed but out
     # of rotation: smg's removal keeps a worker `draining` for drain_settle_secs (5 s), taking no new request.
     status_field: str | None
     leaving: frozenset[str]
     # The listing's field counting the worker's requests in flight through the gateway (None: no such count;
-    # 0.3.2's `load` stays 0 with requests running), and the Prometheus series (label worker=URL) that agrees.
+    # 0.3.2's `load` stays 0 with requests running; smg_worker_requests_active{worker=URL} agrees with smg's).
     in_flight_field: str | None
-    in_flight_metric: str | None
 
 
 GATEWAYS = {
@@ -91,22 +87,18 @@ GATEWAYS = {
         key_in_body=False,
         present_codes=frozenset(),
         adding_answers=frozenset(),
-        bad_body_code=422,
         status_field=None,
         leaving=frozenset(),
         in_flight_field=None,
-        in_flight_metric=None,
     ),
     "smg": Gateway(
         name="smg 1.13.0",
         key_in_body=True,
         present_codes=frozenset({409}),
         adding_answers=frozenset({"WORKER_CREATE_IN_PROGRESS"}),
-        bad_body_code=400,
         status_field="status",
         leaving=frozenset({"draining"}),
         in_flight_field="load",
-        in_flight_metric="smg_worker_requests_active",
     ),
 }
 DEFAULT_IMPL = "sglang-router"  # what the playbooks ran before smg: the module's default
@@ -462,6 +454,10 @@ class Router:
 
         return self._until(check, timeout, f"{self.url} does not list {normalize(worker_url)} as healthy")
 
+    def ids_of(self, records: list[dict]) -> str:
+        """The records' ids, each with its state where the gateway has one (a wait's last word)."""
+        return ", ".join(str(w.get("id")) + "".join(f" {v}" for v in self.status(w).values()) for w in records)
+
     def wait_gone(self, worker_url: str, timeout: float, draining_ok: bool = True) -> float:
         """Until the router no longer has the worker in rotation: listed under no spelling, or only as leaving
         (smg's ``draining``, listed until its fixed settle time ends whatever still runs there: the drain that
@@ -471,7 +467,7 @@ class Router:
         def check() -> tuple[bool, str]:
             found = self.find(worker_url, resolver)
             left = [w for w in found if not (draining_ok and self.leaving(w))]
-            ids = ", ".join(str(w.get("id")) + "".join(f" {v}" for v in self.status(w).values()) for w in left)
+            ids = self.ids_of(left)
             return not left, f"still listed (id {ids})" if left else "draining" if found else "gone"
 
         return self._until(check, timeout, f"{self.url} still lists {normalize(worker_url)}")
@@ -484,7 +480,7 @@ class Router:
         def check() -> tuple[bool, str]:
             found = self.find(worker_url, resolver)
             leaving = [w for w in found if self.leaving(w)]
-            ids = ", ".join(str(w.get("id")) + "".join(f" {v}" for v in self.status(w).values()) for w in found)
+            ids = self.ids_of(found)
             return not leaving or len(leaving) < len(found), f"still listed (id {ids})" if found else "gone"
 
         return self._until(check, timeout, f"{self.url} still lists {normalize(worker_url)}")
