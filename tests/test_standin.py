@@ -324,6 +324,45 @@ def test_a_misspelt_lab_standin_metrics_is_refused(value):
         lab_standin().metrics_knob(value)
 
 
+def post_generate(srv, tokens: int, timeout: float) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_port, timeout=timeout)
+    try:
+        body = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": tokens}})
+        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        return json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_lab_standin_hang_after_serves_n_then_hangs_while_health_answers():
+    state, srv = served_state({"LAB_STANDIN_HANG_AFTER": "2", "LAB_STANDIN_TOKENS_PER_S": "200"})
+    try:
+        for _ in range(2):  # the first two are served whole
+            assert post_generate(srv, 4, timeout=10)["meta_info"]["completion_tokens"] == 4
+        with pytest.raises(TimeoutError):  # the third is taken in and never answered
+            post_generate(srv, 4, timeout=1.0)
+        assert state.running == 1 and state.decodes == 2  # still in flight: the drain and the gateway see it
+        assert get(srv, "/health") == 200
+        assert get(srv, "/health_generate", timeout=5) == 200  # the 1-token health generation is not hung
+        assert state.admitted == 3  # ... nor counted
+        with pytest.raises(TimeoutError):  # every later one hangs too
+            post_generate(srv, 1, timeout=0.5)
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "1.5", "two"])
+def test_a_misspelt_lab_standin_hang_after_is_refused(value):
+    with pytest.raises(ValueError, match="LAB_STANDIN_HANG_AFTER"):
+        lab_standin().hang_after_knob(value)
+
+
+def test_no_lab_standin_hang_after_never_hangs():
+    assert lab_standin().hang_after_knob("") is None and lab_standin().hang_after_knob("0") == 0
+
+
 # --------------------------------------------------------------------------- stop signals
 
 

@@ -61,6 +61,12 @@ Knobs (environment, set through the instance's env):
      503-under-load:<n>   503 while more than n requests run, 200 otherwise
                           (so that the rollout's drain, which reads sglang:num_running_reqs there, is tested
                           against a /metrics it cannot read)
+  LAB_STANDIN_HANG_AFTER     n: the first n generations are served, every one after them is admitted (it counts
+                             in sglang:num_running_reqs) and never gets a token, while /health stays 200 and
+                             the 1-token health generation of /health_generate still answers: #22779's failure
+                             ("after a SIGKILL restart /health is 200 but requests hang after ~100 completions",
+                             ../shared/reference/fleet-anchors.md); what the gateway's wedge detection and the
+                             rollout's verify must catch
   LAB_STANDIN_FAULT          comma-separated faults:
      crash-startup        exit with a traceback while loading
      crash-first-decode   load, then die on the first decode (the seed's AttributeError)
@@ -135,6 +141,18 @@ class Knobs:
         self.shards = int(env.get("LAB_STANDIN_SHARDS", "2"))
         self.load_s = float(env.get("LAB_STANDIN_LOAD_S", "0"))
         self.metrics = metrics_knob(env.get("LAB_STANDIN_METRICS", ""))
+        self.hang_after = hang_after_knob(env.get("LAB_STANDIN_HANG_AFTER", ""))
+
+
+def hang_after_knob(value: str) -> int | None:
+    """LAB_STANDIN_HANG_AFTER as the number of generations served before every next one hangs (None: never).
+    Anything but a whole number >= 0 is refused (ValueError), as a misspelt knob must not test the normal case."""
+    value = value.strip()
+    if not value:
+        return None
+    if value.isdigit():
+        return int(value)
+    raise ValueError(f"LAB_STANDIN_HANG_AFTER={value!r}: expected a whole number of generations (0 or more)")
 
 
 def metrics_knob(value: str) -> tuple[str, float]:
@@ -375,6 +393,7 @@ class State:
         # Namespace made by hand without the attribute (tests that serve State without the parser) keeps /metrics.
         self.metrics_enabled = bool(getattr(args, "enable_metrics", True))
         self.decodes = 0
+        self.admitted = 0  # generations given a running slot, health checks apart (LAB_STANDIN_HANG_AFTER counts them)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.verify_ct = 0
@@ -386,12 +405,13 @@ class State:
         """Requests the server has (running or queued): what SGLang's drain waits for (rid_to_state)."""
         return self.running + self.queued
 
-    def decode(self, prompt: str, max_new_tokens: int) -> dict:
+    def decode(self, prompt: str, max_new_tokens: int, health: bool = False) -> dict:
         """A whole answer: the last of decode_stream's pieces."""
-        return list(self.decode_stream(prompt, max_new_tokens, every=0))[-1]
+        return list(self.decode_stream(prompt, max_new_tokens, every=0, health=health))[-1]
 
-    def decode_stream(self, prompt: str, max_new_tokens: int, every: int = 4):
-        """Yield the answer so far every `every` tokens (0: only once, whole), as SGLang's /generate stream does."""
+    def decode_stream(self, prompt: str, max_new_tokens: int, every: int = 4, health: bool = False):
+        """Yield the answer so far every `every` tokens (0: only once, whole), as SGLang's /generate stream does.
+        health: the server's own 1-token health generation, which LAB_STANDIN_HANG_AFTER neither counts nor hangs."""
         if "crash-first-decode" in self.knobs.faults:
             crash_on_decode()
         n = max(1, int(max_new_tokens))
@@ -406,7 +426,12 @@ class State:
             finally:
                 self.queued -= 1
             self.running += 1
+            if not health:
+                self.admitted += 1
+            hangs = not health and self.knobs.hang_after is not None and self.admitted > self.knobs.hang_after
         try:
+            while hangs:  # in flight for good, no token: cut only when the process ends (a drain times out)
+                time.sleep(0.1)
             done = 0
             while done < n:
                 k = min(step, n - done)
@@ -578,7 +603,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health_generate":
             if st.draining:
                 return self.reply(503)
-            st.decode("", 1)
+            st.decode("", 1, health=True)
             return self.reply(200)
         if path in ("/server_info", "/get_server_info"):
             return self.reply(200, st.server_info())
