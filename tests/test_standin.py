@@ -353,6 +353,26 @@ def test_lab_standin_hang_after_serves_n_then_hangs_while_health_answers():
         srv.shutdown()
 
 
+def test_v1_loads_reports_the_running_and_queued_requests_as_sglang_does():
+    """smg's load feed polls /v1/loads?include=core (SGLang 0.5.23's v1_loads.py): the stand-in answers it with
+    LoadSnapshot's core fields, the running and waiting requests counted."""
+    state, srv = served_state({"LAB_STANDIN_HANG_AFTER": "0"})
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server_port, timeout=5)
+        t = threading.Thread(target=lambda: state.decode("x", 4), daemon=True)  # hangs: in flight for good
+        t.start()
+        wait_for("a running request", lambda: state.running == 1)
+        conn.request("GET", "/v1/loads?include=core")
+        doc = json.loads(conn.getresponse().read())
+        conn.close()
+        assert doc["version"] == "0.5.23" and len(doc["loads"]) == 1
+        core = doc["loads"][0]
+        assert tuple(core) == lab_standin().LOAD_CORE_KEYS
+        assert (core["num_running_reqs"], core["num_waiting_reqs"], core["dp_rank"]) == (1, 0, 0)
+    finally:
+        srv.shutdown()
+
+
 @pytest.mark.parametrize("value", ["x", "-1", "1.5", "two"])
 def test_a_misspelt_lab_standin_hang_after_is_refused(value):
     with pytest.raises(ValueError, match="LAB_STANDIN_HANG_AFTER"):

@@ -11,7 +11,7 @@ What it does like SGLang 0.5.23:
 - runs several processes (one "scheduler" per tensor-parallel rank), each
   holding simulated GPU memory that the lab's simulated nvidia-smi lists;
 - serves /health, /health_generate, /generate, /v1/completions,
-  /v1/chat/completions, /v1/models, /model_info, /server_info (and the
+  /v1/chat/completions, /v1/models, /v1/loads (smg's load feed), /model_info, /server_info (and the
   deprecated /get_* names), and, with --enable-metrics, /metrics with
   sglang:spec_accept_length, sglang:gen_throughput, the load gauges and the token counters;
 - reports per-request speculative stats in meta_info (spec_verify_ct,
@@ -102,6 +102,13 @@ WATCHDOG_INTERVAL_S = 1.0
 # SHUTDOWN, so that the watchdog never takes an expected exit for a crash.
 EXPECTED_EXITS = threading.Event()
 SHUTDOWN = threading.RLock()
+# LoadSnapshot's scalar fields in 0.5.23 (sglang/srt/managers/load_snapshot.py), the "core" of /v1/loads, in order.
+LOAD_CORE_KEYS = (
+    "timestamp", "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens", "num_used_tokens",
+    "num_total_tokens", "num_active_tokens", "num_prealloc_ready_tokens", "max_total_num_tokens",
+    "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate", "utilization",
+    "total_prefill_uncached_tokens", "total_prefill_busy_us", "decode_moments",
+)  # fmt: skip
 NOT_FOUND = b'{"detail":"Not Found"}'  # FastAPI's 404 body (starlette's JSONResponse: no spaces)
 
 
@@ -473,6 +480,30 @@ class State:
         info.update({"internal_states": states, "version": VERSION, "frontend": "python", "lab_standin": True})
         return info
 
+    def loads(self) -> dict:
+        """/v1/loads as SGLang 0.5.23 answers it (sglang/srt/entrypoints/v1_loads.py get_loads; one DP rank): the
+        "core" section of LoadSnapshot.to_dict (sglang/srt/managers/load_snapshot.py), every scalar field, the
+        ones a stand-in has no model for at 0; the other sections are left out (SGLang fills them only when asked
+        for and present)."""
+        core = dict.fromkeys(LOAD_CORE_KEYS, 0)
+        with self.lock:
+            core.update(
+                timestamp=time.time(),
+                num_running_reqs=self.running,
+                num_waiting_reqs=self.queued,
+                max_running_requests=self.max_running,
+                gen_throughput=self.last_throughput,
+                decode_moments=None,
+            )
+        tp = int(getattr(self.args, "tp_size", 1) or 1)
+        return {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "version": VERSION,
+            "accelerator": "NVIDIA H200",
+            "num_accelerators": tp,
+            "loads": [core],
+        }
+
     def metrics(self) -> str:
         labels = f'model_name="{self.args.served_model_name or self.args.model_path}"'
         accept = self.generation_tokens / self.verify_ct if self.verify_ct else 0.0
@@ -605,6 +636,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self.reply(503)
             st.decode("", 1, health=True)
             return self.reply(200)
+        if path == "/v1/loads":  # what smg's load feed polls (/v1/loads?include=core); its hung-worker checks read it
+            return self.reply(200, st.loads())
         if path in ("/server_info", "/get_server_info"):
             return self.reply(200, st.server_info())
         if path in ("/model_info", "/get_model_info"):
