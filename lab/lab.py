@@ -74,9 +74,11 @@ NODE_LIMIT = 16384
 
 
 def router_vars(port: int, prometheus_port: int, api_key: str) -> dict:
-    """roles/sglang_router's variables for a router on a lab node (the rollout's e2e and benches): its ports, its
-    key, and a nofile limit the container allows (the role's default is above the container's hard limit)."""
+    """roles/sglang_router's variables for a router on a lab node (the rollout's e2e and benches): the gateway they
+    were built against (sglang-router 0.3.2; the role's default is smg), its ports, its key, and a nofile limit the
+    container allows (the role's default is above the container's hard limit)."""
     return {
+        "sglang_router_impl": "sglang-router",
         "sglang_router_port": port,
         "sglang_router_prometheus_port": prometheus_port,
         "sglang_router_api_key": api_key,

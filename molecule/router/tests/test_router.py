@@ -1,11 +1,11 @@
-"""sglang-router on a lab node: pinned in its own virtualenv, a hardened unit that systemd-analyze
-accepts, and its HTTP API listing exactly the workers of the inventory (molecule/router/inventory/hosts.yml),
-each answered by the lab's SGLang stand-in on loopback."""
+"""The role's default gateway, smg, on a lab node: pinned in its own virtualenv, a hardened unit that
+systemd-analyze accepts, and its HTTP API listing exactly the workers of the inventory
+(molecule/router/inventory/hosts.yml), each answered by the lab's SGLang stand-in on loopback."""
 
 import json
 import shlex
 
-VENV = "/opt/sglang-router"
+VENV = "/opt/smg"  # smg's own; sglang-router's is /opt/sglang-router
 UNIT = "/etc/systemd/system/sglang-router.service"
 ROUTER = "http://127.0.0.1:30000"
 KEY = "lab-router-key"  # converge.yml's sglang_router_api_key
@@ -38,19 +38,20 @@ def main_pid(host):
     return int(host.check_output("systemctl show -p MainPID --value sglang-router.service"))
 
 
-def test_the_pinned_router_is_in_its_own_virtualenv(host):
-    version = host.check_output(
-        f"{VENV}/bin/python -c 'import importlib.metadata as m; print(m.version(\"sglang-router\"))'"
-    )
-    assert version == "0.3.2"
-    assert host.file(f"{VENV}/sglang-deploy/lock.txt").contains("^sglang-router==0.3.2$")
+def test_the_pinned_gateway_is_in_its_own_virtualenv(host):
+    version = host.check_output(f"{VENV}/bin/python -c 'import importlib.metadata as m; print(m.version(\"smg\"))'")
+    assert version == "1.13.0"
+    lock = host.file(f"{VENV}/sglang-deploy/lock.txt")
+    assert lock.contains("^smg==1.13.0$") and not lock.contains("--hash")  # what the venv holds: names only
     assert host.file(VENV).user == "root"
+    assert not host.file("/opt/sglang-router").exists  # the other gateway's virtualenv: never made
 
 
 def test_the_unit_is_active_enabled_and_verified(host):
     router = host.service("sglang-router")
     assert router.is_running
     assert router.is_enabled
+    assert "\nDescription=smg 1.13.0 gateway in front of 4 SGLang workers\n" in host.file(UNIT).content_string
     verify = host.run(f"systemd-analyze verify {UNIT}")
     assert verify.rc == 0 and verify.stdout.strip() == "" and verify.stderr.strip() == "", verify.stderr
 
@@ -70,7 +71,12 @@ def test_the_unit_names_exactly_the_inventory_workers(host):
     assert urls == WORKERS
     assert "http://127.0.0.2:31004" not in exec_start  # the multi-node group's rank 1
     assert "31009" not in exec_start  # a host with instances that is no replica
+    assert argv[3] == "smg"  # the launcher's first argument: the gateway's module
     assert argv[argv.index("--policy") + 1] == "round_robin"
+    # smg's own settings, the role's values (vars/main.yml): not smg's 2 s, 3 s.
+    assert argv[argv.index("--worker-stall-secs") + 1] == "5"
+    assert argv[argv.index("--worker-wedge-secs") + 1] == "10"
+    assert "--no-remove-unhealthy-workers" in argv
     assert argv[argv.index("--health-check-interval-secs") + 1] == "5"
     assert argv[argv.index("--health-failure-threshold") + 1] == "3"
 
@@ -89,7 +95,7 @@ def test_the_router_lists_every_configured_worker_healthy(host):
     assert status == 200, body
     workers = json.loads(body)["workers"]
     assert sorted(w["url"] for w in workers) == WORKERS
-    assert all(w["is_healthy"] for w in workers), workers
+    assert all(w["is_healthy"] and w["status"] == "ready" for w in workers), workers
     status, body = http(host, "/readiness", key="")
     assert (status, json.loads(body)["healthy_workers"]) == (200, len(WORKERS))
 
