@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -35,6 +36,7 @@ from support.smg import (
     Standins,
     all_ready,
     call,
+    free_port,
     per_worker,
     smg_venv,
 )
@@ -390,3 +392,48 @@ def test_smg_sigterm_reports_not_ready_keeps_serving_five_seconds_then_drains(ve
         assert results and results[0]["completion_tokens"] == tokens  # waited for, not cut
     finally:
         gw.stop()
+
+
+def test_smg_keeps_routing_to_a_worker_whose_generations_hang_while_health_answers(venv, standins, tmp_path):
+    """sglang#22779's failure (LAB_STANDIN_HANG_AFTER=0: every generation hangs, /health and /v1/loads answer) is not
+    taken out of rotation by smg 1.13.0's hung-worker checks (--worker-wedge-secs 3, its default): well past the
+    wedge time, new requests still reach the hung worker, its health stays 1 and its breaker closed (a request that never ends is no failure). The rollout's own generations must catch it
+    (docs/router.md, "Hung workers")."""
+    w0 = standins.urls[0]
+    hung = f"http://127.0.0.1:{free_port()}"
+    proc = standins.start(hung, hang_after="0")
+    gw = None
+    try:
+        wait_for(f"{hung} healthy", lambda: http.healthy(hung), timeout=20)
+        gw = Gateway(venv, tmp_path / "smg.log", "--worker-urls", w0, hung)  # round_robin
+        wait_for(f"smg lists both ({gw.log})", lambda: all_ready(gw, w0, hung), timeout=30, interval=0.1)
+        t0 = time.monotonic()
+        outcomes = []  # (seconds after the first request, answered)
+
+        def one() -> None:
+            sent = time.monotonic() - t0
+            try:
+                http.generate(gw.url, "anyone there", 4, timeout=3, api_key=KEY)  # 0.1 s when served
+                outcomes.append((sent, True))
+            except (OSError, http.HttpError):
+                outcomes.append((sent, False))
+
+        threads = []
+        while time.monotonic() - t0 < 9:  # three wedge times
+            threads.append(threading.Thread(target=one))
+            threads[-1].start()
+            time.sleep(0.25)
+        for t in threads:
+            t.join(10)
+        late = [ok for sent, ok in outcomes if sent > 6]  # twice the wedge time after the first hung request
+        assert len(outcomes) == len(threads) and late
+        assert late.count(False) >= 2, outcomes  # still routed to the hung worker
+        assert late.count(True) >= 2, outcomes  # and to the other: smg itself still routes
+        seen = per_worker(gw.metrics(), hung)
+        assert seen["smg_worker_health"] == 1.0 and seen["smg_worker_cb_state"] == 0.0  # healthy, breaker closed
+        assert gw.by_url()[hung]["is_healthy"] is True
+    finally:
+        if gw:
+            gw.stop()
+        proc.kill()
+        proc.wait()

@@ -33,7 +33,7 @@ TOKENS_PER_S = 40
 # streams as SGLang does. Started as SGLang with --enable-metrics (the drain reads /metrics); a stand-in that
 # does not report sglang:num_queue_reqs yet gets it here, 0 (it queues nothing: every request runs at once).
 STANDIN = r"""
-import argparse, sys
+import argparse, os, sys
 from http.server import ThreadingHTTPServer
 import lab_sglang_standin as s
 
@@ -45,7 +45,8 @@ def with_queue(self):
     text = metrics(self)
     return text if "sglang:num_queue_reqs" in text else text + 'sglang:num_queue_reqs{model_name="lab"} 0.0\n'
 s.State.metrics = with_queue
-state = s.State(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": tps}, args))
+knobs = {k: v for k, v in os.environ.items() if k.startswith("LAB_STANDIN_")}  # a fault, as the unit's env sets it
+state = s.State(args, [], s.Knobs({**knobs, "LAB_STANDIN_TOKENS_PER_S": tps}, args))
 state.ready = True
 srv = ThreadingHTTPServer(("127.0.0.1", port), type("H", (s.Handler,), {"state": state}))
 srv.daemon_threads = True
@@ -155,9 +156,11 @@ class Standins:
             self.stop()  # the fixture's own cleanup does not run when its setup fails
             raise
 
-    def start(self, url: str) -> subprocess.Popen:
+    def start(self, url: str, **knobs: str) -> subprocess.Popen:
+        """A stand-in on url's port; knobs: its LAB_STANDIN_* environment (hang_after="0": LAB_STANDIN_HANG_AFTER)."""
         port = url.rsplit(":", 1)[1]
-        env = {**os.environ, "PYTHONPATH": str(REPO / "lab" / "standin")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LAB_STANDIN_")}
+        env.update({f"LAB_STANDIN_{k.upper()}": v for k, v in knobs.items()}, PYTHONPATH=str(REPO / "lab" / "standin"))
         cmd = [sys.executable, "-c", STANDIN, port, KEY, str(TOKENS_PER_S)]
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
