@@ -347,6 +347,16 @@ def test_no_secret_anywhere_in_the_bundle(tmp_path):
     assert json.loads(files["failure.json"])["request"]["headers"]["Authorization"] == f"Bearer {secret_rule.MASK}"
 
 
+def test_the_manifest_says_what_was_redacted(tmp_path):
+    """The manifest's note on the redaction is under a name the secret rule does not take for a secret's (under
+    "secrets" it was itself masked: the note read "<secret>")."""
+    res = collect(tmp_path, Host(tmp_path))
+    manifest = json.loads(members(res["path"])["manifest.json"])
+    assert manifest["redaction"] == (
+        f"every value of the secrets file, secret flags and secret-named settings replaced by {secret_rule.MASK}"
+    )
+
+
 def test_the_secrets_file_is_never_included(tmp_path):
     host = Host(tmp_path)
     inst = make_instance(tmp_path)

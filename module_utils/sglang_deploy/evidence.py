@@ -570,7 +570,7 @@ def collect(
         "budget_s": budget_s,
         "items": c.items,
         "truncated": c.truncated,
-        "secrets": "every value of the secrets file, secret flags and secret-named settings replaced by " + MASK,
+        "redaction": "every value of the secrets file, secret flags and secret-named settings replaced by " + MASK,
     }
     files = {**c.files, "manifest.json": json.dumps(manifest, indent=2) + "\n"}
     data = {}
