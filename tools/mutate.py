@@ -28,6 +28,7 @@ import ast
 import hashlib
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -54,149 +55,10 @@ SCOPE = [
 ]  # fmt: skip
 CORE = ["sglang_deploy/restart.py", "sglang_deploy/known_good.py", "sglang_deploy/stage.py",
         "sglang_deploy/gpu.py", "sglang_deploy/checks.py"]  # fmt: skip
-# Survivors no test can kill, each with why (mutmut's name; `mutmut show NAME` in .mutate/ prints its change).
-# Names follow a function's mutants in order: a changed function renumbers them, and a listed name that no longer
-# survives is reported, to be looked at again.
-_SPLIT = "n.split('-', k)[0] is the same first field for any k >= 1 (or none)"
-_UTF8 = "'UTF-8' and 'utf-8' name one codec"
-_NOW = "time.gmtime(None) is time.gmtime(time.time()): the same UTC time, a microsecond on"
-_LOCALE = "encoding left to the locale: UTF-8 on every host this runs on (Debian's C.UTF-8, PEP 538/540)"
 # A class of survivors, told apart by the mutant's code (prose_only), not listed by name: the wording of a message.
 PROSE = "the wording of a message to a person (a string with a space, wrapped in XX or its case changed)"
-_FALSY = "None for False where only the truth value is read (Checks.add's ok, subprocess.run's check)"
-_DEFAULT_MODE = "0o600 spelled out or left to write_atomic's default, 0o600"
-_LIMIT = "a time limit a second longer: only a run that hangs 60 s would show it"
-_PRECISION = "a duration kept to 4 decimals instead of 3: the fake clock's times are exact to the millisecond"
-_BOUNDARY = "a poll's deadline reached to the instant: one more poll (50-100 ms) at a time that is a least wait"
-_PROC0 = "procinfo.cmdline(0) reads /proc/0/cmdline, which no host has: [] as the else branch gives"
-_CAUSE_ONLY = "the phase as_failure is given names the failure, and only its cause is read here"
-_SAME_PHASE = "failed[1].phase is failed[0].phase: run_steps' as_failure names the Failure after its step"
-_SET_BEFORE_READ = "an attribute the phase that reads it always finds set by an earlier phase, or reads for its truth"
-EQUIVALENT = {
-    "sglang_deploy/restart.py": {
-        "xǁMachineǁ__init____mutmut_8": _SET_BEFORE_READ,
-        "xǁMachineǁ__init____mutmut_9": _SET_BEFORE_READ,
-        "xǁMachineǁ__init____mutmut_10": _SET_BEFORE_READ,
-        "xǁMachineǁ__init____mutmut_11": _SET_BEFORE_READ,
-        "xǁMachineǁ__init____mutmut_12": _SET_BEFORE_READ,
-        "xǁMachineǁ__init____mutmut_13": _SET_BEFORE_READ,
-        "xǁMachineǁ__init____mutmut_16": _SET_BEFORE_READ,
-        "xǁMachineǁtake_lock__mutmut_17": _FALSY,
-        "xǁMachineǁcontain__mutmut_25": _FALSY,
-        "xǁMachineǁcontain__mutmut_72": _DEFAULT_MODE,
-        "xǁMachineǁsave_started__mutmut_23": _DEFAULT_MODE,
-        "xǁMachineǁload_started__mutmut_2": _LOCALE,
-        "xǁMachineǁload_started__mutmut_4": _LOCALE,
-        "xǁMachineǁload_started__mutmut_6": _UTF8,
-        "xǁMachineǁrecord__mutmut_6": _PROC0,
-        "x_status__mutmut_24": _PROC0,
-        "xǁMachineǁrecord__mutmut_72": "a containment note that is not there unlinked anyway: FileNotFoundError, "
-        "which quietly() swallows, as the else branch does nothing",
-        "x_status__mutmut_16": _CAUSE_ONLY,
-        "x_restart__mutmut_74": _SAME_PHASE,
-        "x_multinode__mutmut_44": _SAME_PHASE,
-        "x_multinode__mutmut_26": "steps[:+1] is steps[:-1] for the record phase's two steps (load, record)",
-        "xǁMachineǁrank0_serving__mutmut_20": _LIMIT,
-        "x_status__mutmut_86": _LIMIT,
-        "x_status__mutmut_96": _LIMIT,
-        "x_end__mutmut_15": _PRECISION,
-        "xǁMachineǁrun_steps__mutmut_34": _PRECISION,
-        "xǁMachineǁrun_steps__mutmut_62": _PRECISION,
-        "xǁMachineǁfailure_from_journal__mutmut_38": _PRECISION,
-        "xǁMachineǁfailure_from_journal__mutmut_48": _PRECISION,
-        "xǁMachineǁstart__mutmut_131": _PRECISION,
-        "xǁMachineǁstart__mutmut_175": _PRECISION,
-        "xǁMachineǁwait_gpus__mutmut_44": _PRECISION,
-        "xǁMachineǁstart__mutmut_97": _BOUNDARY,
-        "xǁMachineǁstart__mutmut_177": _BOUNDARY,
-        "xǁMachineǁgeneration__mutmut_24": _BOUNDARY,
-        "xǁMachineǁfailure_from_journal__mutmut_5": _BOUNDARY,
-        "xǁLoadFollowerǁpoll__mutmut_6": _BOUNDARY,
-        "xǁLoadFollowerǁ__init____mutmut_6": "the first read not before monotonic second 1.0: time.monotonic() counts "
-        "from boot, past 1.0 by the time any restart runs",
-        "xǁMachineǁfailure_from_journal__mutmut_2": "lines' first value is never read: the loop reads the journal at "
-        "least once (its deadline is 1 s ahead)",
-        "xǁMachineǁfailure_from_journal__mutmut_78": "ExecMainCode's default: unit.show asks systemctl for it, and "
-        "systemctl show prints every property asked for",
-        "xǁMachineǁlogged__mutmut_1": "an invocation without a pid, or a pid without one, matches no journal line "
-        "either way (journalctl _PID=0 or an empty _SYSTEMD_INVOCATION_ID)",
-        "xǁMachineǁlogged__mutmut_4": "called only for an active unit, which has both an invocation and a main pid",
-        "xǁMachineǁlogged__mutmut_11": "reads up to 2000 of the process's own lines instead of 3: any one answers",
-        "xǁMachineǁlogged__mutmut_13": "reads 4 of the process's own lines instead of 3: any one answers",
-        "xǁMachineǁstart__mutmut_160": "the serving rank's invocation: saved with its start, read only by a rank "
-        "above 0's confirm",
-    },
-    "sglang_deploy/stage.py": {
-        "x_read_text__mutmut_2": _LOCALE,
-        "x_read_text__mutmut_4": _LOCALE,
-        "x_read_text__mutmut_6": _UTF8,
-        "x_promote__mutmut_7": _LOCALE,
-        "x_promote__mutmut_9": _LOCALE,
-        "x_promote__mutmut_11": _UTF8,
-        "x_stage_complete__mutmut_2": _LOCALE,
-        "x_stage_complete__mutmut_4": _LOCALE,
-        "x_stage_complete__mutmut_7": _UTF8,
-        "x_read__mutmut_2": _LOCALE,
-        "x_read__mutmut_4": _LOCALE,
-        "x_read__mutmut_6": _UTF8,
-        "x_verify_unit__mutmut_5": _FALSY,
-        "x_verify_unit__mutmut_10": "check=False dropped: subprocess.run's default is False",
-        "x_verify_unit__mutmut_19": _LIMIT,
-        "x_stage__mutmut_35": "wrote=[] dropped where the result already holds wrote=[] from its start",
-        "x_stage__mutmut_38": "targets None for {}: only read by `if targets:`, false either way",
-        "x_stage__mutmut_114": "the probe's mode: read by root's systemd-analyze and removed at once (0600 reads as 0644)",
-        "x_stage__mutmut_145": _DEFAULT_MODE,
-        "x_stage__mutmut_189": _DEFAULT_MODE,
-        "x_stage__mutmut_148": "the manifest's key order: read back as a mapping (stage_complete), never as text",
-        "x_stage__mutmut_150": "the manifest's key order: read back as a mapping (stage_complete), never as text",
-        "x_stage__mutmut_151": "the manifest's key order: read back as a mapping (stage_complete), never as text",
-    },
-    "sglang_deploy/gpu.py": {
-        "x_run_nvidia_smi__mutmut_1": "nvidia-smi's default time limit a second longer: only a hung nvidia-smi shows it",
-        "x_run_nvidia_smi_together__mutmut_1": "nvidia-smi's default time limit a second longer: only a hang shows it",
-        "x_snapshot__mutmut_2": "nvidia-smi's default time limit a second longer: only a hung nvidia-smi shows it",
-        "x_run_nvidia_smi_together__mutmut_31": "a hung nvidia-smi given up on after at least 1 s, not at once: "
-        "the same error, only later (not asserted: a test never times)",
-        "x_terminate__mutmut_15": "< or <= a monotonic float deadline: equal only by chance, one poll more at most",
-        "x_wait_clean__mutmut_3": "the default policy misspelt: may_stop stops nothing under a policy it does not know",
-        "x_wait_clean__mutmut_4": "the default policy misspelt: may_stop stops nothing under a policy it does not know",
-        "x_wait_clean__mutmut_5": "the grace before SIGKILL a second longer: only a process ignoring SIGTERM 10 s shows it",
-        "x_units_held__mutmut_3": "the unit's whole name as the prefix when it does not end in <instance>.service: no other "
-        "unit starts with it and ends in .service but one named absurdly",
-    },
-    "sglang_deploy/checks.py": {
-        "x_patch_check__mutmut_9": _LOCALE,
-        "x_patch_check__mutmut_11": _LOCALE,
-        "x_patch_check__mutmut_13": _UTF8,
-        "x_flags_of__mutmut_16": "setdefault's default never used: '' is set before the loop, a flag when it is seen",
-        "x_flags_of__mutmut_18": "setdefault's default never used: '' is set before the loop, a flag when it is seen",
-        "x_http_checks__mutmut_21": _FALSY,
-        "x_http_checks__mutmut_58": _FALSY,
-        "x_http_checks__mutmut_81": _FALSY,
-        "x_load_checks__mutmut_12": _FALSY,
-    },
-    "sglang_deploy/known_good.py": {
-        "xǁStoreǁnext_sequence__mutmut_6": _SPLIT,
-        "xǁStoreǁnext_sequence__mutmut_9": _SPLIT,
-        "xǁStoreǁnext_sequence__mutmut_18": _SPLIT,
-        "xǁStoreǁnext_sequence__mutmut_21": _SPLIT,
-        "x_newest_first__mutmut_8": _UTF8,
-        "x_restore_files__mutmut_22": _UTF8,
-        "x_newest_first__mutmut_4": _LOCALE,
-        "x_newest_first__mutmut_6": _LOCALE,
-        "x_restore_files__mutmut_18": _LOCALE,
-        "x_restore_files__mutmut_20": _LOCALE,
-        "xǁStoreǁrecord__mutmut_15": _NOW,
-        "xǁStoreǁrecord__mutmut_49": _NOW,
-        "xǁStoreǁrecord__mutmut_81": _NOW,
-        "x_read_files__mutmut_3": _LOCALE,
-        "x_read_files__mutmut_5": _LOCALE,
-        "x_read_files__mutmut_7": _UTF8,
-        "x_software_of__mutmut_13": _LOCALE,
-        "x_software_of__mutmut_15": _LOCALE,
-        "x_software_of__mutmut_23": _UTF8,
-    },
-}
+# The survivors argued equivalent, each with why (tools/mutation_equivalents.py).
+EQUIVALENT = runpy.run_path(str(Path(__file__).with_name("mutation_equivalents.py")))["EQUIVALENT"]
 SOURCE_DIRS = ["sglang_deploy", "driver", "filter_plugins"]
 
 
