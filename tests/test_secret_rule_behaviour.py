@@ -170,3 +170,39 @@ def test_a_value_containing_another_is_replaced_whole():
     assert r.values("x secret12-and-more y secret12 z") == f"x {M} y {M} z"
     padded = base64.b64encode(b"abcd").decode()  # YWJjZA==: its unpadded form is inside it
     assert Redactor(["abcd"]).values(f"b64 {padded} end") == f"b64 {M} end"
+
+
+# ---------------------------------------------------------------- inside another name's value; bytes not UTF-8
+
+
+@pytest.mark.parametrize(
+    "text, expected, found",
+    [
+        # systemctl show prints a unit's Environment= unquoted (the evidence bundle's unit-state.txt)
+        (
+            "Environment=HF_TOKEN=hf_abcdef12 NCCL_DEBUG=WARN",
+            "Environment=HF_TOKEN={M} NCCL_DEBUG=WARN",
+            ["hf_abcdef12"],
+        ),
+        ("SGLANG_ARGS=--api-key=abcdef12 X=1", "SGLANG_ARGS=--api-key={M} X=1", ["abcdef12"]),
+        ("callback=http://h/v1?token=abcdef12 ok", "callback=http://h/v1?token={M} ok", ["abcdef12"]),
+        ('Environment="HF_TOKEN=hf_abcdef12"', 'Environment="HF_TOKEN={M}"', ["hf_abcdef12"]),
+        ("a=b=c x=y:z", None, []),
+    ],
+    ids=["systemctl-show", "flag-in-value", "url-query", "quoted", "no-secret"],
+)
+def test_an_assignment_inside_another_names_value_is_found_quoted_or_not(text, expected, found):
+    """As it is on its own: the name before it changes nothing."""
+    want = text if expected is None else expected.replace("{M}", M)
+    assert secret_rule.patterns(text) == want
+    assert secret_rule.file_secrets(text) == found
+
+
+def test_a_known_value_with_a_byte_that_is_not_utf8_is_redacted_not_a_crash():
+    """An -e value Python decoded from a command line (a surrogate for the byte): the driver's events are scrubbed
+    with it, and its base64 is the one of its surrogate's bytes."""
+    value = "hunter2-\udcff-k"
+    r = Redactor([value])
+    coded = base64.b64encode(value.encode("utf-8", "surrogatepass")).decode()
+    assert r.values(f"x {value} y {coded} z") == f"x {M} y {M} z"
+    assert r.scrub({"a": [f"k={value!r}"]}) == {"a": [f"k={M}"]}  # its repr, quotes and all

@@ -87,7 +87,8 @@ BARE = re.compile(r"""[^\s,;)}\]'"]+""")
 
 def _assignments(text: str):
     """(name, the value's start and end, the quote, the value inside it) of each assignment ASSIGN finds, and of
-    those inside a quoted value of another name (Environment="HF_TOKEN=k"), scanned once more from its quote."""
+    those inside another name's value, scanned once more from its start (inside its quote): Environment="HF_TOKEN=k",
+    Environment=HF_TOKEN=k (as systemctl show prints it), url=http://h/?token=k, ARGS=--api-key=k."""
     pos = 0
     while (m := ASSIGN.search(text, pos)) is not None:
         quote, bare = _unquoted(m["val"])
@@ -96,7 +97,7 @@ def _assignments(text: str):
             end = BARE.match(text, start).end()
             bare = text[start:end]
         yield m, start, end, quote, bare
-        pos = start + 1 if quote and not secret_name(m["name"]) else end
+        pos = end if secret_name(m["name"]) else start + 1 if quote else start
 
 
 # --flag value, and the flag and its value as items of a list ('--api-key', 'x').
@@ -214,8 +215,9 @@ def _escaped(value: str) -> set[str]:
         json.dumps(value, ensure_ascii=False)[1:-1],
         env,
         env.replace("%", "%%"),  # a unit's Environment= (systemd specifiers)
-        urllib.parse.quote(value, safe=""),
-        urllib.parse.quote_plus(value, safe=""),
+        # a value with a byte that is not UTF-8 (a command line's: Python decodes it to a surrogate), as forms' base64
+        urllib.parse.quote(value, safe="", errors="surrogatepass"),
+        urllib.parse.quote_plus(value, safe="", errors="surrogatepass"),
         shlex.quote(value),
     }
 
