@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -38,3 +39,12 @@ def _signal_dispositions_restored():
     for s, handler in saved.items():
         if handler is not None and signal.getsignal(s) is not handler:
             signal.signal(s, handler)
+
+
+@pytest.fixture
+def usual_umask():
+    """The usual umask, 022: a directory made without its own mode would be 0755, a file 0644 (the tests of modes
+    show what the code sets itself)."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)

@@ -24,12 +24,7 @@ GOOD = {"unit": "[Service]\nExecStart=/venv-good/bin/python -m sglang.launch_ser
 NEW = {"unit": "[Service]\nExecStart=/venv-new/bin/python -m sglang.launch_server\n", "env": 'P="new"\n'}
 
 
-@pytest.fixture(autouse=True)
-def umask():
-    """The usual umask: a directory made without its own mode would be 0755, a file 0644."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
+pytestmark = pytest.mark.usefixtures("usual_umask")
 
 
 @pytest.fixture

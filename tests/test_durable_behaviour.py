@@ -17,13 +17,7 @@ import pytest
 
 from sglang_deploy import durable
 
-
-@pytest.fixture(autouse=True)
-def umask():
-    """The usual umask: a file opened without its own mode would be 0755 (for 0777), 0644 (for 0666)."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
+pytestmark = pytest.mark.usefixtures("usual_umask")
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ rollout's put-back (driver/cli.py) still runs until a third. The messages go to 
 
 from __future__ import annotations
 
-import os
 import signal
 import stat
 
@@ -18,13 +17,7 @@ import pytest
 from driver import interrupts
 from driver.interrupts import AT_ONCE, FIRST, SECOND, Interrupts
 
-
-@pytest.fixture(autouse=True)
-def umask():
-    """The usual umask: a file made without its own mode would be 0644."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
+pytestmark = pytest.mark.usefixtures("usual_umask")
 
 
 def ctrl_c(i: Interrupts, times: int = 1) -> None:

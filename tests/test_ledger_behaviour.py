@@ -27,12 +27,7 @@ from module_utils.sglang_deploy import durable
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 
-@pytest.fixture(autouse=True)
-def umask():
-    """The usual umask: a directory made without its own mode would be 0755, a file 0644."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
+pytestmark = pytest.mark.usefixtures("usual_umask")
 
 
 @pytest.fixture

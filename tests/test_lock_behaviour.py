@@ -42,12 +42,7 @@ def clock() -> Clock:
     return Clock()
 
 
-@pytest.fixture(autouse=True)
-def umask():
-    """The usual umask: a file opened without its own mode would be 0644 (0755 for 0777), a directory 0755."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
+pytestmark = pytest.mark.usefixtures("usual_umask")
 
 
 def group(tmp_path, clock, mode: str, token: str = TOKEN, seconds: float = 600, **kw) -> InstanceLock:

@@ -32,12 +32,7 @@ def inst(tmp_path) -> Instance:
     return Instance.from_params(instance_record(tmp_path, state_dir=str(tmp_path / "state")))
 
 
-@pytest.fixture(autouse=True)
-def umask():
-    """The usual umask: a directory made without its own mode would be 0755, a file 0644."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
+pytestmark = pytest.mark.usefixtures("usual_umask")
 
 
 @pytest.fixture
