@@ -39,6 +39,8 @@ _R18 = "zip's strict only raises on lists of different lengths, and these are bu
 _R19 = "a default time limit a second longer (5 s to 6 s): only a server answering between the two would show it; every caller in the repository passes its own"
 _R20 = "urllib.request.Request stores every header name capitalize()d (add_header): 'Content-type', 'Authorization' whatever the spelling given"
 _R21 = "the state word of a wait that is done is never read: _until shows `last` only at a timeout, which wait_left reaches only with a leaving record listed (`still listed`)"
+_R22 = "raw is read only as a set: leaks' any() and the modules' no_log_values.update, neither of which depends on its order"
+_R23 = "'ASCII' and 'ascii' name one codec"
 
 EQUIVALENT = {
     "driver/interrupts.py": {
@@ -109,6 +111,10 @@ EQUIVALENT = {
         "x_patch_check__mutmut_9": _LOCALE,
         "x_patch_check__mutmut_11": _LOCALE,
         "x_patch_check__mutmut_13": _UTF8,
+    },
+    "sglang_deploy/durable.py": {
+        "x_write_atomic__mutmut_12": "O_CLOEXEC and O_NOFOLLOW dropped beside O_CREAT|O_EXCL, which fails on a symlink anyway (EEXIST, never followed); the descriptor is closed before write_atomic returns and nothing is exec'd in between (subprocess closes other descriptors in its children)",
+        "x_write_atomic__mutmut_26": _UTF8,
     },
     "sglang_deploy/evidence.py": {
         "x__dir_0700__mutmut_5": _R8,
@@ -201,6 +207,19 @@ EQUIVALENT = {
         "xǁStoreǁrecord__mutmut_15": _NOW,
         "xǁStoreǁrecord__mutmut_49": _NOW,
         "xǁStoreǁrecord__mutmut_81": _NOW,
+    },
+    "sglang_deploy/lock.py": {
+        "x_holder_alive__mutmut_5": "a pid of 0 or below (or True) names no /proc entry: the checks after it (/proc/<pid>, its start time) find no process and say not alive too",
+        "x_holder_alive__mutmut_8": "pid 0 names no /proc entry: /proc/0 and its start time are not there, so the checks after it say not alive too",
+        "x_peek__mutmut_12": "O_CLOEXEC dropped (O_NOFOLLOW kept): the descriptor lives through one read and is closed before peek returns; nothing is exec'd in between, and subprocess closes other descriptors in its children anyway",
+        "x_peek__mutmut_46": "ignored() of an unreadable lease does not read now: it says only the path and why",
+        "x_peek__mutmut_81": "lease_holder's path is only in its group_lease, which the same dict's group_lease: lease replaces",
+        "x_read_holder__mutmut_11": "json.loads of an empty read raises ValueError, which read_holder turns into {}: the else branch's value",
+        "x_read_lease__mutmut_8": "O_CLOEXEC dropped (O_NOFOLLOW and O_NONBLOCK kept): the descriptor lives through one read and is closed before read_lease returns; nothing is exec'd in between, and subprocess closes other descriptors in its children anyway",
+        "xǁInstanceLockǁ__init____mutmut_16": "since is set by check_lease, which acquire calls before write_lease reads it (and '' or utc(now) is None or utc(now))",
+        "xǁInstanceLockǁ__init____mutmut_17": "ignored is set by check_lease, which acquire calls before it reads it (check_lease raises otherwise, and acquire reads nothing)",
+        "xǁInstanceLockǁ__init____mutmut_18": "ignored is set by check_lease, which acquire calls before it reads it (check_lease raises otherwise, and acquire reads nothing)",
+        "xǁInstanceLockǁacquire__mutmut_76": "the holder, written from offset 0, is always longer than one byte: truncated to 1 byte or to 0 first, the file is the same",
     },
     "sglang_deploy/rendezvous.py": {
         "x__bind_free__mutmut_4": _R3,
@@ -366,6 +385,25 @@ EQUIVALENT = {
         "xǁRouterǁwait_left__mutmut_17": _R21,
         "xǁRouterǁwait_left__mutmut_18": _R21,
     },
+    "sglang_deploy/secret_rule.py": {
+        "x__assignments__mutmut_33": "searching on from a quoted value's quote finds what searching from inside it finds: no name starts at a quote",
+        "x__assignments__mutmut_35": "searching on from the character before a quoted value (the separator's last: = : space or tab) finds what searching from inside the quote finds: no name starts there or at the quote",
+        "x__escaped__mutmut_29": "None for False where only the truth value is read: json.dumps escapes non-ASCII only when ensure_ascii is true",
+        "x__escaped__mutmut_48": "X is an unreserved character quote never escapes: safe='XXXX' escapes exactly what safe='' does",
+        "x__escaped__mutmut_55": "safe='' spelled out is quote_plus's own default",
+        "x__escaped__mutmut_57": "X is an unreserved character quote_plus never escapes: safe='XXXX' escapes exactly what safe='' does",
+        "x_forms__mutmut_21": _UTF8,
+        "x_forms__mutmut_27": _R23,
+        "x_forms__mutmut_31": _R23,
+        "x_masked__mutmut_2": "None for False where only the truth value is read (hide)",
+        "x_masked__mutmut_5": "None for False where only the truth value is read (hide)",
+        "xǁRedactorǁ__init____mutmut_7": _R22,
+        "xǁRedactorǁ__init____mutmut_10": _R22,
+        "xǁRedactorǁ__init____mutmut_11": _R22,
+        "xǁRedactorǁ__init____mutmut_12": _R22,
+        "xǁRedactorǁ__init____mutmut_15": "set().union() of no forms is the empty set, the else branch's value",
+        "xǁRedactorǁ__init____mutmut_25": "alternatives that match at one position are prefixes of one another, and reverse lexicographic order puts the longer first, as length order does",
+    },
     "sglang_deploy/software.py": {
         "x__python_version__mutmut_2": _LOCALE,
         "x__python_version__mutmut_4": _LOCALE,
@@ -430,7 +468,7 @@ EQUIVALENT = {
         "x_installation_identity__mutmut_2": "patch.dist_info compares names normalised (PEP 503: lower case, runs of -_. as -): 'SGLANG' finds sglang's dist-info as 'sglang' does",
         "x_listening_inodes__mutmut_7": "encoding left to the locale: /proc/net/tcp and tcp6 are ASCII, which every locale this runs on (UTF-8) reads alike",
         "x_listening_inodes__mutmut_9": "encoding left to the locale: /proc/net/tcp and tcp6 are ASCII, which every locale this runs on (UTF-8) reads alike",
-        "x_listening_inodes__mutmut_11": "'ASCII' and 'ascii' name one codec",
+        "x_listening_inodes__mutmut_11": _R23,
         "x_listening_inodes__mutmut_26": "the kernel writes local_address as HEX:HEX, with one ':': split at every ':' or at the last, the last field is the port",
         "x_listening_inodes__mutmut_27": "the kernel writes local_address as HEX:HEX, with one ':': split at the first ':' or at the last, the second field is the port",
         "x_listening_inodes__mutmut_30": "the kernel writes local_address as HEX:HEX, with one ':': rsplit once or twice gives the same second field",
