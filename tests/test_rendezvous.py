@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from sglang_deploy import rendezvous as rdv
+from support.rendezvous import checked
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -330,21 +331,6 @@ def test_this_hosts_interfaces_and_local_addresses():
 
 
 # --- meeting: who is there ------------------------------------------------------------------------------------------
-
-
-def checked(rank, host, ok=True, **kw):
-    return {
-        "instance": "mn",
-        "node_rank": rank,
-        "host": host,
-        "ok": ok,
-        "dist_init_addr": "node1:5757",
-        "problems": [] if ok else ["GLOO_SOCKET_IFNAME names 'nosuch0', an interface node2 does not have"],
-        "store_port": 5757 if rank == 0 else None,
-        "listener": rank == 0,
-        "resolved": ["10.0.0.1"],
-        **kw,
-    }
 
 
 def test_peers_each_rank_once_all_passed_same_address():

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from sglang_deploy import rendezvous as rdv
+from support.rendezvous import checked
 
 IFACES = {
     "lo": ["127.0.0.1", "::1"],
@@ -441,21 +442,6 @@ def test_port_state_lists_holders_masked_and_cut_and_asks_about_its_own_port():
 
 
 # --- peers: who is there ---------------------------------------------------------------------------------------------
-
-
-def checked(rank, host, ok=True, **kw):
-    return {
-        "instance": "mn",
-        "node_rank": rank,
-        "host": host,
-        "ok": ok,
-        "dist_init_addr": "node1:5757",
-        "problems": [] if ok else ["GLOO_SOCKET_IFNAME names 'nosuch0', an interface node2 does not have"],
-        "store_port": 5757 if rank == 0 else None,
-        "listener": rank == 0,
-        "resolved": ["10.0.0.1"],
-        **kw,
-    }
 
 
 def test_peers_of_an_instance_without_nnodes_are_rank0_alone():
