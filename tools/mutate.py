@@ -243,6 +243,46 @@ def not_killed(files: list[str]) -> list[str]:
     return names
 
 
+def from_record(files: list[str], record: dict, also: list[str]) -> tuple[list[str], set[str]]:
+    """--retest in a stage without mutmut's results (a fresh clone): the mutants the record holds as not killed, each
+    function whose code changed since the record as a whole (its mutants are numbered anew), and `also` (globs).
+    Returns mutmut's names and globs to run, and the module-qualified functions run whole."""
+    names, whole = [], set()
+    for rel in files:
+        entry, module = record.get(rel, {}), rel.removesuffix(".py").replace("/", ".")
+        changed = set(changed_functions(rel, entry))
+        kept = [*entry.get("survivors", []), *entry.get("equivalents", {}), *entry.get("no_test_names", [])]
+        kept += entry.get("wordings", [])
+        names += [f"{module}.{n}" for n in kept if function_of(n) not in changed]
+        names += [mutant_glob(rel, f) for f in sorted(changed)]
+        whole |= {f"{module}.{f}" for f in changed}
+    return names + also, whole | {g.split("__mutmut_")[0] for g in also}
+
+
+def carry_killed(got: dict[str, dict], named: list[str], whole: set[str]) -> None:
+    """After a run from the record: a mutant neither named nor in a function run whole was killed in the recorded
+    run and its function has not changed since (mutmut's own incremental rule): counted killed, and said so."""
+    os.chdir(STAGE)
+    from mutmut.stats import status_by_exit_code
+
+    wanted = set(named)
+    for rel, entry in got.items():
+        codes = json.loads((STAGE / "mutants" / f"{rel}.meta").read_text())["exit_code_by_key"]
+        carried = [
+            key for key, code in codes.items()
+            if status_by_exit_code[code] == "not checked" and key not in wanted and key.split("__mutmut_")[0] not in whole
+        ]  # fmt: skip
+        if not carried:
+            continue
+        entry["killed"] += len(carried)
+        entry["carried"] = len(carried)  # killed as recorded, not run again
+        entry["other"]["not checked"] -= len(carried)
+        if not entry["other"]["not checked"]:
+            del entry["other"]["not checked"]
+        tested = entry["killed"] + entry["survived"] + entry["no_tests"]
+        entry["score"] = round(100 * entry["killed"] / tested, 1) if tested else None
+
+
 def function_of(name: str) -> str:
     """The mangled function of mutant `name` (x_stage__mutmut_12 -> x_stage)."""
     return name.rsplit(".", 1)[-1].split("__mutmut_")[0]
@@ -347,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--retest", action="store_true", help="test again only the mutants not killed yet (after new tests: quicker)"
     )
+    ap.add_argument(
+        "--also", nargs="*", default=[], help="--retest: mutants to test as well (mutmut globs, a.b.x_f__mutmut_*)"
+    )
     ap.add_argument("--no-write", action="store_true", help=f"print only; leave {OUT.relative_to(REPO)} as it is")
     ap.add_argument("--ci", action="store_true", help="only the core's functions changed since the record (make test)")
     ap.add_argument("--budget", type=float, default=600.0, help="--ci: seconds for the mutants (the rest not run)")
@@ -365,10 +408,20 @@ def main(argv: list[str] | None = None) -> int:
                 (STAGE / "mutants" / stale).unlink(missing_ok=True)
     fresh_copies(args.files)
     t0 = time.monotonic()
-    names = not_killed(args.files) if args.retest else []  # named, mutmut tests them again; unnamed, only new ones
+    names, whole, fresh = [], set(), []
+    record = json.loads(OUT.read_text())["files"] if OUT.exists() else {}
+    if args.retest:  # named, mutmut tests them again; unnamed, only new ones
+        fresh = [f for f in args.files if not (STAGE / "mutants" / f"{f}.meta").exists()]
+        names = not_killed([f for f in args.files if f not in fresh])
+        if fresh:
+            os.chdir(STAGE)  # mutmut reads its setup.cfg on import
+            more, whole = from_record(fresh, record, args.also)
+            names += more
     run = subprocess.run([str(MUTMUT), "run", "--max-children", str(args.jobs), *names], cwd=STAGE, check=False)
     seconds = round(time.monotonic() - t0, 1)
     got = results(args.files)
+    if fresh:
+        carry_killed({f: got[f] for f in fresh if f in record}, names, whole)
     cols = f"{'mutants':>7} {'killed':>6} {'survived':>8} {'equiv.':>6} {'wording':>7} {'no tests':>8} {'untested':>8}"
     print(f"{'file':36} {cols} {'score':>6}")
     for rel, r in got.items():
