@@ -123,6 +123,11 @@ def parser() -> argparse.ArgumentParser:
             raise argparse.ArgumentTypeError(f"{value!r} is neither a count (2) nor a percentage (25%)")
         return value
 
+    def at_least_one(value: str) -> int:
+        if not value.strip().isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a count of 1 or more")
+        return int(value)
+
     for name, (_, text) in PLAYBOOKS.items():
         sp = sub.add_parser(
             name,
@@ -163,6 +168,13 @@ def parser() -> argparse.ArgumentParser:
                 default="0",
                 help="failed replica hosts the rollout goes on after, a count or a percentage (default 0)",
             )
+            sp.add_argument(
+                "--gateway-quorum",
+                type=at_least_one,
+                metavar="N",
+                help="gateways of sglang_routers that must carry out each step (default all): one down beyond that "
+                "fails the replica's turn",
+            )
     text = (
         "a sweep of speculative and serving flags over the safe restart on one instance: each combination "
         "restarted, benchmarked and recorded; ranked against no speculation; the winner written as a new profile"
@@ -202,6 +214,8 @@ def extravars(args: argparse.Namespace) -> list[str]:
         out.append(json.dumps({"sglang_rollout_max_unavailable": args.max_unavailable}))
     if getattr(args, "max_fail", None) is not None:
         out.append(json.dumps({"sglang_rollout_max_fail": args.max_fail}))
+    if getattr(args, "gateway_quorum", None) is not None:
+        out.append(json.dumps({"sglang_rollout_gateway_quorum": args.gateway_quorum}))
     return out
 
 

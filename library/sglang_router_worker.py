@@ -10,28 +10,21 @@ module: sglang_router_worker
 short_description: Take an SGLang worker out of the gateway (sglang-router 0.3.2 or smg 1.13.0), drain it, put it
   back; inspect workers
 description:
-  - Speaks to either gateway, as I(impl) names it, so that every action means the same with both (the
-    differences in docs/router.md, "The two gateways"; with smg a worker listed C(draining) counts as removed).
-  - Runs where the router's API answers (playbooks/rollout.yml delegates it to the router host). The worker is
-    named by its URL; any spelling the router lists it under is the same worker here (router.py's same_worker).
-  - I(action=remove) removes the worker by the UUID the router lists it with (0.3.2 refuses a URL), every record
-    of it when it is registered under two spellings, and waits until it is no longer listed. A worker the
-    router does not list under any spelling FAILS (the message names what the router lists), unless
-    I(missing_ok). Removal neither waits for nor cuts its in-flight requests; with I(drain), the same call then
-    drains it as I(action=drain) does (one module call of a rollout's step, not two).
-  - I(action=drain) waits until the worker's C(sglang:num_running_reqs) + C(sglang:num_queue_reqs) (/metrics,
-    summed over their label sets) has said 0 for 0.2 s (two reads at least), or a connection to it is refused.
-    It FAILS (the drain in the result) at once when /metrics answers 404 or lacks either series (SGLang serves
-    them only with C(--enable-metrics)); at I(drain_timeout) when requests still run or the reads keep failing.
-  - I(action=add) adds the worker (C(POST /workers)) unless the router lists it under any spelling, and waits
-    until the router lists it as healthy; fails at I(timeout). I(action=wait_healthy) only waits.
-    I(action=list) returns what the router lists.
-  - I(action=inspect) reads, for each of I(worker_urls), whether the router lists it, whether it serves (GET
-    /health 200 within I(timeout)) and whether it can be drained on evidence (/metrics 200 with both series);
-    it changes nothing. With I(fail_on_problems) it fails when one is not listed or not drainable.
-  - I(action=measure) measures the worker's output tok/s as the safe restart's verify does (I(requests)
-    generations of I(max_new_tokens) tokens, one after another); no router is involved.
-  - Logic in module_utils/sglang_deploy/router.py. See docs/rollout.md and docs/router.md.
+  - Speaks to either gateway (I(impl); docs/router.md, "The two gateways"), or to several at once (I(routers)).
+    Runs where the routers' API answers (the rollout delegates it to the first router host). The worker is named
+    by its URL; any spelling the router lists it under is the same worker (router.py's same_worker).
+  - I(action=remove) removes every record of the worker by the UUID the router lists it with and waits until it
+    is no longer listed (with smg, C(draining) counts as removed); a worker not listed FAILS unless I(missing_ok).
+    Removal neither waits for nor cuts its in-flight requests; with I(drain), the same call then drains it.
+  - I(action=drain) waits until the worker's C(sglang:num_running_reqs) + C(sglang:num_queue_reqs) said 0 for
+    0.2 s (two reads at least), or its connection is refused. It FAILS at once when /metrics cannot say (SGLang
+    serves it only with C(--enable-metrics)); at I(drain_timeout) when requests still run or reads keep failing.
+  - I(action=add) adds the worker unless listed and waits until the router lists it healthy (fails at
+    I(timeout)); I(action=wait_healthy) only waits; I(action=list) returns what the router lists.
+  - I(action=inspect) reads, for each of I(worker_urls), whether the router lists it, whether it serves and whether
+    it can be drained on evidence; it changes nothing. With I(fail_on_problems) it fails on any such problem.
+  - I(action=measure) measures the worker's output tok/s as the safe restart's verify does; no router involved.
+  - Logic in module_utils/sglang_deploy/router.py and gateways.py. See docs/rollout.md and docs/router.md.
 options:
   action:
     description: What to do.
@@ -45,9 +38,22 @@ options:
     choices: [sglang-router, smg]
     default: sglang-router
   router_url:
-    description: The router's base URL, as seen from where the module runs. Required but for I(action=drain) and
-      I(action=measure).
+    description: The router's base URL, as seen from where the module runs. This or I(routers) is required but for
+      I(action=drain) and I(action=measure).
     type: str
+  routers:
+    description: Several gateways in front of the same workers, each acted on at once (module_utils gateways.py);
+      the result says, under C(gateways), which carried the action out and why not.
+    type: list
+    elements: dict
+    suboptions:
+      name: {description: The gateway's name in messages (its inventory host)., type: str}
+      url: {description: Its base URL as seen from where the module runs., type: str, required: true}
+      impl: {description: Its gateway (as I(impl))., type: str, choices: [sglang-router, smg], default: sglang-router}
+      api_key: {description: Its API key (else I(api_key))., type: str}
+  quorum:
+    description: With I(routers), how many gateways must carry the action out (default all); fewer FAILS.
+    type: int
   api_key:
     description: The router's API key (C(--api-key)), required on /workers when the router has one; with
       I(action=measure), the worker's. With smg, I(action=add) posts it as the worker's key too.
@@ -131,25 +137,15 @@ drain:
   type: dict
   returned: drain, remove with drain
   contains:
-    drained:
-      description: Whether the worker has nothing left to run (on evidence); null in check mode.
-      type: bool
-    seconds:
-      description: How long the drain took.
-      type: float
-    running:
-      description: The last sglang:num_running_reqs read (summed over its label sets); null when none was read.
-      type: float
-    queued:
-      description: The last sglang:num_queue_reqs read; null when none was read.
-      type: float
-    why:
-      description: "Why it ended: nothing running or queued, not serving (refused), cannot be drained on
-        evidence (naming --enable-metrics), the drain timeout (the last load or error), or check mode."
-      type: str
+    drained: {description: Whether the worker has nothing left to run (on evidence); null in check mode., type: bool}
+    seconds: {description: How long the drain took., type: float}
+    running: {description: The last sglang:num_running_reqs read (summed over label sets); null when none., type: float}
+    queued: {description: The last sglang:num_queue_reqs read; null when none was read., type: float}
+    why: {description: "Why it ended: nothing running or queued, not serving, cannot be drained on evidence, the
+        drain timeout (the last load or error), or check mode.", type: str}
     gateway_in_flight:
-      description: With smg, its own count of the worker's requests in flight at the drain's last read; null
-        once smg no longer lists it. Evidence only (the worker's gauges decide); absent with sglang-router.
+      description: With smg, its own count of the worker's requests in flight at the drain's last read (summed over
+        the smg gateways of I(routers)); null once none lists it. Evidence only; absent with sglang-router.
       type: float
 workers:
   description: With action=inspect, one entry per I(worker_urls), in their order; with remove, add, wait_healthy
@@ -158,44 +154,28 @@ workers:
   elements: dict
   returned: remove (when it removed), add, wait_healthy, list, inspect
   contains:
-    url:
-      description: The worker (inspect, as given; else as the router lists it).
-      type: str
-    id:
-      description: Its UUID (not inspect).
-      type: str
-    healthy:
-      description: Whether the router lists it healthy and in rotation (not inspect).
-      type: bool
-    status:
-      description: With smg, its state (C(ready), C(draining), C(not_ready)); absent with sglang-router.
-      type: str
-    listed:
-      description: (inspect) Whether the router lists it under any spelling.
-      type: bool
-    ids:
-      description: (inspect) The UUIDs the router lists it with (more than one when registered twice).
-      type: list
-      elements: str
-    healthy_in_router:
-      description: (inspect) Whether one of its records is healthy in the router; null when not listed.
-      type: bool
-    serving:
-      description: (inspect) Whether its own GET /health answered 200 within I(timeout).
-      type: bool
-    drainable:
-      description: (inspect) Whether its /metrics answered 200 with sglang:num_running_reqs and
-        sglang:num_queue_reqs.
-      type: bool
-    why:
-      description: (inspect) Why it is not serving or not drainable; empty when it is both.
-      type: str
+    url: {description: The worker (inspect, as given; else as the router lists it)., type: str}
+    id: {description: Its UUID (not inspect)., type: str}
+    healthy: {description: Whether the router lists it healthy and in rotation (not inspect)., type: bool}
+    status: {description: With smg, its state (C(ready), C(draining), C(not_ready))., type: str}
+    listed: {description: (inspect) Whether the router lists it under any spelling., type: bool}
+    ids: {description: (inspect) The UUIDs the router lists it with., type: list, elements: str}
+    healthy_in_router: {description: (inspect) Whether a record of it is healthy; null when not listed., type: bool}
+    serving: {description: (inspect) Whether its own GET /health answered 200 within I(timeout)., type: bool}
+    drainable: {description: (inspect) Whether its /metrics answered 200 with both load series., type: bool}
+    why: {description: (inspect) Why it is not serving or not drainable; empty when it is both., type: str}
 problems:
   description: With action=inspect, one sentence per worker not listed and per worker not drainable (each naming
     the worker); empty when none.
   type: list
   elements: str
   returned: inspect
+gateways:
+  description: With I(routers) of two or more, one entry per gateway, {name, url, ok, why} (why when not ok);
+    inspect's workers then say each gateway's view under C(gateways) (by name, listed and healthy_in_router).
+  type: list
+  elements: dict
+  returned: remove, add, wait_healthy, list, inspect (with two routers or more)
 msg:
   description: When the module fails, the action, the worker and why.
   type: str
@@ -203,8 +183,9 @@ msg:
 """
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.sglang_deploy.gateways import act_all
 from ansible.module_utils.sglang_deploy.http import HttpError
-from ansible.module_utils.sglang_deploy.router import DEFAULT_IMPL, GATEWAYS, ActionFailed, RouterError, act
+from ansible.module_utils.sglang_deploy.router import DEFAULT_IMPL, GATEWAYS, ActionFailed, RouterError
 from ansible.module_utils.sglang_deploy.secret_rule import Redactor
 
 ARGUMENT_SPEC = dict(
@@ -213,6 +194,17 @@ ARGUMENT_SPEC = dict(
     ),
     impl=dict(type="str", choices=list(GATEWAYS), default=DEFAULT_IMPL),  # router.py's table: one list of gateways
     router_url=dict(type="str"),
+    routers=dict(
+        type="list",
+        elements="dict",
+        options=dict(
+            name=dict(type="str"),
+            url=dict(type="str", required=True),
+            impl=dict(type="str", choices=list(GATEWAYS), default=DEFAULT_IMPL),
+            api_key=dict(type="str", no_log=True),
+        ),
+    ),
+    quorum=dict(type="int"),
     api_key=dict(type="str", no_log=True),
     worker_url=dict(type="str"),
     worker_urls=dict(type="list", elements="str"),
@@ -227,18 +219,23 @@ ARGUMENT_SPEC = dict(
 )
 REQUIRED_IF = (
     [("action", a, ["worker_url"]) for a in ("remove", "add", "drain", "wait_healthy", "measure")]
-    + [("action", a, ["router_url"]) for a in ("remove", "add", "wait_healthy", "list", "inspect")]
+    + [("action", a, ["router_url", "routers"], True) for a in ("remove", "add", "wait_healthy", "list", "inspect")]
     + [("action", "inspect", ["worker_urls"])]
 )
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_if=REQUIRED_IF, supports_check_mode=True)
+    module = AnsibleModule(
+        argument_spec=ARGUMENT_SPEC,
+        required_if=REQUIRED_IF,
+        mutually_exclusive=[("router_url", "routers")],
+        supports_check_mode=True,
+    )
     what = f"{module.params['action']} {module.params['worker_url'] or ''}".rstrip()
     # A router's answer may echo the key in any escaping (JSON, a repr): Ansible's no_log masks the literal only.
-    redact = Redactor([module.params["api_key"] or ""])
+    redact = Redactor([module.params["api_key"] or ""] + [g["api_key"] or "" for g in module.params["routers"] or []])
     try:
-        result = act(module.params, module.check_mode)
+        result = act_all(module.params, module.check_mode)
     except ActionFailed as exc:  # the result too (the drain, the inspection)
         module.fail_json(**redact.scrub({**exc.result, "msg": f"{what}: {exc}"}))
     except (RouterError, HttpError) as exc:

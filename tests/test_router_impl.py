@@ -3,7 +3,12 @@ of the rollout's worker client names the gateway it speaks to. Read as YAML, as 
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -70,20 +75,80 @@ def walk(tasks):
                 yield from walk(task.get(key))
 
 
-def test_every_call_of_the_worker_client_names_the_routers_gateway():
+def test_every_call_of_the_worker_client_speaks_to_every_gateway_with_the_quorum():
     calls = list(worker_calls())
     assert len(calls) >= 13
-    missing = [
+    # measure speaks to a worker only; every other call names the gateways (drain: for their in-flight counts)
+    wrong = [
         f"{path}: {args['action']}"
         for path, args in calls
-        if args.get("router_url") and args.get("impl") != "{{ sglang_rollout_router_impl }}"
+        if args["action"] != "measure"
+        and (
+            args.get("routers") != "{{ sglang_rollout_routers }}"
+            or args.get("quorum") != "{{ sglang_rollout_gateway_quorum }}"
+            or {"router_url", "impl", "api_key"} & set(args)
+        )
     ]
-    assert missing == []
+    assert wrong == []
 
 
-def test_the_rollout_reads_the_routers_impl_else_the_roles_default():
-    text = (REPO / "playbooks" / "vars" / "rollout.yml").read_text()
-    rollout = yaml.safe_load(text)
-    expr = rollout["sglang_rollout_router_impl"]
-    assert "hostvars[sglang_rollout_router].sglang_router_impl" in expr
-    assert "roles/sglang_router/defaults/main.yml" in expr and ").sglang_router_impl" in expr
+PLAY = """
+- hosts: r1
+  gather_facts: false
+  vars_files: ["%(repo)s/playbooks/vars/rollout.yml"]
+  tasks:
+    - ansible.builtin.copy:
+        content: "{{ {'routers': sglang_rollout_routers, 'quorum': sglang_rollout_gateway_quorum | int,
+                      'on': sglang_rollout_router} | to_json }}"
+        dest: "%(out)s"
+      delegate_to: localhost
+"""
+
+
+def rendered(tmp_path, routers: dict, extra: tuple = ()) -> dict:
+    """playbooks/vars/rollout.yml's gateways as Ansible renders them for an inventory whose sglang_routers are
+    `routers` (host -> variables); its playbook_dir made the repository's playbooks/ (the role default's lookup)."""
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    inventory = {"all": {"children": {"sglang_routers": {"hosts": {h: {**local, **v} for h, v in routers.items()}}}}}
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
+    play = tmp_path / "playbooks" / "play.yml"
+    play.parent.mkdir()
+    (tmp_path / "roles").symlink_to(REPO / "roles")
+    play.write_text(PLAY % {"repo": REPO, "out": tmp_path / "out.json"})
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(play), *extra],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_the_rollout_reaches_each_gateway_with_its_own_impl_address_and_key(tmp_path):
+    out = rendered(
+        tmp_path,
+        {
+            "r1": {"sglang_router_port": 30100, "sglang_router_api_key": "k1"},  # the role's default impl
+            "r2": {
+                "sglang_router_impl": "sglang-router",
+                "sglang_router_address": "10.0.0.2",
+                "sglang_router_port": 30200,
+            },
+            "r3": {"sglang_router_impl": "smg", "ansible_host": "fd00::3", "sglang_router_api_key": "k3"},
+            "r4": {"sglang_router_host": "10.0.0.4"},  # listening on one address: that one, from anywhere
+        },
+        ("-e", "sglang_service_api_key=fleet"),
+    )
+    assert out["on"] == "r1" and out["quorum"] == 4
+    assert out["routers"] == [
+        {"name": "r1", "impl": DEFAULTS["sglang_router_impl"], "url": "http://127.0.0.1:30100", "api_key": "k1"},
+        {"name": "r2", "impl": "sglang-router", "url": "http://10.0.0.2:30200", "api_key": "fleet"},
+        {"name": "r3", "impl": "smg", "url": "http://[fd00::3]:30000", "api_key": "k3"},
+        {"name": "r4", "impl": DEFAULTS["sglang_router_impl"], "url": "http://10.0.0.4:30000", "api_key": "fleet"},
+    ]
+    assert DEFAULTS["sglang_router_impl"] == "smg"
+
+
+def test_the_quorum_is_the_operators_when_given(tmp_path):
+    out = rendered(tmp_path, {"r1": {}, "r2": {}}, ("-e", "sglang_rollout_gateway_quorum=1"))
+    assert out["quorum"] == 1 and [r["url"] for r in out["routers"]] == ["http://127.0.0.1:30000", "http://r2:30000"]
