@@ -191,9 +191,37 @@ def summary(tracker: Tracker, exit_code: int, run_id: int | None, svg: str | Non
         picture.save_svg(svg, title=f"python -m driver {tracker.command}")
 
 
+def gateway_table(tracker: Tracker):
+    """What every gateway thinks of each instance (the status playbook's VIEW_FACT); None when none was read."""
+    if not tracker.gateway_view:
+        return None
+    t = table("what every gateway thinks", ("host", "instance", "gateway", "listed", "healthy", "in flight", "circuit", "note"))  # fmt: skip
+
+    def said(value, yes="yes", no="[red]no[/red]"):
+        return "-" if value is None else yes if value is True else no if value is False else str(value)
+
+    for r in tracker.gateway_view:
+        circuit = r.get("circuit")
+        t.add_row(
+            str(r.get("host", "?")),
+            str(r.get("instance", "?")),
+            str(r.get("gateway", "?")),
+            said(r.get("listed"), no="[red]NOT LISTED[/red]"),
+            said(r.get("healthy"), yes="[green]ok[/green]", no="[red]unhealthy[/red]")
+            + (f" ({r['status']})" if r.get("status") else ""),
+            "-" if r.get("in_flight") is None else f"{r['in_flight']:g}",
+            "-" if circuit is None else circuit if circuit == "closed" else f"[red]{circuit}[/red]",
+            str(r.get("why") or ""),
+        )
+    return t
+
+
 def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> None:
     if tracker.command == "status":
         console.print(status_table(tracker, exit_code))
+        view = gateway_table(tracker)
+        if view is not None:
+            console.print(view)
         for h in sorted(tracker.hosts.values(), key=lambda x: x.name):
             for name, res in sorted(h.instances.items()):
                 for j in res.get("jobs") or []:  # restart workers the host still holds

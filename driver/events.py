@@ -41,6 +41,9 @@ def result_event(runner_status: str | None, rc: int | None, interrupted: bool, e
 # The fact a playbook sets with its own account of the run (playbooks/rollout.yml: where every replica stands and
 # what the router lists); shown under the summary and kept in --json as "report".
 REPORT_FACT = "sglang_rollout_report"
+# The fact playbooks/status.yml sets with what every gateway thinks of each instance (one row per instance and
+# gateway: host, instance, gateway, listed, healthy, status, in_flight, circuit, why); --json's "gateways".
+VIEW_FACT = "sglang_gateway_view"
 WAITING, PLAY, VALIDATE, CONFIGURE, PATCH = "waiting", "play", "validate", "configure", "patch"
 SERVER_MODULE = "sglang_server"  # its phase is the command's own (restart, rollback, verify, status)
 # The modules that say which phase a host is in wherever they run (short names: see module_of).
@@ -177,6 +180,7 @@ class Tracker:
         self.last = 0.0
         self.messages: list[str] = []  # output that is no task's: Ansible's own errors and warnings
         self.report: list[str] = []  # a playbook's own account, line by line (REPORT_FACT: where each replica stands)
+        self.gateway_view: list[dict] = []  # VIEW_FACT's rows
 
     def host(self, name: str) -> HostState:
         if name not in self.hosts:
@@ -226,6 +230,9 @@ class Tracker:
             report = (res.get("ansible_facts") or {}).get(REPORT_FACT)
             if kind == "runner_on_ok" and isinstance(report, list):
                 self.report = [str(line) for line in report]
+            view = (res.get("ansible_facts") or {}).get(VIEW_FACT)
+            if kind == "runner_on_ok" and isinstance(view, list):
+                self.gateway_view = [row for row in view if isinstance(row, dict)]
             if kind == "runner_item_on_failed" and not data.get("ignore_errors"):
                 self.fail(h, data, now)
         elif kind == "runner_on_failed" and not data.get("ignore_errors"):
@@ -337,6 +344,7 @@ class Tracker:
             "rows": self.rows(),
             "messages": self.messages[-40:],
             "report": self.report,
+            "gateways": self.gateway_view,
         }
 
     def left_in(self, abandoned: bool = True) -> list[str]:

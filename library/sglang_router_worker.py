@@ -24,12 +24,13 @@ description:
   - I(action=inspect) reads, for each of I(worker_urls), whether the router lists it, whether it serves and whether
     it can be drained on evidence; it changes nothing. With I(fail_on_problems) it fails on any such problem.
   - I(action=measure) measures the worker's output tok/s as the safe restart's verify does; no router involved.
-  - Logic in module_utils/sglang_deploy/router.py and gateways.py. See docs/rollout.md and docs/router.md.
+  - I(action=view) says what every gateway thinks of each of I(worker_urls); a gateway down is said, never a failure.
+    Logic in module_utils/sglang_deploy/router.py and gateways.py; see docs/rollout.md and docs/router.md.
 options:
   action:
     description: What to do.
     type: str
-    choices: [remove, add, drain, wait_healthy, list, inspect, measure]
+    choices: [remove, add, drain, wait_healthy, list, inspect, measure, view]
     required: true
   impl:
     description: The gateway at I(router_url), C(sglang-router) (0.3.2) or C(smg) (1.13.0, the Shepherd Model
@@ -51,6 +52,7 @@ options:
       url: {description: Its base URL as seen from where the module runs., type: str, required: true}
       impl: {description: Its gateway (as I(impl))., type: str, choices: [sglang-router, smg], default: sglang-router}
       api_key: {description: Its API key (else I(api_key))., type: str}
+      metrics_url: {description: With I(action=view), its Prometheus endpoint's base URL (circuit states)., type: str}
   quorum:
     description: With I(routers), how many gateways must carry the action out (default all); fewer FAILS.
     type: int
@@ -96,10 +98,7 @@ options:
     description: With I(action=measure), how many generations.
     type: int
     default: 4
-  max_new_tokens:
-    description: With I(action=measure), the tokens of each.
-    type: int
-    default: 64
+  max_new_tokens: {description: With I(action=measure) the tokens of each., type: int, default: 64}
 notes:
   - Check mode - remove and add read the router's list and send nothing; drain reads nothing (C(drained=null)).
 author: sglang-deploy
@@ -176,6 +175,12 @@ gateways:
   type: list
   elements: dict
   returned: remove, add, wait_healthy, list, inspect (with two routers or more)
+view:
+  description: With action=view, one row per worker and gateway, {worker, gateway, listed, healthy, status,
+    in_flight, circuit, why}; null where the gateway said nothing (in_flight with 0.3.2, all when it is down).
+  type: list
+  elements: dict
+  returned: view
 msg:
   description: When the module fails, the action, the worker and why.
   type: str
@@ -188,22 +193,20 @@ from ansible.module_utils.sglang_deploy.http import HttpError
 from ansible.module_utils.sglang_deploy.router import DEFAULT_IMPL, GATEWAYS, ActionFailed, RouterError
 from ansible.module_utils.sglang_deploy.secret_rule import Redactor
 
+ACTIONS = ["remove", "add", "drain", "wait_healthy", "list", "inspect", "measure", "view"]
+ON_ROUTERS = ("remove", "add", "wait_healthy", "list", "inspect", "view")  # router_url or routers wanted
+GATEWAY = dict(
+    name=dict(type="str"),
+    url=dict(type="str", required=True),
+    impl=dict(type="str", choices=list(GATEWAYS), default=DEFAULT_IMPL),
+    api_key=dict(type="str", no_log=True),
+    metrics_url=dict(type="str"),
+)
 ARGUMENT_SPEC = dict(
-    action=dict(
-        type="str", choices=["remove", "add", "drain", "wait_healthy", "list", "inspect", "measure"], required=True
-    ),
+    action=dict(type="str", choices=ACTIONS, required=True),
     impl=dict(type="str", choices=list(GATEWAYS), default=DEFAULT_IMPL),  # router.py's table: one list of gateways
     router_url=dict(type="str"),
-    routers=dict(
-        type="list",
-        elements="dict",
-        options=dict(
-            name=dict(type="str"),
-            url=dict(type="str", required=True),
-            impl=dict(type="str", choices=list(GATEWAYS), default=DEFAULT_IMPL),
-            api_key=dict(type="str", no_log=True),
-        ),
-    ),
+    routers=dict(type="list", elements="dict", options=GATEWAY),
     quorum=dict(type="int"),
     api_key=dict(type="str", no_log=True),
     worker_url=dict(type="str"),
@@ -219,17 +222,15 @@ ARGUMENT_SPEC = dict(
 )
 REQUIRED_IF = (
     [("action", a, ["worker_url"]) for a in ("remove", "add", "drain", "wait_healthy", "measure")]
-    + [("action", a, ["router_url", "routers"], True) for a in ("remove", "add", "wait_healthy", "list", "inspect")]
-    + [("action", "inspect", ["worker_urls"])]
+    + [("action", a, ["router_url", "routers"], True) for a in ON_ROUTERS]
+    + [("action", a, ["worker_urls"]) for a in ("inspect", "view")]
 )
 
 
 def main():
+    exclusive = [("router_url", "routers")]
     module = AnsibleModule(
-        argument_spec=ARGUMENT_SPEC,
-        required_if=REQUIRED_IF,
-        mutually_exclusive=[("router_url", "routers")],
-        supports_check_mode=True,
+        ARGUMENT_SPEC, required_if=REQUIRED_IF, mutually_exclusive=exclusive, supports_check_mode=True
     )
     what = f"{module.params['action']} {module.params['worker_url'] or ''}".rstrip()
     # A router's answer may echo the key in any escaping (JSON, a repr): Ansible's no_log masks the literal only.

@@ -75,17 +75,25 @@ def walk(tasks):
                 yield from walk(task.get(key))
 
 
+def quorum_of(path: str, action: str, reports: set) -> object:
+    """The quorum a call must pass: none for view (it reads every gateway and never fails on one), 1 for a report's
+    reading, else the rollout's."""
+    return None if action == "view" else 1 if (path, action) in reports else "{{ sglang_rollout_gateway_quorum }}"
+
+
 def test_every_call_of_the_worker_client_speaks_to_every_gateway_with_the_quorum():
     calls = list(worker_calls())
     assert len(calls) >= 13
     # measure speaks to a worker only; every other call names the gateways (drain: for their in-flight counts)
+    # the run's closing report reads every gateway that answers (quorum 1): it says, it decides nothing
+    reports = {("playbooks/rollout.yml", "inspect")}
     wrong = [
         f"{path}: {args['action']}"
         for path, args in calls
         if args["action"] != "measure"
         and (
             args.get("routers") != "{{ sglang_rollout_routers }}"
-            or args.get("quorum") != "{{ sglang_rollout_gateway_quorum }}"
+            or args.get("quorum") != quorum_of(str(path), args["action"], reports)
             or {"router_url", "impl", "api_key"} & set(args)
         )
     ]
@@ -133,6 +141,7 @@ def test_the_rollout_reaches_each_gateway_with_its_own_impl_address_and_key(tmp_
                 "sglang_router_impl": "sglang-router",
                 "sglang_router_address": "10.0.0.2",
                 "sglang_router_port": 30200,
+                "sglang_router_prometheus_port": 29200,
             },
             "r3": {"sglang_router_impl": "smg", "ansible_host": "fd00::3", "sglang_router_api_key": "k3"},
             "r4": {"sglang_router_host": "10.0.0.4"},  # listening on one address: that one, from anywhere
@@ -140,13 +149,18 @@ def test_the_rollout_reaches_each_gateway_with_its_own_impl_address_and_key(tmp_
         ("-e", "sglang_service_api_key=fleet"),
     )
     assert out["on"] == "r1" and out["quorum"] == 4
+    smg = DEFAULTS["sglang_router_impl"]
     assert out["routers"] == [
-        {"name": "r1", "impl": DEFAULTS["sglang_router_impl"], "url": "http://127.0.0.1:30100", "api_key": "k1"},
-        {"name": "r2", "impl": "sglang-router", "url": "http://10.0.0.2:30200", "api_key": "fleet"},
-        {"name": "r3", "impl": "smg", "url": "http://[fd00::3]:30000", "api_key": "k3"},
-        {"name": "r4", "impl": DEFAULTS["sglang_router_impl"], "url": "http://10.0.0.4:30000", "api_key": "fleet"},
-    ]
+        {"name": "r1", "impl": smg, "url": "http://127.0.0.1:30100", "metrics_url": "http://127.0.0.1:29000", "api_key": "k1"},
+        {"name": "r2", "impl": "sglang-router", "url": "http://10.0.0.2:30200", "metrics_url": "http://10.0.0.2:29200", "api_key": "fleet"},
+        {"name": "r3", "impl": "smg", "url": "http://[fd00::3]:30000", "metrics_url": "http://[fd00::3]:29000", "api_key": "k3"},
+        {"name": "r4", "impl": smg, "url": "http://10.0.0.4:30000", "metrics_url": "http://r4:29000", "api_key": "fleet"},
+    ]  # fmt: skip
     assert DEFAULTS["sglang_router_impl"] == "smg"
+    # what the role's entry points accept for each gateway (their argument specs): every key rendered
+    specs = yaml.safe_load((REPO / "roles" / "sglang_service" / "meta" / "argument_specs.yml").read_text())
+    accepted = specs["argument_specs"]["rollout_replica"]["options"]["sglang_rollout_routers"]["options"]
+    assert {k for r in out["routers"] for k in r} == set(accepted)
 
 
 def test_the_quorum_is_the_operators_when_given(tmp_path):

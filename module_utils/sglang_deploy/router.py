@@ -756,13 +756,18 @@ def measure(
 # ---------------------------------------------------------------------- the module's actions
 
 
+def check_waits(p: dict) -> None:
+    """RouterError before any request for a wait that would never end (Ansible's float takes nan and inf)."""
+    for name in ("timeout", "drain_timeout"):
+        if name in p and not 0 <= p[name] < float("inf"):
+            raise RouterError(f"{name}={p[name]!r}: a number of seconds, 0 or more, is wanted")
+
+
 def act(p: dict, check_mode: bool = False) -> dict:
     """library/sglang_router_worker.py's action ``p["action"]`` with its parameters; its result. ActionFailed
     (with a result) or RouterError/HttpError when it fails."""
     url, action = p.get("worker_url"), p["action"]
-    for name in ("timeout", "drain_timeout"):  # Ansible's float takes nan and inf: a wait that would never end
-        if name in p and not 0 <= p[name] < float("inf"):
-            raise RouterError(f"{name}={p[name]!r}: a number of seconds, 0 or more, is wanted")
+    check_waits(p)
     if action == "measure":
         out = measure(url, p["prompt"], p["requests"], p["max_new_tokens"], api_key=p["api_key"])
         return {"changed": False, "worker_url": url, **out}

@@ -177,3 +177,42 @@ def test_status_prints_each_restart_worker_the_host_holds_with_its_journal(capsy
         "node-a/main: a restart's worker ended (pid 9), its result never collected: rolled_back: main: rolled back"
         in out
     )
+
+
+def test_status_shows_what_every_gateway_thinks_of_each_instance_and_keeps_it_in_json(capsys, wide):
+    """playbooks/status.yml's view (a fact): one row per instance and gateway, a gateway down or a worker not
+    listed said as such, and --json's "gateways" the rows as read."""
+    from driver.events import VIEW_FACT
+
+    rows = [
+        {"host": "n1", "instance": "ro", "gateway": "gw-a", "worker": "http://n1:30010", "listed": True,
+         "healthy": True, "status": None, "in_flight": None, "circuit": "closed", "why": ""},
+        {"host": "n1", "instance": "ro", "gateway": "gw-b", "worker": "http://n1:30010", "listed": True,
+         "healthy": False, "status": "draining", "in_flight": 2.0, "circuit": "open", "why": ""},
+        {"host": "n2", "instance": "ro", "gateway": "gw-a", "worker": "http://n2:30010", "listed": False,
+         "healthy": None, "status": None, "in_flight": None, "circuit": None, "why": ""},
+        {"host": "n2", "instance": "ro", "gateway": "gw-c", "worker": "http://n2:30010", "listed": None,
+         "healthy": None, "status": None, "in_flight": None, "circuit": None,
+         "why": "the gateway did not answer: connection refused"},
+    ]  # fmt: skip
+    tracker = Tracker("status")
+    data = {"host": "n1", "task": "t", "res": {"ansible_facts": {VIEW_FACT: rows}}}
+    tracker.handle({"event": "runner_on_ok", "event_data": data})
+    display.summary(tracker, exitcodes.OK, run_id=None)
+    out = capsys.readouterr().out
+    table = out[out.index("what every gateway thinks") :]
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if line.count("│") == 9]
+    assert cells == [
+        ["n1", "ro", "gw-a", "yes", "ok", "-", "closed", ""],
+        ["n1", "ro", "gw-b", "yes", "unhealthy (draining)", "2", "open", ""],
+        ["n2", "ro", "gw-a", "NOT LISTED", "-", "-", "-", ""],
+        ["n2", "ro", "gw-c", "-", "-", "-", "-", "the gateway did not answer: connection refused"],
+    ]
+    assert tracker.result(exitcodes.OK)["gateways"] == rows
+
+
+def test_status_without_gateways_shows_no_gateway_table(capsys, wide):
+    tracker = Tracker("status")
+    display.summary(tracker, exitcodes.OK, run_id=None)
+    assert "what every gateway thinks" not in capsys.readouterr().out
+    assert tracker.result(exitcodes.OK)["gateways"] == []

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import yaml
 from driver import interrupts
 from support import rollout, wait_for
 from support.e2e import driver_runner, labmod, podman_exec, wait_ssh
-from support.rollout import KEY, ROUTER, ROUTER_PORT, Load, in_node, router_workers
+from support.rollout import KEY, ROUTER, ROUTER_PORT, Load, Watched, in_node, router_workers
 
 pytestmark = pytest.mark.lab
 
@@ -58,21 +57,7 @@ def fleet(deployed, tmp_path_factory):
         yield the_lab, containers, inventory, run
     finally:
         rollout.remove_router(containers[ROUTER])
-        for node in NODES:
-            c = containers[node]
-            podman_exec(c, "sh", "-c", "systemctl disable --now sglang-ro.service || true")
-            podman_exec(
-                c,
-                "rm",
-                "-rf",
-                "/etc/systemd/system/sglang-ro.service",
-                "/etc/sglang/ro.env",
-                "/etc/sglang/pending/sglang-ro.service",
-                "/etc/sglang/pending/ro.env",
-                "/etc/sglang/secrets/ro.env",
-                "/var/lib/sglang/known-good/ro",
-            )
-            podman_exec(c, "systemctl", "daemon-reload")
+        rollout.remove_instance(containers, NODES, "ro")
 
 
 def rows_by_host(doc: dict) -> dict[str, dict]:
@@ -252,34 +237,6 @@ def a_new_configuration() -> str:
 
 def out_of_the_router(router: str, worker: str):
     return lambda: worker not in router_workers(router)
-
-
-class Watched:
-    """A driver run in the background whose output is read as it comes (what it has said so far, at any time)."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self.readers = [
-            threading.Thread(target=lambda s=s, into=into: into.extend(iter(s.readline, "")), daemon=True)
-            for s, into in ((proc.stdout, self.out), (proc.stderr, self.err))
-        ]
-        for r in self.readers:
-            r.start()
-
-    def said(self, text: str):
-        return lambda: text in "".join(self.err)
-
-    def wait(self, timeout: float) -> tuple[int, str, str]:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-        for r in self.readers:
-            r.join(10)
-        return code, "".join(self.out), "".join(self.err)
 
 
 def test_one_interrupt_mid_replica_finishes_it_puts_it_back_and_begins_no_other(fleet):

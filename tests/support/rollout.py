@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 
 import yaml
@@ -17,30 +18,83 @@ KEY = "lab-router-key"
 ROUTER_VARS = labmod.router_vars(ROUTER_PORT, 29100, KEY)
 
 
-def write_inventory(the_lab, name: str, instances: dict[str, list[dict]], groups: dict[str, list[str]]) -> str:
-    """The lab's inventory, with `groups` (sglang_replicas, sglang_multinode...), sglang_routers (the router on
-    ROUTER) and each node's instances (host variables, which rank above the project's group_vars); written next
-    to it (lab/lab.py's own is untouched)."""
+def write_inventory(
+    the_lab, name: str, instances: dict[str, list[dict]], groups: dict[str, list[str]], routers: dict | None = None
+) -> str:
+    """The lab's inventory, with `groups` (sglang_replicas, sglang_multinode...), sglang_routers (`routers`, each
+    host's own variables over ROUTER_VARS; default the one router on ROUTER) and each node's instances (host
+    variables, which rank above the project's group_vars); written next to it (lab/lab.py's own is untouched)."""
+    routers = {ROUTER: {}} if routers is None else routers
     doc = yaml.safe_load(the_lab.inventory.read_text(encoding="utf-8"))
     hosts = doc["all"]["children"]["sglang_nodes"]["hosts"]
     for host, inst in instances.items():
         hosts[host]["sglang_instances"] = inst
-    hosts[ROUTER].update(ROUTER_VARS)
+    for host, own in routers.items():
+        hosts[host].update({**ROUTER_VARS, **own})
     for group, members in groups.items():
         doc["all"]["children"][group] = {"hosts": {h: None for h in members}}
-    doc["all"]["children"]["sglang_routers"] = {"hosts": {ROUTER: None}}
+    doc["all"]["children"]["sglang_routers"] = {"hosts": {h: None for h in routers}}
     path = the_lab.inventory.parent / name
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     return str(path)
 
 
-def serve_behind_router(run, inventory: str, router: str) -> None:
+def serve_behind_router(run, inventory: str, *routers: str) -> None:
     """The inventory's instances started through the driver's safe restart (a known-good generation each), the
-    router deployed in front of them (playbooks/router.yml), the load generator copied to the router's node."""
+    routers deployed in front of them (playbooks/router.yml), the load generator copied to each router's node."""
     code, _, proc = run("restart", inventory=inventory)
     assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ansible("ansible-playbook", "playbooks/router.yml", inventory=inventory)
-    subprocess.run(["podman", "cp", str(REPO / "bench" / "loadgen.py"), f"{router}:/tmp/loadgen.py"], check=True)
+    for router in routers:
+        subprocess.run(["podman", "cp", str(REPO / "bench" / "loadgen.py"), f"{router}:/tmp/loadgen.py"], check=True)
+
+
+def remove_instance(containers: dict[str, str], nodes, name: str) -> None:
+    """Instance `name` gone from each node (unit, configuration, staged files, secrets, known-good generations): the
+    nodes as deploy.yml left them."""
+    for node in nodes:
+        c = containers[node]
+        podman_exec(c, "sh", "-c", f"systemctl disable --now sglang-{name}.service || true")
+        podman_exec(
+            c,
+            "rm",
+            "-rf",
+            f"/etc/systemd/system/sglang-{name}.service",
+            f"/etc/sglang/{name}.env",
+            f"/etc/sglang/pending/sglang-{name}.service",
+            f"/etc/sglang/pending/{name}.env",
+            f"/etc/sglang/secrets/{name}.env",
+            f"/var/lib/sglang/known-good/{name}",
+        )
+        podman_exec(c, "systemctl", "daemon-reload")
+
+
+class Watched:
+    """A driver run in the background whose output is read as it comes (what it has said so far, at any time)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.readers = [
+            threading.Thread(target=lambda s=s, into=into: into.extend(iter(s.readline, "")), daemon=True)
+            for s, into in ((proc.stdout, self.out), (proc.stderr, self.err))
+        ]
+        for r in self.readers:
+            r.start()
+
+    def said(self, text: str):
+        return lambda: text in "".join(self.err)
+
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        for r in self.readers:
+            r.join(10)
+        return code, "".join(self.out), "".join(self.err)
 
 
 def remove_router(router: str) -> None:

@@ -1,0 +1,164 @@
+"""python -m driver rollout behind two gateways at once, the real binaries of both (issue #32, docs/router.md "Two
+gateways"): sglang-router 0.3.2 on lab-node1 and smg 1.13.0 on lab-node2 (roles/sglang_router, each host's own
+sglang_router_impl, the same port and key), both in front of the two replicas `ro`. bench/loadgen.py runs on each
+gateway's node, through that gateway: the load is split between them.
+
+Every rollout step acts on both gateways; a gateway killed mid-rollout is said and, by default (every gateway must
+carry each step out), fails the replica's turn and stops the rollout; with --gateway-quorum 1 the rollout goes on
+through the other. Nothing is lost through the gateway that stays up.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from support import rollout, wait_for
+from support.e2e import driver_runner, podman_exec
+from support.rollout import Load, router_workers
+
+pytestmark = pytest.mark.lab
+
+NODES = ("lab-node1", "lab-node2")
+RO = {"name": "ro", "port": 30010, "gpus": [0, 1, 2, 3]}
+GATE = json.dumps({"sglang_rollout_canary_threshold": 0.5})  # loose: tok/s jitters on a loaded 2-core machine
+WORKER1, WORKER2 = (f"http://{n}:{RO['port']}" for n in NODES)
+BOTH = {WORKER1: True, WORKER2: True}
+SMG = "lab-node2"
+
+
+def new_configuration(n: int) -> str:
+    return json.dumps({"sglang_instances": [{**RO, "env": {"LAB_ROLLOUT": f"gateways-{n}"}}]})
+
+
+@pytest.fixture(scope="module")
+def pair(deployed, tmp_path_factory):
+    """ro serving on both nodes, a gateway on each (0.3.2 on lab-node1, smg on lab-node2) listing both healthy, the
+    load generator on both."""
+    the_lab, hosts = deployed
+    containers = {h["name"]: h["container"] for h in hosts}
+    inventory = rollout.write_inventory(
+        the_lab,
+        "gateways-hosts.yml",
+        {h: [RO] for h in NODES},
+        {"sglang_replicas": list(NODES)},
+        routers={"lab-node1": {}, SMG: {"sglang_router_impl": "smg"}},
+    )
+    run = driver_runner(the_lab, tmp_path_factory.mktemp("ledger") / "ledger.sqlite3", None)
+    try:
+        rollout.serve_behind_router(run, inventory, *(containers[n] for n in NODES))
+        for n in NODES:
+            wait_for(f"{n}'s gateway to list both", lambda n=n: router_workers(containers[n]) == BOTH, 120)
+        yield containers, inventory, run
+    finally:
+        for n in NODES:
+            rollout.remove_router(containers[n])
+        rollout.remove_instance(containers, NODES, "ro")
+
+
+def pids(containers) -> dict[str, int]:
+    return {n: rollout.main_pid(containers[n], "sglang-ro.service") for n in NODES}
+
+
+def rows(doc: dict) -> dict[str, str]:
+    return {r["host"]: r["result"] for r in doc["rows"] if r["instance"] == "ro"}
+
+
+def test_a_rollout_behind_two_gateways_with_the_load_split_between_them_loses_no_request(pair):
+    containers, inventory, run = pair
+    before = pids(containers)
+    loads = {n: Load(containers[n]) for n in NODES}
+    try:
+        code, doc, proc = run("rollout", "-e", new_configuration(1), "-e", GATE, inventory=inventory)
+    finally:
+        stats = {n: load.stop() for n, load in loads.items()}
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert code == 0, out
+    assert rows(doc) == {n: "restarted" for n in NODES}, out
+    assert all(p != before[n] for n, p in pids(containers).items())
+    for n in NODES:  # each gateway took each worker out and put it back
+        assert router_workers(containers[n]) == BOTH, n
+        assert stats[n]["lost"] == 0, (n, stats[n]["failures"])
+        assert stats[n]["sent"] >= 10, (n, stats[n])
+    assert "router lab-node1, lab-node2 lists: " + ", ".join(BOTH) in doc["report"], doc["report"]
+    print(f"two gateways, load split: {json.dumps(stats)}")
+    # python -m driver status: what each gateway thinks of each replica, both having routed to both
+    code, doc, proc = run("status", inventory=inventory)
+    assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    view = {(r["host"], r["gateway"]): r for r in doc["gateways"]}
+    assert set(view) == {(h, g) for h in NODES for g in NODES}, doc["gateways"]
+    for (_, gateway), r in view.items():
+        assert (r["listed"], r["healthy"], r["circuit"], r["why"]) == (True, True, "closed", ""), r
+        if gateway == SMG:  # smg keeps a state and an in-flight count per worker; 0.3.2 neither
+            assert r["status"] == "ready" and r["in_flight"] == 0.0, r
+        else:
+            assert r["status"] is None and r["in_flight"] is None, r
+
+
+def test_a_gateway_killed_mid_rollout_stops_it_and_nothing_is_lost_through_the_other(pair):
+    """smg on lab-node2 killed (SIGKILL, then kept down) once the canary is out of both gateways: the canary's
+    restart succeeds, but its return into the dead gateway fails, so its turn fails (quorum: every gateway) and the
+    rollout stops before lab-node2; the canary serves in lab-node1's gateway; the report names the dead gateway."""
+    containers, inventory, run = pair
+    gw1, gw2 = containers["lab-node1"], containers[SMG]
+    before = pids(containers)
+    load = Load(gw1)
+    try:
+        driver = rollout.Watched(
+            run("rollout", "-e", new_configuration(2), "-e", GATE, inventory=inventory, popen=True)
+        )
+        try:
+            wait_for("the canary out of lab-node1's gateway", lambda: WORKER1 not in router_workers(gw1), 120, 0.1)
+            kill_gateway(gw2)
+        finally:
+            code, out, err = driver.wait(400)
+    finally:
+        stats = load.stop()
+    assert code == 1, out[-3000:] + err[-3000:]
+    doc = json.loads(out)
+    assert rows(doc)["lab-node1"] != "restarted", out[-3000:]  # failed on the gateway, whatever the restart did
+    assert pids(containers)["lab-node2"] == before["lab-node2"], "the rollout stopped after the canary"
+    assert any(line.startswith(f"gateway {SMG} did not answer: ") for line in doc["report"]), doc["report"]
+    assert any(line.startswith("lab-node1/ro: ") and "router: lab-node1 healthy" in line for line in doc["report"]), (
+        doc["report"]
+    )
+    assert router_workers(gw1) == BOTH
+    assert stats["lost"] == 0, stats["failures"]
+    code, doc, _ = run("status", inventory=inventory)
+    down = [r for r in doc["gateways"] if r["gateway"] == SMG]
+    assert len(down) == 2 and all(r["why"].startswith("the gateway did not answer: ") for r in down), down
+    assert all(r["listed"] for r in doc["gateways"] if r["gateway"] == "lab-node1"), doc["gateways"]
+
+
+def test_with_a_quorum_of_one_the_rollout_goes_on_through_the_gateway_left_and_says_the_other(pair):
+    """smg still down (the test before): --gateway-quorum 1 rolls both replicas through lab-node1's gateway, each
+    turn naming the dead one; then smg started again lists both (its unit's workers) healthy."""
+    containers, inventory, run = pair
+    gw1, gw2 = containers["lab-node1"], containers[SMG]
+    if podman_exec(gw2, "sh", "-c", "systemctl is-active sglang-router.service || true").strip() == "active":
+        kill_gateway(gw2)  # run alone: down as the test before leaves it
+    before = pids(containers)
+    load = Load(gw1)
+    try:
+        code, doc, proc = run(
+            "rollout", "-e", new_configuration(3), "-e", GATE, "--gateway-quorum", "1", inventory=inventory
+        )
+    finally:
+        stats = load.stop()
+        podman_exec(gw2, "systemctl", "start", "sglang-router.service")
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert code == 0, out
+    assert rows(doc) == {n: "restarted" for n in NODES}, out
+    assert all(p != before[n] for n, p in pids(containers).items())
+    assert any(line.startswith(f"gateway {SMG} did not answer: ") for line in doc["report"]), doc["report"]
+    assert router_workers(gw1) == BOTH
+    assert stats["lost"] == 0, stats["failures"]
+    wait_for("smg back, listing both", lambda: router_workers(gw2) == BOTH, 120)
+
+
+def kill_gateway(container: str) -> None:
+    """The gateway's process killed and its unit kept from coming back (a dead host's gateway, for this run)."""
+    podman_exec(container, "systemctl", "kill", "-s", str(int(signal.SIGKILL)), "sglang-router.service")
+    podman_exec(container, "systemctl", "stop", "sglang-router.service")
