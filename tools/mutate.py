@@ -283,6 +283,28 @@ def carry_killed(got: dict[str, dict], named: list[str], whole: set[str]) -> Non
         entry["score"] = round(100 * entry["killed"] / tested, 1) if tested else None
 
 
+def rescore(files: list[str], no_write: bool) -> int:
+    """The record of `files` read again from the stage's last run (an equivalent added or removed): a mutant that
+    run did not test was carried as killed by it (the record says how many), and is again."""
+    doc = json.loads(OUT.read_text())
+    got = results(files)
+    for rel, entry in got.items():
+        carried = entry["other"].pop("not checked", 0)
+        if carried and doc["files"].get(rel, {}).get("carried") != carried:
+            print(f"{rel}: {carried} not tested, the record carried {doc['files'].get(rel, {}).get('carried')}")
+            return 1
+        if carried:
+            entry["killed"] += carried
+            entry["carried"] = carried
+            tested = entry["killed"] + entry["survived"] + entry["no_tests"]
+            entry["score"] = round(100 * entry["killed"] / tested, 1)
+        print(f"{rel}: {entry['score']}% ({entry['survived']} survived, {entry['equivalent']} equivalent)")
+    if not no_write:
+        doc["files"].update(got)
+        OUT.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
 def function_of(name: str) -> str:
     """The mangled function of mutant `name` (x_stage__mutmut_12 -> x_stage)."""
     return name.rsplit(".", 1)[-1].split("__mutmut_")[0]
@@ -390,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--also", nargs="*", default=[], help="--retest: mutants to test as well (mutmut globs, a.b.x_f__mutmut_*)"
     )
+    ap.add_argument(
+        "--rescore",
+        action="store_true",
+        help="run nothing: the record of --files again from the stage (equivalents edited)",
+    )
     ap.add_argument("--no-write", action="store_true", help=f"print only; leave {OUT.relative_to(REPO)} as it is")
     ap.add_argument("--ci", action="store_true", help="only the core's functions changed since the record (make test)")
     ap.add_argument("--budget", type=float, default=600.0, help="--ci: seconds for the mutants (the rest not run)")
@@ -399,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in args.files if f not in SCOPE]
     if unknown:
         ap.error(f"--files: {', '.join(unknown)} not in the scope ({', '.join(SCOPE)})")
+    if args.rescore:  # the stage's last run of these files, read again (their mutated copies are that run's)
+        return rescore(args.files, args.no_write)
     stage_tree()
     (STAGE / "setup.cfg").write_text(config(args.files))
     if args.fresh:  # mutmut re-tests only what changed: its results for these files forgotten
