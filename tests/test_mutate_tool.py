@@ -218,3 +218,36 @@ def test_a_string_the_code_compares_matches_or_looks_up_is_not_wording(tmp_path,
         for n in wording
     )
     assert said == ["THE DRIVER IS NOT LOADED", "XXthe driver is not loadedXX"]
+
+
+def test_a_rewording_of_one_part_of_an_implicitly_concatenated_message_is_wording(tmp_path, monkeypatch):
+    """Python joins "a b " "c d" into one constant; mutmut mutates one part: still a message's wording."""
+    source = (
+        "def say(n):\n"
+        '    return f"{n}: " "the generation was put back; " "systemd starts it after this refused start"\n\n\n'
+        "def flag():\n"
+        '    return "--tp-size" "=8"\n'
+    )
+    mutated, functions = mutated_copy(tmp_path, monkeypatch, "z", source)
+    says = [n for n in mutated.mutant_names if n.startswith("x_say__")]
+    flags = [n for n in mutated.mutant_names if n.startswith("x_flag__")]
+    assert says and flags
+    assert all(mutate.prose_only(functions, n) for n in says)  # each part wrapped, or its case changed
+    assert not any(mutate.prose_only(functions, n) for n in flags)  # no space: a value a program reads
+
+
+@pytest.mark.parametrize(
+    ("was", "now", "wording"),
+    [
+        ("a b; c d", "XXa b; c dXX", True),
+        ("a b; c d", "a b; XXc dXX", True),
+        ("a b; c d", "a b; C D", True),
+        ("a b; c d", "a b; c e", False),  # another letter, not a case
+        ("a b; c d", "aXX b;XX c d", False),  # wrapped around a part without a space of its own
+        ("ab", "XXabXX", False),
+        ("ab", "AB", False),
+        ("a b", "XXa bX", False),
+    ],
+)
+def test_reworded_is_one_part_wrapped_in_xx_or_its_case_changed(was, now, wording):
+    assert mutate.reworded(was, now) is wording

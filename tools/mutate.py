@@ -143,7 +143,27 @@ def prose_only(functions: dict[str, ast.FunctionDef], name: str) -> bool:
     if read_by_the_program(orig, changed[0][0]):
         return False
     was, now = changed[0][0].value, changed[0][1].value
-    return isinstance(was, str) and " " in was.strip() and now in (f"XX{was}XX", was.upper(), was.lower())
+    return isinstance(was, str) and isinstance(now, str) and reworded(was, now)
+
+
+def reworded(was: str, now: str) -> bool:
+    """Whether `now` is `was` with one part that has a space in it wrapped in XX or changed in case: the whole
+    string, or one part of an implicitly concatenated one ("a b " "c d": Python joins them into one constant,
+    mutmut mutates one part)."""
+    if len(now) == len(was) + 4:  # one part wrapped in XX: was[i:j]
+        for i in (i for i in range(len(was) + 1) if now.startswith(was[:i] + "XX")):
+            for j in range(i, len(was) + 1):
+                if now == f"{was[:i]}XX{was[i:j]}XX{was[j:]}" and " " in was[i:j].strip():
+                    return True
+        return False
+    if len(now) != len(was) or now == was or now.lower() != was.lower():
+        return False
+    a = next(k for k in range(len(was)) if was[k] != now[k])  # the changed part's first and last letters
+    b = max(k for k in range(len(was)) if was[k] != now[k])
+    part = was[a : b + 1]  # at least these; a case change of one part changes every letter of it
+    return now in (was[:a] + part.upper() + was[b + 1 :], was[:a] + part.lower() + was[b + 1 :]) and (
+        " " in part.strip() or " " in was.strip()
+    )
 
 
 def read_by_the_program(function: ast.FunctionDef, constant: ast.Constant) -> bool:
