@@ -5,7 +5,7 @@ What is read: each item's ok and detail (the restart's result and sglang_collect
 the bundle (the operator opens them: exact text, JSON indented with sorted keys), the manifest and the result's
 fields, the names and modes of bundles and what pruning removes. The fake host is as unkind as a real one: its
 systemctl, journalctl, dmesg, nvidia-smi, py-spy and pip refuse an option they do not know, journalctl filters by
-its matches and -u, a command that overruns its time limit raises TimeoutExpired after that limit, a program given
+its matches and -u, systemctl show shows every unit it is given (one it does not know as not found), a command that overruns its time limit raises TimeoutExpired after that limit, a program given
 by path must exist and be executable, and /proc lists its non-process entries before the processes, as Linux does.
 """
 
@@ -205,7 +205,10 @@ class Host:
             return "systemctl", 1, "", f"Unknown command verb '{verbs[0] if verbs else ''}'.\n"
         if self.show_failure:
             return "systemctl", self.show_failure[0], "", self.show_failure[1]
-        return "systemctl", 0, "".join(f"{k}={v}\n" for k, v in self.show.items()), ""
+        # One block of properties per unit named, a blank line between them; a unit systemd does not know (a
+        # name without a suffix is a .service) is shown too, as not found, inactive, with no main pid.
+        blocks = [self.show if u == UNIT else not_found(u) for u in verbs[1:]]
+        return "systemctl", 0, "\n".join("".join(f"{k}={v}\n" for k, v in b.items()) for b in blocks), ""
 
     def journalctl(self, args):
         opts: dict[str, str | bool] = {}
@@ -293,6 +296,21 @@ class Host:
         if args[2:] != ["freeze"]:
             return "pip", 1, "", f'ERROR: unknown command "{args[2]}"\n'
         return ("pip", *self.pip)
+
+
+def not_found(unit: str) -> dict[str, str]:
+    """What systemctl show prints of a unit it does not know."""
+    name = unit if "." in unit else f"{unit}.service"
+    return {
+        "Type": "simple",
+        "MainPID": "0",
+        "ControlGroup": "",
+        "InvocationID": "",
+        "Id": name,
+        "LoadState": "not-found",
+        "ActiveState": "inactive",
+        "SubState": "dead",
+    }
 
 
 def entry(invocation: str, pid: int, msg: str) -> dict:
@@ -384,7 +402,10 @@ def test_unit_state_names_its_state_main_pid_and_invocation(tmp_path):
         "seconds": 0.1,
         "detail": f"active/running, main pid {MAIN}, invocation {INVOCATION}",
     }
-    assert members(res["path"])["unit-state.txt"].startswith(f"Type=simple\nMainPID={MAIN}\n")
+    assert members(res["path"])["unit-state.txt"] == (
+        f"Type=simple\nMainPID={MAIN}\nControlGroup=/system.slice/{UNIT}\nInvocationID={INVOCATION}\n"
+        "ActiveState=active\nSubState=running\n"
+    )
 
 
 def test_unit_state_a_property_not_printed_reads_as_unknown(tmp_path):
@@ -431,10 +452,15 @@ def spied(host: Host) -> list[int]:
 )
 def test_the_cgroup_names_processes_the_main_pid_did_not_start(tmp_path, layout, group):
     """cgroup v2, v1 with the unified hierarchy, v1 with systemd's named one; a rank re-parented to init (its
-    parent gone) is still the unit's, in a sub-cgroup; the host's other processes are not."""
-    orphan = 4200
-    procs = [Proc(MAIN, 1), Proc(RANK0, MAIN), Proc(orphan, 1)]
+    parent gone) is still the unit's, in a sub-cgroup; the host's other processes are not, those of another
+    instance's unit in the same slice (a Python one) and of another service neither."""
+    orphan, neighbour = 4200, 4600
+    procs = [Proc(MAIN, 1), Proc(RANK0, MAIN), Proc(orphan, 1), Proc(neighbour, 1)]
     host = Host(tmp_path, procs=procs, cgroup={"": [MAIN, RANK0], "payload": [orphan]}, layout=layout, group=group)
+    slice_ = host.cgroup / layout / os.path.dirname(group.strip("/"))
+    for unit, pids in (("sglang-other.service", [neighbour]), ("ssh.service", [999])):
+        (slice_ / unit).mkdir()
+        (slice_ / unit / "cgroup.procs").write_text("".join(f"{pid}\n" for pid in pids))
     res = collect(tmp_path, host)
     assert spied(host) == [MAIN, RANK0, orphan]
     assert detail(res, "py-spy") == f"dumped 3 of 3 Python processes [{MAIN}, {RANK0}, {orphan}] with {PY_SPY}"
