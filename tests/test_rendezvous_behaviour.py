@@ -322,12 +322,27 @@ def test_nccl_ifname_items_end_at_their_first_colon():
     [
         ("[fd00::2]:5757]", "'[fd00::2]:5757]': the port '5757]' is not a number from 1 to 65535"),
         ("fe80::5757", "'fe80::5757': write an IPv6 address in brackets, [address]:port"),
+        ("[fd00::2 eth0]:5757", "'[fd00::2 eth0]:5757': 'fd00::2 eth0' in brackets is not an IPv6 address"),
+        ("[%eth0]:5757", "'[%eth0]:5757': '%eth0' in brackets is not an IPv6 address"),
     ],
 )
 def test_dist_init_addr_refusals_word_for_word(value, error):
     with pytest.raises(ValueError) as exc:
         rdv.parse_dist_init_addr(value)
     assert str(exc.value) == error
+
+
+def test_a_zone_is_left_whole_to_each_nodes_resolver():
+    """What follows the address's first '%' (its zone) is an interface of the node that reads it: the parser judges
+    the address before it and passes the zone on as written; the resolver judges the zone on each node, and its
+    own words name one this node cannot use (here one no interface could have)."""
+    assert rdv.parse_dist_init_addr("[fe80::1%%x]:5757") == ("fe80::1%%x", 5757)
+    got = run_check(inst(1, addr="[fe80::1%%x]:5757"), host="node2", hostname="node2")
+    assert (got["ok"], got["port"], got["resolved"]) == (False, 5757, None)
+    assert got["problems"] == [
+        f"{DVAR}: fe80::1%%x does not resolve on node2 (Name or service not known): name rank 0's node by a name "
+        "every node resolves (DNS or /etc/hosts), or by its address"
+    ]
 
 
 # --- this host's interfaces, addresses and ports ----------------------------------------------------------------------
