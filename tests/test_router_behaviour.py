@@ -869,6 +869,21 @@ def test_a_wait_for_a_draining_record_names_it_at_its_timeout(gwsmg):
     assert str(err.value) == f"{url} still lists {W1} after 2 s (last: still listed (id {wid} draining))"
 
 
+def test_a_wait_names_each_record_of_the_worker_with_its_state(gwsmg):
+    """The worker registered twice (two spellings of its URL), both records draining: each id with its state, in
+    the gateway's order, one after the other."""
+    gw, url = gwsmg
+    first, second = gw.add_now(W1), gw.add_now(W1 + "/")
+    for w in (W1, W1 + "/"):
+        gw.workers[w].update(status="draining", is_healthy=False)
+    r, _ = slow_router(url, impl="smg", poll=1.0)
+    with pytest.raises(rt.RouterError) as err:
+        r.wait_left(W1, timeout=2)
+    assert str(err.value) == (
+        f"{url} still lists {W1} after 2 s (last: still listed (id {first} draining, {second} draining))"
+    )
+
+
 # --------------------------------------------------------------------------- the worker: load, health, drain
 
 
