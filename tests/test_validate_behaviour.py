@@ -535,16 +535,19 @@ def test_each_environment_problem_names_its_variable(env, origins, expected):
 # ---------------------------------------------------------------- the port, and who holds it
 HOLDER = (
     "import socket, sys; s = socket.socket(socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET); "
-    "s.bind((sys.argv[1], 0)); s.listen(); print(s.getsockname()[1], flush=True); sys.stdin.read()"
+    "sys.argv[3] == 'share' and s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
+    "s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); print(s.getsockname()[1], flush=True); sys.stdin.read()"
 )
 
 
 class Holder:
     """A process listening on a port, with a command line longer than a message shows (ending in a byte that is
-    not UTF-8), in the cgroup its test gives it (/proc/<pid>/cgroup as the module reads it)."""
+    not UTF-8), in the cgroup its test gives it (/proc/<pid>/cgroup as the module reads it). With share, on a port
+    others may listen on too (SO_REUSEPORT): `port`, or one of its own."""
 
-    def __init__(self, address: str, cgroup: str, tmp_path: Path, monkeypatch):
-        self.argv = [sys.executable, "-c", HOLDER, address, "--padding", "p" * 150]
+    def __init__(self, address: str, cgroup: str, tmp_path: Path, monkeypatch, port: int = 0, share: bool = False):
+        self.argv = [sys.executable, "-c", HOLDER, address, str(port), "share" if share else "alone"]
+        self.argv += ["--padding", "p" * 150]
         self.proc = subprocess.Popen([*self.argv, b"\xff"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.port = int(self.proc.stdout.readline())
         self.pid = self.proc.pid
@@ -552,7 +555,7 @@ class Holder:
         fake = tmp_path / f"cgroup-{self.pid}"
         fake.write_text(cgroup)
         self.denied: set[str] = set()
-        real = builtins.open
+        real = getattr(v, "open", builtins.open)  # another holder's /proc/<pid>/cgroup too
 
         def proc_open(path, *a, **kw):
             if path in self.denied:
@@ -579,8 +582,8 @@ IN_UNIT = (
 def holder(tmp_path, monkeypatch):
     made = []
 
-    def make(address="127.0.0.1", cgroup=IN_UNIT):
-        made.append(Holder(address, cgroup, tmp_path, monkeypatch))
+    def make(address="127.0.0.1", cgroup=IN_UNIT, **kw):
+        made.append(Holder(address, cgroup, tmp_path, monkeypatch, **kw))
         return made[-1]
 
     yield make
@@ -603,6 +606,24 @@ def test_a_held_port_names_the_holders_pid_unit_and_command_line(holder):
         in_use(h, "sglang-other.service", "sglang_profiles.p.flags.port")
     ]
     assert v.check_port(h.port, "sglang-other.service", "x") == []  # the instance's own unit: fine
+
+
+def test_every_holder_of_the_port_but_the_instances_own_unit_is_named_by_pid(holder):
+    """Processes of three units listening on one port (SO_REUSEPORT): the other units' two, in pid order, each
+    with its unit and command line; the instance's own is not named."""
+    first = holder(share=True)
+    second = holder(cgroup="0::/system.slice/third.service\n", port=first.port, share=True)
+    holder(cgroup="0::/system.slice/sglang-a.service\n", port=first.port, share=True)  # the instance's own
+    a, b = sorted([(first, "sglang-other.service"), (second, "third.service")], key=lambda hu: hu[0].pid)
+    assert v.check_port(first.port, "sglang-a.service", "sglang_instances[0].port") == [
+        problem(
+            "port",
+            "sglang_instances[0].port",
+            f"port {first.port} is already in use by pid {a[0].pid} ({a[1]}: {a[0].cmd[:120]}); "
+            f"pid {b[0].pid} ({b[1]}: {b[0].cmd[:120]}): choose another port (sglang_instances[0].port) or stop "
+            "that process",
+        )
+    ]
 
 
 def test_a_holder_in_no_unit_is_named_with_a_question_mark(holder):
@@ -1045,6 +1066,32 @@ def test_a_refusing_hosts_result_whole(world, venv, tmp_path, clock):
         "seconds": 1.235,
         "msg": f"{shm}; b: {gpu}",
     }
+
+
+def test_check_mode_on_a_fresh_nodes_result_whole(world, tmp_path, clock):
+    """Neither the NVIDIA driver nor SGLang installed yet: a pass, its message the summary and then each note."""
+
+    def no_nvidia_smi():
+        raise FileNotFoundError(2, "No such file or directory", "nvidia-smi")
+
+    absent = tmp_path / "nowhere" / "bin" / "python"
+    parser = Parser()
+    res = v.validate_host(
+        [inst("a", absent, world, [0])], "nobody", check_mode=True, gpu_counter=no_nvidia_smi, parser=parser
+    )
+    assert res == {
+        "changed": False,
+        "problems": [],
+        "instances": [{"name": "a", "unit": "sglang-a.service", "profile": "p", "parsed": False, "cached": False}],
+        "installed": False,
+        "host_gpus": None,
+        "shm_mib": None,
+        "seconds": 1.235,
+        "msg": "1 instance(s) valid (0 parser verdict(s) from the cache); the NVIDIA driver is not installed yet "
+        f"(check mode): the GPUs are checked once it is; SGLang is not installed in {tmp_path / 'nowhere'} yet "
+        "(check mode); the configuration is checked by SGLang's parser once it is",
+    }
+    assert parser.runs == []
 
 
 def test_by_default_instances_are_kept_apart_and_shm_is_not_checked(world, venv):
