@@ -41,6 +41,7 @@ _R20 = "urllib.request.Request stores every header name capitalize()d (add_heade
 _R21 = "the state word of a wait that is done is never read: _until shows `last` only at a timeout, which wait_left reaches only with a leaving record listed (`still listed`)"
 _R22 = "raw is read only as a set: leaks' any() and the modules' no_log_values.update, neither of which depends on its order"
 _R23 = "'ASCII' and 'ascii' name one codec"
+_R24 = "SQLite reads keywords, function, table, column and alias names without case, and the statement holds no quoted name and no literal (its values are ? parameters): the same statement in any case"
 
 EQUIVALENT = {
     "driver/interrupts.py": {
@@ -73,6 +74,10 @@ EQUIVALENT = {
         "x_private_file__mutmut_13": "`st_mode & 0o1000` (the sticky bit) is 0 for a database file, so the chmod runs for a ledger already 0600 too: a chmod to 0600 of a file that is 0600 changes nothing",
         "xǁLedgerǁ__init____mutmut_32": _R1,
         "xǁLedgerǁ__init____mutmut_46": _R1,
+        "xǁLedgerǁcompare__mutmut_4": _R24,
+        "xǁLedgerǁcompare__mutmut_5": "SQLite reads table, column and alias names without case, and the statement holds no quoted name and no literal: the same rows; only the result column's name is STARTED_AT, and sqlite3.Row looks r['started_at'] up without case",
+        "xǁLedgerǁcompare__mutmut_7": _R24,
+        "xǁLedgerǁcompare__mutmut_8": _R24,
         "xǁLedgerǁcompare__mutmut_17": _R1,
         "xǁLedgerǁcompare__mutmut_23": _R1,
         "xǁLedgerǁcompare__mutmut_26": _R1,
@@ -85,7 +90,19 @@ EQUIVALENT = {
         "xǁLedgerǁcompare__mutmut_105": _R1,
         "xǁLedgerǁcompare__mutmut_107": _R1,
         "xǁLedgerǁcompare__mutmut_113": _R1,
+        "xǁLedgerǁfinish__mutmut_20": _R24,
+        "xǁLedgerǁfinish__mutmut_21": _R24,
+        "xǁLedgerǁfinish__mutmut_23": _R24,
+        "xǁLedgerǁfinish__mutmut_24": _R24,
+        "xǁLedgerǁfinish__mutmut_39": _R24,
+        "xǁLedgerǁfinish__mutmut_40": _R24,
+        "xǁLedgerǁfinish__mutmut_42": _R24,
+        "xǁLedgerǁfinish__mutmut_43": _R24,
         "xǁLedgerǁruns__mutmut_22": _R1,
+        "xǁLedgerǁtune_record__mutmut_40": _R24,
+        "xǁLedgerǁtune_record__mutmut_41": _R24,
+        "xǁLedgerǁtune_record__mutmut_43": _R24,
+        "xǁLedgerǁtune_record__mutmut_44": _R24,
         "xǁLedgerǁtune_results__mutmut_20": "tune_record writes combo, software and bench as json.dumps text ('null' for none), never NULL or '': the condition is true for every row, with or without `or True`",
     },
     "filter_plugins/sglang_config.py": {
@@ -170,6 +187,7 @@ EQUIVALENT = {
         "xǁCollectionǁitem_py_spy__mutmut_115": _R13,
         "xǁCollectionǁitem_unit_state__mutmut_18": "the properties read (ActiveState, SubState, MainPID, InvocationID, ControlGroup) never hold '=' (systemd escapes it in unit and cgroup names as \\x3d): split and rsplit part them alike",
         "xǁCollectionǁprocesses__mutmut_9": "no ControlGroup: 'XXXX' names a cgroup no host has, so nothing is read either way",
+        "xǁCollectionǁprocesses__mutmut_41": "a cgroup.procs that cannot be read or is empty: 'XXXX' is one word, no digits, so no pid is added either way",
         "xǁCollectionǁprocesses__mutmut_53": "a MainPID that is no number: None and 0 are both false and in no pid set",
         "xǁCollectionǁrun_items__mutmut_2": _R12,
         "xǁCollectionǁrun_items__mutmut_21": "the items without a cap (failure, config, patches) read files only and never use the time limit they are given",
