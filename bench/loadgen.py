@@ -62,13 +62,13 @@ def percentile(values: list[float], p: float) -> float | None:
     return round(s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))], 4)
 
 
-def body_of(kind: str, stream: bool, tokens: int, n: int) -> tuple[str, dict]:
+def body_of(kind: str, stream: bool, tokens: int, n: int, model: str = "default") -> tuple[str, dict]:
     prompt = f"loadgen request {n}: count the lab tokens"
     if kind == "generate":
         params = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
         return "/generate", {"text": prompt, "sampling_params": params, "stream": stream}
     return "/v1/completions", {
-        "model": "default",
+        "model": model,
         "prompt": prompt,
         "max_tokens": tokens,
         "temperature": 0.0,
@@ -135,8 +135,10 @@ def judge_stream(kind: str, resp, tokens: int) -> tuple[str, str]:
     return "ok", ""
 
 
-def one(url: str, key: str | None, kind: str, stream: bool, tokens: int, n: int, timeout: float) -> tuple[str, str]:
-    path, body = body_of(kind, stream, tokens, n)
+def one(
+    url: str, key: str | None, kind: str, stream: bool, tokens: int, n: int, timeout: float, model: str = "default"
+) -> tuple[str, str]:
+    path, body = body_of(kind, stream, tokens, n, model)
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> dict:
             stream = (n * 7919 % 100) < args.stream_ratio * 100
             tokens = args.min_tokens + (n * 31 % (args.max_tokens - args.min_tokens + 1))
             started = time.monotonic() - t0
-            verdict, why = one(args.url, args.api_key, kind, stream, tokens, n, args.timeout)
+            verdict, why = one(args.url, args.api_key, kind, stream, tokens, n, args.timeout, args.model)
             stats.add(f"{kind}{'-stream' if stream else ''}", verdict, started, time.monotonic() - t0 - started, why)
 
     def watch() -> None:
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-file", help="stop once this file exists")
     p.add_argument("--ready-file", help="written once the workers run")
     p.add_argument("--stream-ratio", type=float, default=0.5)
+    # SGLang and sglang-router 0.3.2 take any name; smg routes by it (404 for a name no worker serves)
+    p.add_argument("--model", default="default", help="the completions' model: the served name behind smg")
     p.add_argument("--min-tokens", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")

@@ -51,13 +51,16 @@ def podman_exec(container: str, *cmd: str, check: bool = True) -> str:
     return subprocess.run(["podman", "exec", container, *cmd], check=check, capture_output=True, text=True).stdout
 
 
+GATEWAY = {"impl": "sglang-router"}  # --gateway: the router's impl for every inventory this run writes
+
+
 def write_inventory(env: dict | None = None) -> tuple[Path, list[str], dict[str, str]]:
     doc = yaml.safe_load(LAB_INVENTORY.read_text(encoding="utf-8"))
     hosts = doc["all"]["children"]["sglang_nodes"]["hosts"]
     names = sorted(hosts)
     for h in names:
         hosts[h]["sglang_instances"] = [{**INSTANCE, "env": env or {}}]
-    hosts[names[0]].update(labmod.router_vars(ROUTER_PORT, 29110, KEY))
+    hosts[names[0]].update({**labmod.router_vars(ROUTER_PORT, 29110, KEY), "sglang_router_impl": GATEWAY["impl"]})
     doc["all"]["children"]["sglang_replicas"] = {"hosts": {h: None for h in names}}
     doc["all"]["children"]["sglang_routers"] = {"hosts": {names[0]: None}}
     path = REPO / ".lab" / "bench-rollout.yml"
@@ -131,8 +134,15 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steady", type=float, default=30.0, help="seconds of load alone, for its p99")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "rollout-lab.json")
+    ap.add_argument(
+        "--gateway",
+        choices=["sglang-router", "smg"],
+        default="sglang-router",
+        help="the router in front (default 0.3.2)",
+    )
     ap.add_argument("--ledger", type=Path, help="keep the driver runs' ledger (and their events) in this directory")
     a = ap.parse_args()
+    GATEWAY["impl"] = a.gateway
     if not LAB_INVENTORY.exists():
         print("no lab: run `make demo` (or make lab-up and deploy.yml) first", file=sys.stderr)
         return 2
@@ -205,6 +215,7 @@ def main() -> int:
         scratch.cleanup()
     n = len(names)
     results = {
+        "gateway": a.gateway,
         "replicas": n,
         "runs": runs,
         "steady": {k: steady[k] for k in ("sent", "lost", "p50_s", "p99_s", "requests_per_s")},

@@ -157,6 +157,24 @@ def test_smg_requires_the_key_on_the_worker_api_and_the_data_plane(gateway, stan
     }
 
 
+def test_smg_routes_by_the_requests_model_where_sglang_router_and_sglang_take_any(gateway):
+    """An operator's migration hazard (docs/router.md, "The two gateways"): SGLang 0.5.23 serves a request whatever
+    its `model` (serving_base.py only splits a LoRA suffix), and so does sglang-router 0.3.2 in front of it; smg
+    routes by it: a name no worker serves is 404 model_not_found, and /v1/completions without one is 400. /generate
+    without a model goes to any worker."""
+    gw = gateway
+    completion = {"prompt": "x", "max_tokens": 2}
+    code, doc = call("POST", f"{gw.url}/v1/completions", {**completion, "model": "default"})
+    assert (code, doc["error"]["code"]) == (404, "model_not_found"), doc
+    assert doc["error"]["message"] == "No worker available for model 'default'"
+    code, doc = call("POST", f"{gw.url}/v1/completions", completion)
+    assert code == 400 and "missing field `model`" in doc["error"]["message"], doc
+    assert call("POST", f"{gw.url}/v1/completions", {**completion, "model": MODEL})[0] == 200
+    generate = {"text": "x", "sampling_params": {"max_new_tokens": 2}}
+    assert call("POST", f"{gw.url}/generate", {**generate, "model": "default"})[0] == 404
+    assert call("POST", f"{gw.url}/generate", generate)[0] == 200
+
+
 def test_smg_lists_workers_by_a_uuid7_with_status_and_health(gateway, standins):
     gw = gateway
     w0, w1, _ = standins.urls

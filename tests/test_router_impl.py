@@ -143,18 +143,20 @@ def test_the_rollout_reaches_each_gateway_with_its_own_impl_address_and_key(tmp_
                 "sglang_router_port": 30200,
                 "sglang_router_prometheus_port": 29200,
             },
-            "r3": {"sglang_router_impl": "smg", "ansible_host": "fd00::3", "sglang_router_api_key": "k3"},
+            "r3": {"sglang_router_impl": "smg", "sglang_router_address": "fd00::3", "sglang_router_api_key": "k3"},
+            "r5": {"ansible_host": "127.0.0.1"},  # the controller's way in (a tunnel): not how r1 reaches r5
             "r4": {"sglang_router_host": "10.0.0.4"},  # listening on one address: that one, from anywhere
         },
         ("-e", "sglang_service_api_key=fleet"),
     )
-    assert out["on"] == "r1" and out["quorum"] == 4
+    assert out["on"] == "r1" and out["quorum"] == 5
     smg = DEFAULTS["sglang_router_impl"]
     assert out["routers"] == [
         {"name": "r1", "impl": smg, "url": "http://127.0.0.1:30100", "metrics_url": "http://127.0.0.1:29000", "api_key": "k1"},
         {"name": "r2", "impl": "sglang-router", "url": "http://10.0.0.2:30200", "metrics_url": "http://10.0.0.2:29200", "api_key": "fleet"},
         {"name": "r3", "impl": "smg", "url": "http://[fd00::3]:30000", "metrics_url": "http://[fd00::3]:29000", "api_key": "k3"},
         {"name": "r4", "impl": smg, "url": "http://10.0.0.4:30000", "metrics_url": "http://r4:29000", "api_key": "fleet"},
+        {"name": "r5", "impl": smg, "url": "http://r5:30000", "metrics_url": "http://r5:29000", "api_key": "fleet"},
     ]  # fmt: skip
     assert DEFAULTS["sglang_router_impl"] == "smg"
     # what the role's entry points accept for each gateway (their argument specs): every key rendered

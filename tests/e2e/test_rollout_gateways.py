@@ -17,7 +17,7 @@ import pytest
 
 from support import rollout, wait_for
 from support.e2e import driver_runner, podman_exec
-from support.rollout import Load, router_workers
+from support.rollout import MODEL, Load, router_workers
 
 pytestmark = pytest.mark.lab
 
@@ -69,7 +69,7 @@ def rows(doc: dict) -> dict[str, str]:
 def test_a_rollout_behind_two_gateways_with_the_load_split_between_them_loses_no_request(pair):
     containers, inventory, run = pair
     before = pids(containers)
-    loads = {n: Load(containers[n]) for n in NODES}
+    loads = {n: Load(containers[n], MODEL) for n in NODES}
     try:
         code, doc, proc = run("rollout", "-e", new_configuration(1), "-e", GATE, inventory=inventory)
     finally:
@@ -82,6 +82,9 @@ def test_a_rollout_behind_two_gateways_with_the_load_split_between_them_loses_no
         assert router_workers(containers[n]) == BOTH, n
         assert stats[n]["lost"] == 0, (n, stats[n]["failures"])
         assert stats[n]["sent"] >= 10, (n, stats[n])
+        # streamed answers streamed through each gateway, whole ([DONE]), the completions naming the served model
+        assert stats[n]["not_streamed"] == 0, (n, stats[n])
+        assert stats[n]["by_kind"]["completions-stream"]["ok"] and stats[n]["by_kind"]["generate-stream"]["ok"], stats
     assert "router lab-node1, lab-node2 lists: " + ", ".join(BOTH) in doc["report"], doc["report"]
     print(f"two gateways, load split: {json.dumps(stats)}")
     # python -m driver status: what each gateway thinks of each replica, both having routed to both
@@ -104,7 +107,7 @@ def test_a_gateway_killed_mid_rollout_stops_it_and_nothing_is_lost_through_the_o
     containers, inventory, run = pair
     gw1, gw2 = containers["lab-node1"], containers[SMG]
     before = pids(containers)
-    load = Load(gw1)
+    load = Load(gw1, MODEL)
     try:
         driver = rollout.Watched(
             run("rollout", "-e", new_configuration(2), "-e", GATE, inventory=inventory, popen=True)
@@ -118,12 +121,14 @@ def test_a_gateway_killed_mid_rollout_stops_it_and_nothing_is_lost_through_the_o
         stats = load.stop()
     assert code == 1, out[-3000:] + err[-3000:]
     doc = json.loads(out)
-    assert rows(doc)["lab-node1"] != "restarted", out[-3000:]  # failed on the gateway, whatever the restart did
+    assert rows(doc)["lab-node1"] == "restarted", out[-3000:]  # its restart succeeded; the gateway failed its turn
     assert pids(containers)["lab-node2"] == before["lab-node2"], "the rollout stopped after the canary"
+    canary = next(line for line in doc["report"] if line.startswith("lab-node1/ro: "))
+    assert canary.startswith(
+        f"lab-node1/ro: failed (add {WORKER1}: 1 of 2 gateways carried it out, 2 wanted (--gateway-quorum): {SMG}: "
+    ), canary
+    assert canary.endswith("router: lab-node1 healthy"), canary  # back in the gateway left
     assert any(line.startswith(f"gateway {SMG} did not answer: ") for line in doc["report"]), doc["report"]
-    assert any(line.startswith("lab-node1/ro: ") and "router: lab-node1 healthy" in line for line in doc["report"]), (
-        doc["report"]
-    )
     assert router_workers(gw1) == BOTH
     assert stats["lost"] == 0, stats["failures"]
     code, doc, _ = run("status", inventory=inventory)
@@ -140,7 +145,7 @@ def test_with_a_quorum_of_one_the_rollout_goes_on_through_the_gateway_left_and_s
     if podman_exec(gw2, "sh", "-c", "systemctl is-active sglang-router.service || true").strip() == "active":
         kill_gateway(gw2)  # run alone: down as the test before leaves it
     before = pids(containers)
-    load = Load(gw1)
+    load = Load(gw1, MODEL)
     try:
         code, doc, proc = run(
             "rollout", "-e", new_configuration(3), "-e", GATE, "--gateway-quorum", "1", inventory=inventory

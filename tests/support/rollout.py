@@ -15,6 +15,7 @@ from support.e2e import REPO, ansible, labmod, podman_exec
 ROUTER = "lab-node1"
 ROUTER_PORT = 30100
 KEY = "lab-router-key"
+MODEL = labmod.LAB_HOST_VARS["sglang_model_path"]  # the lab's served model: what smg routes a request by
 ROUTER_VARS = labmod.router_vars(ROUTER_PORT, 29100, KEY)
 
 
@@ -121,15 +122,16 @@ def main_pid(container: str, unit: str) -> int:
 
 
 class Load:
-    """bench/loadgen.py on the router's node, through the router, until stopped."""
+    """bench/loadgen.py on the router's node, through the router, until stopped; its completions name `model` (smg
+    routes by it: the served name, MODEL)."""
 
-    def __init__(self, container: str):
+    def __init__(self, container: str, model: str = "default"):
         self.container = container
         podman_exec(container, "rm", "-f", "/tmp/loadgen.stop", "/tmp/loadgen.ready")
         self.proc = subprocess.Popen(
             [
                 *("podman", "exec", container, "python3", "/tmp/loadgen.py"),
-                *("--url", f"http://127.0.0.1:{ROUTER_PORT}", "--api-key", KEY, "--concurrency", "3"),
+                *("--url", f"http://127.0.0.1:{ROUTER_PORT}", "--api-key", KEY, "--concurrency", "3", "--model", model),
                 *("--stop-file", "/tmp/loadgen.stop", "--ready-file", "/tmp/loadgen.ready", "--duration", "900"),
             ],
             stdout=subprocess.PIPE,
