@@ -14,7 +14,7 @@ import sqlite3
 import pytest
 
 from support import wait_for
-from support.e2e import driver_runner, podman_exec
+from support.e2e import driver_runner, podman_exec, remove_instances
 
 pytestmark = pytest.mark.lab
 
@@ -54,20 +54,7 @@ def two_serving(deployed, tmp_path_factory):
     assert code == 0, (proc.stdout + proc.stderr)[-3000:]
     assert {r["instance"]: r["result"] for r in doc["rows"]} == {"a": "restarted", "b": "restarted"}
     yield run, node, ledger
-    for name in ("a", "b"):
-        podman_exec(node, "systemctl", "disable", "--now", f"sglang-{name}.service")
-        podman_exec(
-            node,
-            "rm",
-            "-rf",
-            f"/etc/systemd/system/sglang-{name}.service",
-            f"/etc/sglang/{name}.env",
-            f"/etc/sglang/pending/sglang-{name}.service",
-            f"/etc/sglang/pending/{name}.env",
-            f"/etc/sglang/secrets/{name}.env",
-            f"/var/lib/sglang/known-good/{name}",
-        )
-    podman_exec(node, "systemctl", "daemon-reload")
+    remove_instances(node, "a", "b")
 
 
 def test_ctrl_c_during_the_first_restart_never_restarts_the_second(two_serving):

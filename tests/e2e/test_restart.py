@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from support.e2e import ansible, lab_gpu_state, podman_exec
+from support.e2e import ansible, lab_gpu_state, podman_exec, remove_instances
 
 pytestmark = pytest.mark.lab
 
@@ -101,20 +101,7 @@ def serving(deployed):
     assert rc == 0, msg
     assert res["a"]["outcome"] == res["b"]["outcome"] == "restarted"
     yield the_lab, node
-    for name in ("a", "b"):
-        podman_exec(node, "systemctl", "disable", "--now", f"sglang-{name}.service")
-        podman_exec(
-            node,
-            "rm",
-            "-rf",
-            f"/etc/systemd/system/sglang-{name}.service",
-            f"/etc/sglang/{name}.env",
-            f"/etc/sglang/pending/sglang-{name}.service",
-            f"/etc/sglang/pending/{name}.env",
-            f"/etc/sglang/secrets/{name}.env",
-            f"/var/lib/sglang/known-good/{name}",
-        )
-    podman_exec(node, "systemctl", "daemon-reload")
+    remove_instances(node, "a", "b")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import yaml
 
 from driver import interrupts
 from support import rollout, wait_for
-from support.e2e import driver_runner, labmod, podman_exec, wait_ssh
+from support.e2e import driver_runner, labmod, podman_exec, remove_instances, wait_ssh
 from support.rollout import KEY, ROUTER, ROUTER_PORT, Load, Watched, in_node, router_workers
 
 pytestmark = pytest.mark.lab
@@ -57,7 +57,8 @@ def fleet(deployed, tmp_path_factory):
         yield the_lab, containers, inventory, run
     finally:
         rollout.remove_router(containers[ROUTER])
-        rollout.remove_instance(containers, NODES, "ro")
+        for n in NODES:
+            remove_instances(containers[n], "ro")
 
 
 def rows_by_host(doc: dict) -> dict[str, dict]:

@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from support import rollout, wait_for
-from support.e2e import driver_runner, podman_exec
+from support.e2e import driver_runner, podman_exec, remove_instances
 from support.rollout import MODEL, Load, router_workers
 
 pytestmark = pytest.mark.lab
@@ -55,7 +55,7 @@ def pair(deployed, tmp_path_factory):
     finally:
         for n in NODES:
             rollout.remove_router(containers[n])
-        rollout.remove_instance(containers, NODES, "ro")
+            remove_instances(containers[n], "ro")
 
 
 def pids(containers) -> dict[str, int]:

@@ -38,6 +38,7 @@ __all__ = [
     "podman_exec",
     "recap",
     "refused",
+    "remove_instances",
 ]
 
 
@@ -181,3 +182,22 @@ def wait_ssh(inventory, host: str, timeout: float = 240) -> float:
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"{host} not reachable over SSH after {timeout:.0f} s:\n{proc.stdout[-2000:]}")
         time.sleep(1)
+
+
+def remove_instances(container: str, *names: str) -> None:
+    """Each instance of `names` gone from the node (unit, configuration, staged files, secrets, known-good
+    generations): the node as deploy.yml left it. The e2e modules that start instances of their own end with it."""
+    for name in names:
+        podman_exec(container, "sh", "-c", f"systemctl disable --now sglang-{name}.service || true")
+        podman_exec(
+            container,
+            "rm",
+            "-rf",
+            f"/etc/systemd/system/sglang-{name}.service",
+            f"/etc/sglang/{name}.env",
+            f"/etc/sglang/pending/sglang-{name}.service",
+            f"/etc/sglang/pending/{name}.env",
+            f"/etc/sglang/secrets/{name}.env",
+            f"/var/lib/sglang/known-good/{name}",
+        )
+    podman_exec(container, "systemctl", "daemon-reload")

@@ -50,26 +50,6 @@ def serve_behind_router(run, inventory: str, *routers: str) -> None:
         subprocess.run(["podman", "cp", str(REPO / "bench" / "loadgen.py"), f"{router}:/tmp/loadgen.py"], check=True)
 
 
-def remove_instance(containers: dict[str, str], nodes, name: str) -> None:
-    """Instance `name` gone from each node (unit, configuration, staged files, secrets, known-good generations): the
-    nodes as deploy.yml left them."""
-    for node in nodes:
-        c = containers[node]
-        podman_exec(c, "sh", "-c", f"systemctl disable --now sglang-{name}.service || true")
-        podman_exec(
-            c,
-            "rm",
-            "-rf",
-            f"/etc/systemd/system/sglang-{name}.service",
-            f"/etc/sglang/{name}.env",
-            f"/etc/sglang/pending/sglang-{name}.service",
-            f"/etc/sglang/pending/{name}.env",
-            f"/etc/sglang/secrets/{name}.env",
-            f"/var/lib/sglang/known-good/{name}",
-        )
-        podman_exec(c, "systemctl", "daemon-reload")
-
-
 class Watched:
     """A driver run in the background whose output is read as it comes (what it has said so far, at any time)."""
 
