@@ -4131,3 +4131,257 @@ def test_operator_rollback_not_recorded_says_the_next_start_puts_the_newest_back
     # As said: the guard, at the next start, holds the unit to the newest recorded generation (new).
     status, _ = boot.check("m", w.inst.state_dir, reload=lambda: None, directory=w.machine().unverified_dir)
     assert status == boot.PUT_BACK and w.live() == w.files["new"]
+
+
+# ---------------------------------------------------------------------------- what mutation testing found unchecked (#31)
+
+
+def test_operator_rollback_to_a_generation_recorded_without_a_command_line_says_it_runs_no_program(tmp_path, handlers):
+    w = build(tmp_path, new=None, known_good=False)
+    good = Store(replace(w.inst, argv=w.argv["good"], profile="good"))
+    good.record(good.snapshot(), [], {"ok": True, "checks": []})  # no main process's argv was read
+    for path, content in w.files["new"].items():  # another configuration on disk: the recorded one is the target
+        Path(path).write_text(content)
+    res = restart.rollback(w.machine())
+    gen = Store(w.inst).latest()["generation"]
+    assert res["outcome"] == outcomes.REFUSED and res["failure"] == {
+        "phase": "restore",
+        "cause": f"known-good generation {gen} of m runs no program, which is not on this host (its software "
+        "generation was removed?): deploy it again, or restart with the configuration you want. Nothing was touched.",
+    }
+    assert w.host.systemctl_calls() == [] and w.lock_free()
+
+
+def phase_call(w: World, configured: Instance, phase: str, **kw) -> dict:
+    """One phase of a multi-node group on this node as its own module call: the instance built afresh from the
+    play's parameters (`configured`: the new profile), not the one an earlier phase's rollback changed."""
+    return restart.restart(Machine(replace(configured), replace(w.settings, phase=phase, **kw), w.host.ports()))
+
+
+def test_a_groups_last_rollback_phase_names_the_known_good_profile_not_the_configured_one(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    configured = replace(w.inst)
+    for phase in ("stop", "start", "rollback_stop", "rollback_start"):
+        phase_call(w, configured, phase)
+    done = phase_call(w, configured, "rollback_confirm")
+    assert (done["outcome"], done["profile"], done["rollback"]["to_profile"]) == (R, "good", "good")
+    serving(w, "good")
+
+
+def test_a_groups_rollback_stop_whose_gpu_wait_fails_is_contained_with_the_known_good_files_back(tmp_path, handlers):
+    """The new configuration ran here; the rollback's GPU wait fails: the unit stays stopped and the known-good files
+    go back on disk, not started (a boot starts them), as the containment says."""
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    restart.restart(w.machine(phase="stop"))
+    restart.restart(w.machine(phase="start"))
+    serving(w, "new")
+    w.host.inject("wait_clean", "dirty", 0)
+    res = restart.restart(w.machine(phase="rollback_stop"))
+    good = Store(w.inst).latest()
+    assert res["outcome"] == N and res["failure"]["phase"] == "gpus"
+    assert res["contained"] == {
+        "stop": None,
+        "files": f"known-good generation {good['generation']} put back, not started",
+        "unit_state": "inactive/dead",
+    }
+    assert res["msg"].endswith(
+        f"; {UNIT} is stopped (inactive/dead). known-good generation {good['generation']} put back, not started."
+    )
+    assert len(w.host.systemctl_calls("stop")) == 3  # the group's stop, the rollback's, the containment's: once each
+    stopped(w)
+    assert w.live() == w.files["good"]
+
+
+def test_a_groups_last_phase_after_a_rollback_stop_failed_elsewhere_puts_the_known_good_files_back(tmp_path, handlers):
+    """Another node's rollback stop failed: restart.yml skips the group's rollback start and runs its last phase,
+    which contains this node, stopped with the new files still on disk: the known-good ones go back."""
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    for phase in ("stop", "start", "rollback_stop"):
+        restart.restart(w.machine(phase=phase))
+    assert w.live() == w.files["new"]
+    res = restart.restart(w.machine(phase="rollback_confirm", group_ok=False, group_why="rank 1 on b failed"))
+    good = Store(w.inst).latest()
+    assert res["outcome"] == N and res["rollback"]["why"] == "the group's rollback failed: rank 1 on b failed"
+    assert res["contained"] == {
+        "stop": None,
+        "files": f"known-good generation {good['generation']} put back, not started",
+        "unit_state": "inactive/dead",
+    }
+    assert len(w.host.systemctl_calls("stop")) == 3  # the group's stop, the rollback's, the containment's: once each
+    stopped(w)
+    assert w.live() == w.files["good"]
+
+
+def deadlines(monkeypatch) -> list[tuple[str, float | None]]:
+    """Each HTTP request the module sends: its URL and the timeout its connection is given (None: none)."""
+    seen: list[tuple[str, float | None]] = []
+    real = http.OPENER.open
+
+    def opened(req, data=None, timeout=socket._GLOBAL_DEFAULT_TIMEOUT):
+        seen.append((req.full_url, timeout))
+        return real(req, data, timeout)
+
+    monkeypatch.setattr(http.OPENER, "open", opened)
+    return seen
+
+
+def test_status_gives_the_server_5_s_to_answer_health_and_server_info(tmp_path, monkeypatch):
+    """A server that hangs must not hang status (no deadline), nor a loaded one be called unhealthy after the
+    client's 2 s default, nor /server_info hold it for the client's 30 s."""
+    w = build(tmp_path, new=None)
+    w.host.unit.server.b = Behaviour(server_info="no_states", accept=3.25)  # the accept length from /metrics too
+    seen = deadlines(monkeypatch)
+    out = restart.status(w.machine())
+    assert (out["health"], out["accept_length"], out["errors"]) == (True, 3.25, [])
+    base = w.inst.base
+    assert seen == [(f"{base}/health", 5), (f"{base}/server_info", 5), (f"{base}/metrics", 10)]
+
+
+def test_a_rank_above_0_gives_rank_0_10_s_to_answer_health(tmp_path, monkeypatch, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    seen = deadlines(monkeypatch)
+    res, _ = confirmed_after(w, lambda h: None)
+    assert res["outcome"] == outcomes.VERIFIED, res.get("failure")
+    assert seen == [(f"http://127.0.0.2:{w.inst.port}/health", 10)]
+
+
+def test_a_reporting_start_shows_the_servers_newest_journal_line(world, handlers):
+    from sglang_deploy import progress
+
+    m = world.machine()
+    path = world.tmp / "progress.json"
+    m.progress = progress.Reporter(str(path), clock=world.host.clock)
+    res = restart.restart(m)
+    assert res["outcome"] == REST, res.get("failure")
+    assert json.loads(path.read_text())["last_line"] == "server_args=ServerArgs(...)"  # its own, not systemd's
+
+
+def test_a_reporting_rank_above_0_reads_its_journal_once_more_when_its_start_ends(tmp_path, monkeypatch, handlers):
+    """Rank 1's start ends 2 s after its process's first line, whenever the journal was last read: what the rank
+    logged since (here its weights loading) is read then, the step and line the controller is shown."""
+    from sglang_deploy import progress
+
+    monkeypatch.setattr(restart.LoadFollower, "READ_S", 60.0)  # reads rarer than the 2 s: the first, then the last
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    restart.restart(w.machine(phase="stop"))
+    h, show = w.host, w.host.show
+    line = "[2026-12-02 10:00:00 TP1] Load weight begin. avail mem=139.50 GB"
+    polls = []
+
+    def loading_show(unit_name):
+        props = show(unit_name)
+        if h.unit.active == "active":
+            polls.append(h.t)
+            if len(polls) == 5:  # 0.4 s after its first line
+                h.journals[h.unit.invocation].append(line)
+        return props
+
+    m = w.machine(phase="start")
+    m.ports.show = loading_show
+    m.progress = progress.Reporter(None, clock=h.clock)
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.STARTED, res.get("failure")
+    d = m.progress.doc
+    assert (d["phase"], d["step"], d["detail"], d["last_line"]) == ("start", progress.WEIGHTS, "", line)
+
+
+def test_a_rank_above_0_is_judged_on_its_journal_as_journalctl_answers(tmp_path, monkeypatch, handlers):
+    """The start reads the rank's own lines through unit.journal_since, here from a journalctl that answers as
+    journalctl does: one invocation's lines (one process's with _PID=), the last -n of them, the cursor of the
+    last one with --show-cursor, and a cursor it never gave refused ("Failed to seek to cursor", exit 1)."""
+    w = build(tmp_path, nnodes=2, node_rank=1)
+    restart.restart(w.machine(phase="stop"))
+    h, run, refused = w.host, subprocess.run, []
+
+    def journalctl(args, **kw):
+        if args[0] != "journalctl":
+            return run(args, **kw)
+        fields = dict(a.split("=", 1) for a in args if a.startswith("_"))
+        inv = fields["_SYSTEMD_INVOCATION_ID"]
+        entries = list(enumerate(h.journals[inv]))
+        if "_PID" in fields:  # the main process's own: systemd's line from it before its exec too, not the gate's
+            entries = [(i, x) for i, x in entries if x != GATE_LINE and int(fields["_PID"]) == h.unit.pid]
+        after = next((a.split("=", 1)[1] for a in args if a.startswith("--after-cursor=")), None)
+        if after is not None:
+            if not after.startswith(f"s={inv};i="):
+                refused.append(after)
+                return subprocess.CompletedProcess(args, 1, "", "Failed to seek to cursor: Invalid argument\n")
+            entries = [(i, x) for i, x in entries if i > int(after.rsplit("=", 1)[1])]
+        elif "-n" in args:
+            entries = entries[-int(args[args.index("-n") + 1]) :]
+        out = [x for _, x in entries]
+        if entries and "--show-cursor" in args:
+            out.append(f"-- cursor: s={inv};i={entries[-1][0]}")
+        return subprocess.CompletedProcess(args, 0, "".join(x + "\n" for x in out), "")
+
+    monkeypatch.setattr(unit.subprocess, "run", journalctl)
+    m = w.machine(phase="start")
+    m.ports = replace(m.ports, journal_since=unit.journal_since)
+    res = restart.restart(m)
+    assert res["outcome"] == outcomes.STARTED, res.get("failure")
+    assert res["phases"][-1]["detail"]["running_after_s"] >= 2.0 and refused == []
+
+
+def test_the_start_asks_a_loading_server_for_health_every_tenth_of_a_second(tmp_path, handlers):
+    """While the main process runs, the wait on it (0.1 s) is the poll's interval: a server loading for the whole
+    1 s ready timeout is asked ten times, not five (a wait, then a sleep, each poll)."""
+    w = build(tmp_path, rollback=False, ready_timeout=1.0)
+    w.host.behave("new", health=503)
+    res = restart.restart(w.machine())
+    assert res["failure"]["phase"] == "start" and res["failure"]["cause"].startswith(f"{UNIT} not ready after 1s")
+    (loading,) = [s for s in SERVERS if s.b.health == 503]
+    assert loading.requests.count("/health") == 10
+
+
+def test_a_systemctl_that_fails_saying_nothing_is_reported_without_adding_words(world, handlers):
+    real = world.host.systemctl
+
+    def mute_enable(*args, timeout=None):
+        if args[0] == "enable":  # exit status 1, nothing on stderr
+            return subprocess.CompletedProcess(["systemctl", *args], 1, "", "")
+        return real(*args, timeout=timeout)
+
+    world.host.systemctl = mute_enable
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST and res["known_good"]["enabled"] is False
+    assert res["known_good"]["enable_error"] == f"UnitError: systemctl enable {UNIT} failed: "
+
+
+def test_the_gpu_wait_says_how_long_it_waited_to_the_millisecond(world, handlers):
+    """The driver frees the stopped server's memory 0.25 s after the stop (no process listed meanwhile): the wait
+    polls every 0.1 s and finds the GPUs clean at its fourth poll, 0.3 s on."""
+    h, real, freed = world.host, world.host.gpus, []
+    h.hook("stop", lambda h: freed.append(h.t + 0.25))
+    h.gpus = lambda dirty=False: real(dirty=dirty or (bool(freed) and h.t < freed[0]))
+    res = restart.restart(world.machine())
+    assert res["outcome"] == REST, res.get("failure")
+    gpus = next(p for p in res["phases"] if p["phase"] == outcomes.GPUS)
+    assert gpus["detail"] == {"waited_s": 0.3, "polls": 4, "stopped": {}, "stopped_processes": []}
+
+
+def test_a_server_dying_on_its_first_generation_with_nothing_in_its_journal_is_said_to_have_died(world, handlers):
+    world.host.behave("new", generate_fault="crash")
+    world.host.journal = lambda unit, invocation=None: []
+    res = restart.restart(world.machine())
+    f = res["failure"]
+    assert f["phase"] == "generate" and f["journal_tail"] == [] and res["outcome"] == R
+    assert f["cause"].startswith(f"the server died on its first generation ({world.inst.base}/generate: "), f
+    assert f["cause"].endswith(")")
+
+
+def test_an_operation_refused_by_a_groups_lease_is_told_the_phase_of_the_run_that_holds_it(tmp_path, handlers):
+    w = build(tmp_path, nnodes=2, node_rank=0)
+    now = 1_800_000_000.0
+    group(w, "stop", wall=lambda: now, lease_s=300)
+    group(w, "start", wall=lambda: now, lease_s=300)
+    single = restart.restart(Machine(w.inst, w.settings, replace(w.host.ports(), wall=lambda: now)))
+    assert single["outcome"] == outcomes.LOCKED
+    assert single["lock"]["holder"]["group_lease"] == {
+        "token": TOKEN,
+        "expires": now + 300,
+        "expires_at": "2027-01-15T08:05:00Z",
+        "expires_in_s": 300.0,
+        "phase": "start",
+        "path": str(lease_file(w)),
+    }
+    assert restart.status(w.machine())["lock"]["group_lease"]["phase"] == "start"
