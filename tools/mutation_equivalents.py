@@ -42,6 +42,15 @@ _R21 = "the state word of a wait that is done is never read: _until shows `last`
 _R22 = "raw is read only as a set: leaks' any() and the modules' no_log_values.update, neither of which depends on its order"
 _R23 = "'ASCII' and 'ascii' name one codec"
 _R24 = "SQLite reads keywords, function, table, column and alias names without case, and the statement holds no quoted name and no literal (its values are ? parameters): the same statement in any case"
+_EXEC_MAIN_CODE = (
+    "ExecMainCode's default: unit.show asks systemctl for it, and systemctl show prints every property asked for"
+)
+_SERVING_INVOCATION = "the serving rank's invocation: saved with its start, read only by a rank above 0's confirm"
+_UNIT_STATE = (
+    "message reads contained's unit_state only for the outcome not_recovered, which only contain() sets, and sets with "
+    "`contained` (its unit_state always set) in the next statement, no call between where a signal handler could run: "
+    "the default is never read"
+)
 
 EQUIVALENT = {
     "driver/interrupts.py": {
@@ -289,13 +298,19 @@ EQUIVALENT = {
     },
     "sglang_deploy/restart.py": {
         "x_end__mutmut_15": _PRECISION,
+        "x_escaped__mutmut_38": "every restart's phases begin with its lock's, passed before any other can run: a passed set holding start and verify holds lock too, a strict superset of {start, verify} whenever it is a superset",
+        "x_message__mutmut_110": _UNIT_STATE,
+        "x_message__mutmut_112": _UNIT_STATE,
+        "x_message__mutmut_115": _UNIT_STATE,
         "x_multinode__mutmut_26": "steps[:+1] is steps[:-1] for the record phase's two steps (load, record)",
         "x_multinode__mutmut_44": _SAME_PHASE,
+        "x_refused__mutmut_15": "pop's default None for False: only the truth of the value popped is read, and the key is taken out either way",
         "x_restart__mutmut_74": _SAME_PHASE,
         "x_status__mutmut_16": _CAUSE_ONLY,
         "x_status__mutmut_24": _PROC0,
         "x_status__mutmut_86": _LIMIT,
         "x_status__mutmut_96": _LIMIT,
+        "x_verify__mutmut_19": _CAUSE_ONLY,
         "xǁLoadFollowerǁ__init____mutmut_6": "the first read not before monotonic second 1.0: time.monotonic() counts from boot, past 1.0 by the time any restart runs",
         "xǁLoadFollowerǁpoll__mutmut_6": _BOUNDARY,
         "xǁMachineǁ__init____mutmut_8": _SET_BEFORE_READ,
@@ -311,7 +326,8 @@ EQUIVALENT = {
         "xǁMachineǁfailure_from_journal__mutmut_5": _BOUNDARY,
         "xǁMachineǁfailure_from_journal__mutmut_38": _PRECISION,
         "xǁMachineǁfailure_from_journal__mutmut_48": _PRECISION,
-        "xǁMachineǁfailure_from_journal__mutmut_78": "ExecMainCode's default: unit.show asks systemctl for it, and systemctl show prints every property asked for",
+        "xǁMachineǁfailure_from_journal__mutmut_78": _EXEC_MAIN_CODE,
+        "xǁMachineǁfailure_from_journal__mutmut_82": _EXEC_MAIN_CODE,
         "xǁMachineǁgeneration__mutmut_24": _BOUNDARY,
         "xǁMachineǁload_started__mutmut_2": _LOCALE,
         "xǁMachineǁload_started__mutmut_4": _LOCALE,
@@ -322,13 +338,17 @@ EQUIVALENT = {
         "xǁMachineǁlogged__mutmut_13": "reads 4 of the process's own lines instead of 3: any one answers",
         "xǁMachineǁrank0_serving__mutmut_20": _LIMIT,
         "xǁMachineǁrecord__mutmut_6": _PROC0,
+        "xǁMachineǁrecord__mutmut_55": "record() runs only as the RECORD step, whose failure is read for its cause alone (finish_restarted's and the operator's rollback's known_good why); run_steps names it after its step whatever phase it was raised with",
         "xǁMachineǁrecord__mutmut_72": "a containment note that is not there unlinked anyway: FileNotFoundError, which quietly() swallows, as the else branch does nothing",
+        "xǁMachineǁrecord__mutmut_90": _CAUSE_ONLY,
         "xǁMachineǁrun_steps__mutmut_34": _PRECISION,
         "xǁMachineǁrun_steps__mutmut_62": _PRECISION,
         "xǁMachineǁsave_started__mutmut_23": _DEFAULT_MODE,
         "xǁMachineǁstart__mutmut_97": _BOUNDARY,
         "xǁMachineǁstart__mutmut_131": _PRECISION,
-        "xǁMachineǁstart__mutmut_160": "the serving rank's invocation: saved with its start, read only by a rank above 0's confirm",
+        "xǁMachineǁstart__mutmut_159": _SERVING_INVOCATION,
+        "xǁMachineǁstart__mutmut_160": _SERVING_INVOCATION,
+        "xǁMachineǁstart__mutmut_161": _SERVING_INVOCATION,
         "xǁMachineǁstart__mutmut_175": _PRECISION,
         "xǁMachineǁstart__mutmut_177": _BOUNDARY,
         "xǁMachineǁtake_lock__mutmut_17": _FALSY,
