@@ -91,6 +91,8 @@ class Load:
                 *("--url", url, "--api-key", KEY, "--concurrency", "3"),
                 *("--stop-file", "/tmp/bench-load.stop", "--ready-file", "/tmp/bench-load.ready"),
                 *("--duration", str(seconds)),
+                # the served model: smg routes by it (404 for loadgen's default name; sglang-router ignores it)
+                *("--model", labmod.LAB_HOST_VARS["sglang_model_path"]),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -460,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     names, whole, fresh = [], set(), []
     record = json.loads(OUT.read_text())["files"] if OUT.exists() else {}
     if args.retest:  # named, mutmut tests them again; unnamed, only new ones
-        fresh = [f for f in args.files if not (STAGE / "mutants" / f"{f}.meta").exists()]
+        # From the record: a file mutmut has no results for here, or one whose last run was from the record (its
+        # untested mutants were carried as killed: mutmut's own list would test them all again).
+        fresh = [f for f in args.files if not (STAGE / "mutants" / f"{f}.meta").exists() or record.get(f, {}).get("carried")]  # fmt: skip
         names = not_killed([f for f in args.files if f not in fresh])
         if fresh:
             os.chdir(STAGE)  # mutmut reads its setup.cfg on import
