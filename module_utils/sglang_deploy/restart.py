@@ -1219,10 +1219,7 @@ def message(m: Machine, res: dict) -> str:
         return f"{i.name}: {outcome} (check mode)"
     msg = f"{i.name}: {f.get('phase')} failed: {f.get('cause')}"
     rb = res.get("rollback") or {}
-    if outcome == outcomes.ROLLED_BACK and m.action == "restart" and not f:  # a group's last rollback phase: the
-        # failure was an earlier phase's call, said there
-        msg = f"{i.name}: rolled back to the last-known-good configuration (profile {rb.get('to_profile')}): serving."
-    elif outcome == outcomes.ROLLED_BACK and m.action == "restart":
+    if outcome == outcomes.ROLLED_BACK and m.action == "restart":
         msg += f". Rolled back to the last-known-good configuration (profile {rb.get('to_profile')}): serving."
     elif outcome == outcomes.ROLLED_BACK:
         msg = (
