@@ -355,6 +355,8 @@ EQUIVALENT = {
         "xǁMachineǁwait_gpus__mutmut_44": _PRECISION,
     },
     "sglang_deploy/router.py": {
+        "x_act__mutmut_133": "inspect's retry window of 1 s outside a plan never re-reads: it retries while clock() + poll (1 s) <= the window's end, set after the first reads took time",
+        "x_check_waits__mutmut_13": "float('INF') is float('inf')",
         "x__failure__mutmut_6": "HttpError always has a cause attribute (its __init__ sets it, None by default): getattr's default is never used",
         "x_act__mutmut_20": "float('INF') is float('inf'): Python reads inf in any case",
         "x_act__mutmut_146": "inspect reads again only while clock() + poll <= deadline; act's poll is 1 s, so a retry_s of 1 s would need a monotonic clock that did not move between two readings: no read is repeated, as with 0",
