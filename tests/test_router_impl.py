@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from support import REPO
+from support.fake_gateway import closed_port
 
 ROLE = REPO / "roles" / "sglang_router"
 VARS = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())
@@ -168,3 +169,47 @@ def test_the_rollout_reaches_each_gateway_with_its_own_impl_address_and_key(tmp_
 def test_the_quorum_is_the_operators_when_given(tmp_path):
     out = rendered(tmp_path, {"r1": {}, "r2": {}}, ("-e", "sglang_rollout_gateway_quorum=1"))
     assert out["quorum"] == 1 and [r["url"] for r in out["routers"]] == ["http://127.0.0.1:30000", "http://r2:30000"]
+
+
+def gateway_view(tmp_path, routers: dict) -> tuple[subprocess.CompletedProcess, list]:
+    """playbooks/status.yml's gateway play alone (the first needs a systemd host), over one local node serving
+    nothing and `routers` (host -> variables): its run, and the view it kept (sglang_gateway_view)."""
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    node = {**local, "sglang_instances": [{"name": "ro", "port": 30010}], "sglang_router_worker_host": "127.0.0.1"}
+    inventory = {"all": {"children": {"sglang_nodes": {"hosts": {"n1": node}}}}}
+    if routers:
+        inventory["all"]["children"]["sglang_routers"] = {"hosts": {h: {**local, **v} for h, v in routers.items()}}
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
+    (tmp_path / "playbooks").mkdir()
+    (tmp_path / "playbooks" / "vars").symlink_to(REPO / "playbooks" / "vars")
+    (tmp_path / "roles").symlink_to(REPO / "roles")
+    play = yaml.safe_load((REPO / "playbooks" / "status.yml").read_text())[1]
+    play["tasks"].append(
+        {"ansible.builtin.copy": {"content": "{{ sglang_gateway_view | default([]) | to_json }}", "dest": str(tmp_path / "view.json")},
+         "delegate_to": "localhost"}
+    )  # fmt: skip
+    (tmp_path / "playbooks" / "view.yml").write_text(yaml.safe_dump([play], sort_keys=False))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
+    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml")]
+    proc = subprocess.run(
+        [*argv, str(tmp_path / "playbooks" / "view.yml")], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    view = json.loads((tmp_path / "view.json").read_text()) if (tmp_path / "view.json").exists() else None
+    return proc, view
+
+
+def test_status_without_gateways_reads_none_and_fails_nothing(tmp_path):
+    proc, view = gateway_view(tmp_path, {})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert view == []
+
+
+def test_status_says_a_gateway_that_does_not_answer_for_each_instance(tmp_path):
+    port = closed_port()
+    proc, view = gateway_view(tmp_path, {"r1": {"sglang_router_port": port, "sglang_router_prometheus_port": port}})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert [(r["host"], r["instance"], r["gateway"], r["worker"], r["listed"]) for r in view] == [
+        ("n1", "ro", "r1", "http://127.0.0.1:30010", None)
+    ]
+    assert view[0]["why"].startswith("the gateway did not answer: ")

@@ -105,6 +105,13 @@ def test_a_gateway_killed_mid_rollout_stops_it_and_nothing_is_lost_through_the_o
     restart succeeds, but its return into the dead gateway fails, so its turn fails (quorum: every gateway) and the
     rollout stops before lab-node2; the canary serves in lab-node1's gateway; the report names the dead gateway."""
     containers, inventory, run = pair
+    try:
+        killed_mid_rollout(containers, inventory, run)
+    finally:
+        revive_gateway(containers[SMG])  # as found, whatever failed: the tests run in any order
+
+
+def killed_mid_rollout(containers: dict, inventory: str, run) -> None:
     gw1, gw2 = containers["lab-node1"], containers[SMG]
     before = pids(containers)
     load = Load(gw1, MODEL)
@@ -137,13 +144,18 @@ def test_a_gateway_killed_mid_rollout_stops_it_and_nothing_is_lost_through_the_o
     assert all(r["listed"] for r in doc["gateways"] if r["gateway"] == "lab-node1"), doc["gateways"]
 
 
+def revive_gateway(container: str) -> None:
+    """smg started again: it lists the workers of its own command line (both), healthy."""
+    podman_exec(container, "systemctl", "start", "sglang-router.service")
+    wait_for("smg back, listing both", lambda: router_workers(container) == BOTH, 120)
+
+
 def test_with_a_quorum_of_one_the_rollout_goes_on_through_the_gateway_left_and_says_the_other(pair):
-    """smg still down (the test before): --gateway-quorum 1 rolls both replicas through lab-node1's gateway, each
-    turn naming the dead one; then smg started again lists both (its unit's workers) healthy."""
+    """smg down from the start: --gateway-quorum 1 rolls both replicas through lab-node1's gateway, each turn naming
+    the dead one; then smg started again lists both (its unit's workers) healthy."""
     containers, inventory, run = pair
     gw1, gw2 = containers["lab-node1"], containers[SMG]
-    if podman_exec(gw2, "sh", "-c", "systemctl is-active sglang-router.service || true").strip() == "active":
-        kill_gateway(gw2)  # run alone: down as the test before leaves it
+    kill_gateway(gw2)
     before = pids(containers)
     load = Load(gw1, MODEL)
     try:
@@ -152,7 +164,7 @@ def test_with_a_quorum_of_one_the_rollout_goes_on_through_the_gateway_left_and_s
         )
     finally:
         stats = load.stop()
-        podman_exec(gw2, "systemctl", "start", "sglang-router.service")
+        revive_gateway(gw2)
     out = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert code == 0, out
     assert rows(doc) == {n: "restarted" for n in NODES}, out
@@ -160,7 +172,6 @@ def test_with_a_quorum_of_one_the_rollout_goes_on_through_the_gateway_left_and_s
     assert any(line.startswith(f"gateway {SMG} did not answer: ") for line in doc["report"]), doc["report"]
     assert router_workers(gw1) == BOTH
     assert stats["lost"] == 0, stats["failures"]
-    wait_for("smg back, listing both", lambda: router_workers(gw2) == BOTH, 120)
 
 
 def kill_gateway(container: str) -> None:
