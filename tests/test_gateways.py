@@ -435,3 +435,22 @@ def test_check_mode_on_two_gateways_sends_nothing_that_changes_them(pair):
         )
         assert add["changed"] is True and [g["ok"] for g in add["gateways"]] == [True, True]
         assert all(m == "GET" for m, _ in a.requests + b.requests) and w.scrapes == 0
+
+
+def test_view_says_a_listing_it_cannot_read_and_still_reads_the_other_gateways(pair, monkeypatch):
+    """Anything one gateway's read raises (an answer no listing comes from) is that gateway's row, not status's end."""
+    a, _, routers = pair
+    a.add_now(W1)
+    real = rt.Router.workers
+
+    def workers(self):
+        if self.url == routers[1]["url"]:
+            raise TypeError("unhashable type: 'list'")
+        return real(self)
+
+    monkeypatch.setattr(rt.Router, "workers", workers)
+    out = gws.act_all(params(action="view", routers=routers, api_key=KEY, worker_urls=[W1], timeout=5))
+    first, second = out["view"]
+    assert (first["gateway"], first["listed"], first["why"]) == ("gw-a", True, "")
+    assert (second["gateway"], second["listed"]) == ("gw-b", None)
+    assert second["why"] == "the gateway's listing could not be read: TypeError: unhashable type: 'list'"

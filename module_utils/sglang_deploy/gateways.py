@@ -19,7 +19,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from . import http, outcomes
-from .router import INSPECT_RETRY_S, ActionFailed, Router, RouterError, _gateway_count, act, check_waits, drain, inspect
+from .router import (
+    DEFAULT_IMPL,
+    INSPECT_RETRY_S,
+    ActionFailed,
+    Router,
+    RouterError,
+    _gateway_count,
+    act,
+    check_waits,
+    drain,
+    inspect,
+)
 from .router import normalize as router_base
 
 # The actions run on each gateway (drain and measure speak to the worker only).
@@ -49,6 +60,11 @@ def quorum_of(p: dict, count: int) -> int:
     if not 1 <= q <= count:
         raise RouterError(f"quorum={q}: between 1 and the {count} gateway(s) of routers is wanted")
     return q
+
+
+def _router(g: dict, **kw) -> Router:
+    """One gateway's client (its impl, else the module's default, as router.act takes it)."""
+    return Router(g["url"], api_key=g.get("api_key"), impl=g.get("impl") or DEFAULT_IMPL, **kw)
 
 
 def one(p: dict, gateway: dict) -> dict:
@@ -115,7 +131,7 @@ def _remove_one(p: dict) -> tuple[dict, str | None]:
     rescue must put the worker back into this gateway too)."""
     out: dict = {"changed": False, "worker_url": p["worker_url"], "worker_id": None, "worker_ids": []}
     try:
-        router = Router(p["router_url"], api_key=p["api_key"], impl=p.get("impl") or "sglang-router")
+        router = _router({"url": p["router_url"], "api_key": p["api_key"], "impl": p.get("impl")})
         ids = router.remove(p["worker_url"], missing_ok=p["missing_ok"])
         out.update(changed=bool(ids), worker_id=ids[0] if ids else None, worker_ids=ids)
         if ids:
@@ -154,7 +170,7 @@ def _drain(p: dict, gws: list[dict]) -> dict:
     """The worker drained once, with every answering gateway's own in-flight count summed beside its gauges."""
     readers = []  # every smg's, one that refused the removal included: it may still route to the worker
     for g in gws:
-        router = Router(g["url"], api_key=g.get("api_key"), impl=g.get("impl") or "sglang-router")
+        router = _router(g)
         if router.gateway.in_flight_field:
             readers.append(router.reader(p["worker_url"]))
     counted = {"gateway_in_flight": lambda: _sum(readers)} if readers else {}
@@ -173,7 +189,7 @@ def _inspect(p: dict, gws: list[dict], quorum: int) -> dict:
 
     def look(g: dict) -> tuple[dict, str | None]:
         try:
-            router = Router(g["url"], api_key=g.get("api_key"), impl=g.get("impl") or "sglang-router")
+            router = _router(g)
             return inspect(router, p["worker_urls"], timeout=p["timeout"], retry_s=retry_s), None
         except (RouterError, http.HttpError) as exc:
             return {}, str(exc)
@@ -240,13 +256,15 @@ def view(p: dict) -> dict:
     gws = gateways(p)
 
     def look(g: dict) -> list[dict]:
-        router = Router(g["url"], api_key=g.get("api_key"), impl=g.get("impl") or "sglang-router", timeout=p["timeout"])
+        router = _router(g, timeout=p["timeout"])
         rows = [{"worker": u, "gateway": g["name"], "listed": None, "healthy": None, "status": None,
                  "in_flight": None, "circuit": None, "why": ""} for u in p["worker_urls"]]  # fmt: skip
         try:
             listing = router.workers()
         except (RouterError, http.HttpError) as exc:
             return [{**r, "why": f"the gateway did not answer: {exc}"} for r in rows]
+        except Exception as exc:  # an answer no listing comes from: said in its rows, the others still read
+            return [{**r, "why": f"the gateway's listing could not be read: {type(exc).__name__}: {exc}"} for r in rows]
         resolver = router.resolver()
         states, unread = {}, ""
         if g.get("metrics_url"):
