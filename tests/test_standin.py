@@ -373,6 +373,25 @@ def test_v1_loads_reports_the_running_and_queued_requests_as_sglang_does():
         srv.shutdown()
 
 
+def test_v1_loads_progress_counters_grow_with_tokens_and_stop_when_generations_hang():
+    """SGLang 0.5.23's /v1/loads carries the scheduler's progress (load_inquirer.get_loads: decode_moments, None
+    before the first decode step, its last item the tokens generated; the prefill's busy time and tokens): they
+    grow while it generates and stand still once its generations hang (what a gateway could read a wedge from)."""
+    state, srv = served_state({"LAB_STANDIN_HANG_AFTER": "1", "LAB_STANDIN_TOKENS_PER_S": "400"})
+    try:
+        assert state.loads()["loads"][0]["decode_moments"] is None
+        post_generate(srv, 8, timeout=10)
+        core = state.loads()["loads"][0]
+        assert core["decode_moments"][0] >= 1 and core["decode_moments"][5] == 8
+        assert core["total_prefill_uncached_tokens"] == 1 and core["total_prefill_busy_us"] > 0
+        with pytest.raises(TimeoutError):
+            post_generate(srv, 8, timeout=0.5)
+        after = state.loads()["loads"][0]
+        assert after["decode_moments"] == core["decode_moments"] and after["num_running_reqs"] == 1
+    finally:
+        srv.shutdown()
+
+
 @pytest.mark.parametrize("value", ["x", "-1", "1.5", "two"])
 def test_a_misspelt_lab_standin_hang_after_is_refused(value):
     with pytest.raises(ValueError, match="LAB_STANDIN_HANG_AFTER"):

@@ -404,6 +404,11 @@ class State:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.verify_ct = 0
+        # /v1/loads' progress counters (SGLang 0.5.23 scheduler.py _accumulate_decode_moment, load_inquirer.py): per
+        # decode step [steps, sum batch, sum step_us, sum batch^2, sum batch*step_us, tokens]; a hung worker's stop.
+        self.decode_moments = [0.0] * 6
+        self.prefill_busy_us = 0
+        self.prefill_uncached_tokens = 0
         self.lock = threading.Condition()  # guards the counters; notified when a running slot frees
         self.last_throughput = 0.0
 
@@ -435,6 +440,9 @@ class State:
             self.running += 1
             if not health:
                 self.admitted += 1
+            # The prefill (the health generation's one token included: SGLang runs it as a real request).
+            self.prefill_uncached_tokens += max(1, len(prompt.split()))
+            self.prefill_busy_us += 1000
             hangs = not health and self.knobs.hang_after is not None and self.admitted > self.knobs.hang_after
         try:
             while hangs:  # in flight for good, no token: cut only when the process ends (a drain times out)
@@ -445,8 +453,13 @@ class State:
                 while not schedulers_alive():  # no scheduler left to decode it: it waits to be cut
                     time.sleep(0.05)
                 graphs = self.knobs.graph_bs is None or self.running <= self.knobs.graph_bs
-                time.sleep(k / (self.knobs.tokens_per_s * (1.0 if graphs else 0.7)))  # past the graphs: eager
+                step_s = k / (self.knobs.tokens_per_s * (1.0 if graphs else 0.7))  # past the graphs: eager
+                time.sleep(step_s)
                 done += k
+                with self.lock:  # k tokens of this request as one step of a batch of `running` (an approximation)
+                    b, t, m = float(self.running), step_s * 1e6, self.decode_moments
+                    for i, v in enumerate((1.0, b, t, b * b, b * t, float(k))):
+                        m[i] += v
                 elapsed = time.monotonic() - started
                 text = " ".join(words[i % len(words)] for i in range(done))
                 verify_ct = max(1, round(done / self.knobs.accept_length))
@@ -483,8 +496,8 @@ class State:
     def loads(self) -> dict:
         """/v1/loads as SGLang 0.5.23 answers it (sglang/srt/entrypoints/v1_loads.py get_loads; one DP rank): the
         "core" section of LoadSnapshot.to_dict (sglang/srt/managers/load_snapshot.py), every scalar field, the
-        ones a stand-in has no model for at 0; the other sections are left out (SGLang fills them only when asked
-        for and present)."""
+        ones a stand-in has no model for at 0; the progress counters (decode_moments, the prefill's) as it
+        generates; the other sections are left out (SGLang fills them only when asked for and present)."""
         core = dict.fromkeys(LOAD_CORE_KEYS, 0)
         with self.lock:
             core.update(
@@ -493,7 +506,9 @@ class State:
                 num_waiting_reqs=self.queued,
                 max_running_requests=self.max_running,
                 gen_throughput=self.last_throughput,
-                decode_moments=None,
+                total_prefill_uncached_tokens=self.prefill_uncached_tokens,
+                total_prefill_busy_us=self.prefill_busy_us,
+                decode_moments=list(self.decode_moments) if self.decode_moments[0] > 0 else None,
             )
         tp = int(getattr(self.args, "tp_size", 1) or 1)
         return {
