@@ -66,7 +66,9 @@ def body_of(kind: str, stream: bool, tokens: int, n: int, model: str = "default"
     prompt = f"loadgen request {n}: count the lab tokens"
     if kind == "generate":
         params = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
-        return "/generate", {"text": prompt, "sampling_params": params, "stream": stream}
+        # A gateway that routes by model (smg with a discovery file) wants it on /generate too; SGLang ignores it.
+        named = {} if model == "default" else {"model": model}
+        return "/generate", {"text": prompt, "sampling_params": params, "stream": stream, **named}
     return "/v1/completions", {
         "model": model,
         "prompt": prompt,

@@ -53,6 +53,7 @@ options:
       impl: {description: Its gateway (as I(impl))., type: str, choices: [sglang-router, smg], default: sglang-router}
       api_key: {description: Its API key (else I(api_key))., type: str}
       metrics_url: {description: With I(action=view), its Prometheus endpoint's base URL (circuit states)., type: str}
+      discovery_file: {description: "smg only: the discovery file it reads its workers from, on the host the module runs on; remove and add edit it (smg adds a DELETEd worker again while the file names it)", type: path}
   quorum:
     description: With I(routers), how many gateways must carry the action out (default all); fewer FAILS.
     type: int
@@ -201,6 +202,7 @@ GATEWAY = dict(
     impl=dict(type="str", choices=list(GATEWAYS), default=DEFAULT_IMPL),
     api_key=dict(type="str", no_log=True),
     metrics_url=dict(type="str"),
+    discovery_file=dict(type="path"),
 )
 ARGUMENT_SPEC = dict(
     action=dict(type="str", choices=ACTIONS, required=True),

@@ -140,7 +140,9 @@ def test_inspect_says_each_gateways_view_and_a_worker_missing_from_one_is_a_prob
         assert len(first["ids"]) == 2 and first["serving"] is True and first["drainable"] is True
         assert second["listed"] is False and second["healthy_in_router"] is None  # listed by gw-a only: each view below
         assert second["gateways"]["gw-b"] == {"listed": False, "healthy_in_router": None}
-        assert out["problems"] == [f"{u2}: not listed by the router {routers[1]['url']} (it lists: {u1})"]
+        assert out["problems"] == [
+            f"{u2}: not listed by the router {routers[1]['url']} (it lists: {u1}{rt.SENTINEL_HINT})"
+        ]
         with pytest.raises(rt.ActionFailed) as err:
             gws.act_all(
                 params(action="inspect", routers=routers, api_key=KEY, worker_urls=[u1, u2], fail_on_problems=True)
@@ -454,3 +456,21 @@ def test_view_says_a_listing_it_cannot_read_and_still_reads_the_other_gateways(p
     assert (first["gateway"], first["listed"], first["why"]) == ("gw-a", True, "")
     assert (second["gateway"], second["listed"]) == ("gw-b", None)
     assert second["why"] == "the gateway's listing could not be read: TypeError: unhashable type: 'list'"
+
+
+def test_a_gateway_with_a_discovery_file_among_several_is_edited_not_called(pair, tmp_path):
+    """routers[].discovery_file reaches that gateway's removal and addition (each gateway's own client): the worker
+    leaves and re-enters smg's file, never a DELETE or a POST there (the fake smg reads no file: it lists the worker
+    on, so its wait fails, naming it)."""
+    import json
+
+    a, b, routers = pair
+    ida, _ = a.add_now(W1), b.add_now(W1)
+    path = tmp_path / "workers.json"
+    path.write_text(json.dumps({"version": 1, "workers": [{"url": W1}, {"url": W2}]}))
+    routers[1]["discovery_file"] = str(path)
+    with pytest.raises(rt.ActionFailed) as failed:
+        gws.act_all(params(action="remove", routers=routers, api_key=KEY, worker_url=W1, timeout=0.5))
+    assert deletes(a) == [ida] and deletes(b) == []
+    assert json.loads(path.read_text())["workers"] == [{"url": W2}]
+    assert f"gw-b: {routers[1]['url']} still lists {W1} after 0.5 s" in str(failed.value)

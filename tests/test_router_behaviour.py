@@ -241,7 +241,7 @@ def test_inspect_reads_the_gateway_and_each_worker_once_and_a_plan_refuses_on_pr
                 },
             ],
             "problems": [
-                f"{busy}: not listed by the router {url} (it lists: {good})",
+                f"{busy}: not listed by the router {url} (it lists: {good}{rt.SENTINEL_HINT})",
                 f"{busy}: cannot be drained on evidence: {busy}/metrics answered HTTP 503",
             ],
         }
@@ -252,7 +252,7 @@ def test_inspect_reads_the_gateway_and_each_worker_once_and_a_plan_refuses_on_pr
         failed = err.value.result
         assert failed == {**rt.act({**p, "worker_urls": [good, gone]}), "outcome": outcomes.INVALID_CONFIG}
     assert failed["problems"] == [
-        f"{gone}: not listed by the router {url} (it lists: {good})",
+        f"{gone}: not listed by the router {url} (it lists: {good}{rt.SENTINEL_HINT})",
         f"{gone}: cannot be drained on evidence: connection refused",
     ]
     assert str(err.value) == "; ".join(failed["problems"]) and outcomes.INVALID_CONFIG == "invalid_config"

@@ -828,7 +828,7 @@ def test_inspect_reads_the_router_and_each_worker(fake_router, fake_worker):
     assert out["problems"] == [
         f"{no_metrics}: cannot be drained on evidence: {no_metrics}/metrics has no sglang:num_running_reqs nor "
         "sglang:num_queue_reqs (SGLang serves /metrics and its load gauges only with --enable-metrics)",
-        f"{busy}: not listed by the router {url} (it lists: {lists})",
+        f"{busy}: not listed by the router {url} (it lists: {lists}{rt.SENTINEL_HINT})",
         f"{busy}: cannot be drained on evidence: {busy}/metrics answered HTTP 503",
         f"{gone}: cannot be drained on evidence: connection refused",
     ]

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from sglang_deploy import router as rt
 from sglang_deploy.secret_rule import MASK
 from support.modules import http_server, run_module
 
@@ -379,7 +380,7 @@ def test_inspect_says_for_each_worker_listed_serving_drainable(tmp_path, router)
             assert bad["serving"] is True and bad["drainable"] is False
             assert bad["why"].startswith(f"not drainable: {no_metrics}/metrics answered HTTP 404")
             assert out["problems"] == [
-                f"{no_metrics}: not listed by the router {url} (it lists: {fake_urls(fake)})",
+                f"{no_metrics}: not listed by the router {url} (it lists: {fake_urls(fake)}{rt.SENTINEL_HINT})",
                 f"{no_metrics}: cannot be drained on evidence: {no_metrics}/metrics answered HTTP 404 "
                 "(SGLang serves /metrics and its load gauges only with --enable-metrics)",
             ]
@@ -511,3 +512,26 @@ def test_a_wait_that_could_never_end_is_refused_naming_the_option(tmp_path, rout
     rc, out = worker_module(tmp_path, action="remove", router_url=url, worker_url=W1, **{name: value})
     assert rc == 1 and out["msg"].endswith(f": {name}={float(value)!r}: a number of seconds, 0 or more, is wanted")
     assert seen == []  # before any request to the router
+
+
+def test_a_gateway_with_a_discovery_file_is_edited_not_called(tmp_path, smg_router):
+    """routers[].discovery_file: remove takes the worker out of smg's file (no DELETE: smg would add it back while
+    the file names it, tests/test_discovery.py); the wait on the listing follows as in the API mode."""
+    fake, url, seen = smg_router
+    fake.listed(W1)
+    fake.listed(W2)
+    path = tmp_path / "workers.json"
+    path.write_text(json.dumps({"version": 1, "workers": [{"url": W1}, {"url": W2}]}))
+    gw = {"name": "gw", "url": url, "impl": "smg", "discovery_file": str(path)}
+    rc, out = worker_module(tmp_path, action="remove", routers=[gw], api_key=KEY, worker_url=W1, timeout=0.5)
+    assert json.loads(path.read_text())["workers"] == [{"url": W2}]
+    assert not [p for p in seen if p[0] == "DELETE"]
+    # the fake never reads the file: it lists W1 on, so the wait fails, naming it
+    assert rc != 0 and out["msg"].endswith(
+        f"still lists {W1} after 0.5 s (last: still listed (id {out['worker_id'] if 'worker_id' in out else fake.workers[W1]['id']} ready))"
+    ), out
+    rc, out = worker_module(
+        tmp_path, check_mode=False, action="add", routers=[gw], api_key=KEY, worker_url=W1, timeout=1
+    )
+    assert json.loads(path.read_text())["workers"] == [{"url": W2}, {"url": W1}]
+    assert not [p for p in seen if p[0] == "POST"], "added through the file, never posted"

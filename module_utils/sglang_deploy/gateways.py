@@ -64,12 +64,24 @@ def quorum_of(p: dict, count: int) -> int:
 
 def _router(g: dict, **kw) -> Router:
     """One gateway's client (its impl, else the module's default, as router.act takes it)."""
-    return Router(g["url"], api_key=g.get("api_key"), impl=g.get("impl") or DEFAULT_IMPL, **kw)
+    return Router(
+        g["url"],
+        api_key=g.get("api_key"),
+        impl=g.get("impl") or DEFAULT_IMPL,
+        discovery_file=g.get("discovery_file"),
+        **kw,
+    )
 
 
 def one(p: dict, gateway: dict) -> dict:
     """``p`` for router.act on one gateway."""
-    return {**p, "router_url": gateway["url"], "impl": gateway.get("impl"), "api_key": gateway.get("api_key")}
+    return {
+        **p,
+        "router_url": gateway["url"],
+        "impl": gateway.get("impl"),
+        "api_key": gateway.get("api_key"),
+        "discovery_file": gateway.get("discovery_file"),
+    }
 
 
 def act_all(p: dict, check_mode: bool = False, run: Callable[[dict, bool], dict] = act) -> dict:
@@ -131,7 +143,14 @@ def _remove_one(p: dict) -> tuple[dict, str | None]:
     rescue must put the worker back into this gateway too)."""
     out: dict = {"changed": False, "worker_url": p["worker_url"], "worker_id": None, "worker_ids": []}
     try:
-        router = _router({"url": p["router_url"], "api_key": p["api_key"], "impl": p.get("impl")})
+        router = _router(
+            {
+                "url": p["router_url"],
+                "api_key": p["api_key"],
+                "impl": p.get("impl"),
+                "discovery_file": p.get("discovery_file"),
+            }
+        )
         ids = router.remove(p["worker_url"], missing_ok=p["missing_ok"])
         out.update(changed=bool(ids), worker_id=ids[0] if ids else None, worker_ids=ids)
         if ids:

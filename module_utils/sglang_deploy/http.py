@@ -9,8 +9,11 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from .secret_rule import Redactor, clip, patterns
@@ -97,6 +100,79 @@ def generate(base: str, prompt: str, max_new_tokens: int, timeout: float = 120.0
         "seconds": seconds,
         "accept_length": meta.get("spec_accept_length"),
     }
+
+
+# The longest event line first_token reads (a generation's first event is a few hundred bytes).
+MAX_EVENT = 1 << 16
+
+
+class Stalled(HttpError):
+    """No token within the stall time: the server took the request and generates nothing (or too slowly to tell)."""
+
+
+def first_token(base: str, prompt: str, max_new_tokens: int, stall_s: float, api_key: str | None = None) -> float:
+    """Seconds until a streamed /generate's first token (its first ``data:`` event with text). Stalled when none
+    came within stall_s, however the server dawdles (headers or bytes trickling in: a watchdog shuts the socket at
+    the deadline; the request is given up, and SGLang aborts a stream whose client left); HttpError for any other
+    answer (refused, a connection not made within stall_s, a status not 200, a stream that ends without a token)."""
+    t0 = time.monotonic()
+    url = f"{base}/generate"
+    parts = urllib.parse.urlsplit(base)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, parts.port, timeout=stall_s)
+    body = json.dumps(
+        {
+            "text": prompt,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+        }
+    )
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    redact = Redactor([api_key]).text
+    try:
+        conn.connect()  # a worker that cannot be reached is no stall: the health check's to judge
+    except OSError as exc:
+        conn.close()
+        raise HttpError(f"{url}: {type(exc).__name__}: {exc}", cause=exc) from exc
+    cut = threading.Event()
+
+    def watchdog() -> None:
+        cut.set()
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)  # every read now returns at once
+        except (OSError, AttributeError):
+            pass
+
+    timer = threading.Timer(max(0.0, stall_s - (time.monotonic() - t0)), watchdog)
+    timer.start()
+    try:
+        conn.request("POST", "/generate", body, headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise HttpError(f"{url}: HTTP {resp.status}")
+        while True:
+            line = resp.readline(MAX_EVENT)
+            if cut.is_set():
+                raise Stalled(f"{url}: no token in {stall_s:g} s")
+            if not line:
+                raise HttpError(f"{url}: the stream ended without a token")
+            data = line.strip()[len(b"data:") :].strip() if line.startswith(b"data:") else b""
+            if not data or data == b"[DONE]":
+                continue
+            try:
+                doc = json.loads(data)
+                text = doc.get("text") if isinstance(doc, dict) else None
+            except (ValueError, RecursionError):
+                raise HttpError(f"{url}: not an event: {clip(data.decode(errors='replace'), 200, redact)}") from None
+            if text:
+                return time.monotonic() - t0
+    except (OSError, http.client.HTTPException) as exc:
+        if cut.is_set() or isinstance(exc, TimeoutError):
+            raise Stalled(f"{url}: no token in {stall_s:g} s", cause=exc) from exc
+        raise HttpError(f"{url}: {type(exc).__name__}: {exc}", cause=exc) from exc
+    finally:
+        timer.cancel()
+        conn.close()
 
 
 def healthy(base: str, timeout: float = 2.0, api_key: str | None = None) -> bool:

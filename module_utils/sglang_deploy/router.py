@@ -43,7 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import http, outcomes
+from . import discovery, http, outcomes
 from .secret_rule import Redactor, clip
 
 RUNNING_METRIC = "sglang:num_running_reqs"
@@ -79,6 +79,8 @@ class Gateway:
     # The listing's field counting the worker's requests in flight through the gateway (None: no such count;
     # 0.3.2's `load` stays 0 with requests running; smg_worker_requests_active{worker=URL} agrees with smg's).
     in_flight_field: str | None
+    # Whether it can read its workers from a discovery file (smg's --discovery-provider file; discovery.py).
+    discovery: bool = False
 
 
 GATEWAYS = {
@@ -99,11 +101,17 @@ GATEWAYS = {
         status_field="status",
         leaving=frozenset({"draining"}),
         in_flight_field="load",
+        discovery=True,
     ),
 }
 DEFAULT_IMPL = "sglang-router"  # what the playbooks ran before smg: the module's default
 
 
+# Said with a worker the gateway does not list: the sentinel (sentinel.py) may have taken it out.
+SENTINEL_HINT = (
+    "; a worker the gateway's hung-worker sentinel took out is listed again once it generates: "
+    "journalctl -u sglang-router-sentinel"
+)
 # How often remove lists the worker again after a DELETE answered 404 (the id gone: the gateway may list it anew).
 REMOVE_ROUNDS = 3
 
@@ -253,6 +261,7 @@ class Router:
         getaddrinfo: Callable = socket.getaddrinfo,
         impl: str = DEFAULT_IMPL,
         worker_api_key: str | None = None,
+        discovery_file: str | None = None,
     ):
         if impl not in GATEWAYS:
             raise RouterError(f"unknown gateway {impl!r}: one of {', '.join(GATEWAYS)}")
@@ -270,6 +279,13 @@ class Router:
         self.clock = clock
         self.sleep = sleep
         self.getaddrinfo = getaddrinfo
+        # smg reading its workers from this manifest (discovery.py): a worker is taken out and put back there, not
+        # through DELETE/POST /workers (smg registers a DELETEd worker again while the file lists it).
+        if discovery_file and not self.gateway.discovery:
+            raise RouterError(
+                f"discovery_file={discovery_file}: {self.gateway.name} reads no discovery file (smg does)"
+            )
+        self.discovery_file = discovery_file or None
 
     # ------------------------------------------------------------------ one request each
 
@@ -350,6 +366,8 @@ class Router:
         An answer that the gateway has it already (smg's 409, a race with another client) is "not added"."""
         listed = self.find(worker_url)
         staying = [w for w in listed if not self.leaving(w)]
+        if self.discovery_file:
+            return self._declare(worker_url, staying)
         if staying:
             return str(staying[0].get("id") or ""), False
         if listed:
@@ -371,6 +389,37 @@ class Router:
             raise RouterError(f"POST {self.url}/workers {url}: HTTP {code}: {clip(str(doc), 300, self.redact)}")
         return str(doc.get("worker_id") or ""), True
 
+    def _declare(self, worker_url: str, staying: list[dict]) -> tuple[str, bool]:
+        """add with a discovery file: the worker into the manifest (posted's spelling) unless it names it already;
+        smg registers it (or keeps it) from there. Added: whether the manifest changed."""
+        resolver = self.resolver()
+        url = posted(worker_url)
+        try:
+            before, after = discovery.put_back(self.discovery_file, url, lambda u: resolver.same(url, u))
+        except (discovery.DiscoveryError, OSError) as exc:
+            raise RouterError(f"adding {url} to {self.discovery_file}: {exc}") from None
+        return (str(staying[0].get("id") or "") if staying else ""), after != before
+
+    def _undeclare(self, worker_url: str, listing: list[dict], missing_ok: bool) -> list[str]:
+        """remove with a discovery file: every spelling of the worker out of the manifest; the ids of its records in
+        rotation, which smg now drains. A worker the manifest does not name but the gateway lists (posted through
+        the API) is DELETEd as without a file."""
+        resolver = self.resolver()
+        found = self.matches(worker_url, listing, resolver)
+        try:
+            before, after = discovery.take_out(self.discovery_file, lambda u: resolver.same(worker_url, u))
+        except (discovery.DiscoveryError, OSError) as exc:
+            raise RouterError(f"taking {normalize(worker_url)} out of {self.discovery_file}: {exc}") from None
+        if after == before:
+            if not found and not missing_ok:
+                declared = ", ".join(w["url"] for w in before) or "no worker"
+                raise RouterError(
+                    f"{self.discovery_file} does not name {normalize(worker_url)} under any spelling, nor does "
+                    f"{self.url} list it; the file names: {declared}"
+                )
+            return self._delete(worker_url, found) if found else []
+        return [str(w.get("id") or "") for w in found if not self.leaving(w)]
+
     def not_listed(self, worker_url: str, listing: list[dict]) -> RouterError:
         """The error of a worker the router lists under no spelling, naming what it lists."""
         lists = ", ".join(w["url"] for w in listing) or "no worker"
@@ -383,13 +432,20 @@ class Router:
         ([] then). A record the gateway is letting go already (smg's ``draining``) is out of rotation: not
         removed again, and not among the ids ([] when it is the only one). A DELETE answered 404 (the id gone) is
         checked against the listing, never assumed: a record of the worker in rotation under a new id (the gateway
-        restarted, or re-registered it) is removed too; RouterError when it still is after REMOVE_ROUNDS listings."""
+        restarted, or re-registered it) is removed too; RouterError when it still is after REMOVE_ROUNDS listings.
+        With a discovery file, the worker leaves the file instead (_undeclare)."""
         listing = self.workers()
+        if self.discovery_file:
+            return self._undeclare(worker_url, listing, missing_ok)
         found = self.matches(worker_url, listing)
         if not found:
             if missing_ok:
                 return []
             raise self.not_listed(worker_url, listing)
+        return self._delete(worker_url, found)
+
+    def _delete(self, worker_url: str, found: list[dict]) -> list[str]:
+        """DELETE /workers/{id} of each record in ``found`` (remove's loop, 404s checked against the listing)."""
         ids: list[str] = []
         tried: set[str] = set()
         for _ in range(REMOVE_ROUNDS):
@@ -734,7 +790,7 @@ def inspect(
             }
         )
         if not found:
-            problems.append(f"{url}: not listed by the router {router.url} (it lists: {lists})")
+            problems.append(f"{url}: not listed by the router {router.url} (it lists: {lists}{SENTINEL_HINT})")
         if not drainable:
             problems.append(f"{url}: cannot be drained on evidence: {load['why']}")
     return {"workers": workers, "problems": problems}
@@ -782,7 +838,7 @@ def act(p: dict, check_mode: bool = False) -> dict:
         if not out["drained"]:
             raise ActionFailed(f"not drained: {out['why']}", result)
         return result
-    router = Router(p["router_url"], api_key=p["api_key"], impl=_impl(p))
+    router = Router(p["router_url"], api_key=p["api_key"], impl=_impl(p), discovery_file=p.get("discovery_file"))
     if action == "list":
         return {"changed": False, "workers": router.membership()}
     if action == "inspect":  # reads only: the same in check mode

@@ -1,7 +1,8 @@
 """python -m driver rollout behind two gateways at once, the real binaries of both (issue #32, docs/router.md "Two
-gateways"): sglang-router 0.3.2 on lab-node1 and smg 1.13.0 on lab-node2 (roles/sglang_router, each host's own
-sglang_router_impl, the same port and key), both in front of the two replicas `ro`. bench/loadgen.py runs on each
-gateway's node, through that gateway: the load is split between them.
+gateways"): smg 1.13.0 on lab-node2, its workers declared in a discovery file (sglang_router_discovery: file, which
+the rollout and the sentinel edit), and sglang-router 0.3.2 on lab-node1, its workers on its command line (the API
+mode); roles/sglang_router, each host's own sglang_router_impl, the same port and key, both in front of the two
+replicas `ro`. bench/loadgen.py runs on each gateway's node, through that gateway: the load is split between them.
 
 Every rollout step acts on both gateways; a gateway killed mid-rollout is said and, by default (every gateway must
 carry each step out), fails the replica's turn and stops the rollout; with --gateway-quorum 1 the rollout goes on
@@ -27,6 +28,9 @@ GATE = json.dumps({"sglang_rollout_canary_threshold": 0.5})  # loose: tok/s jitt
 WORKER1, WORKER2 = (f"http://{n}:{RO['port']}" for n in NODES)
 BOTH = {WORKER1: True, WORKER2: True}
 SMG = "lab-node2"
+# Each gateway's hung-worker sentinel, quicker than the role's (a probe every 10 s, 30 s to a stall): a worker that
+# hangs is out in about 2 x (2 + 5) s.
+SENTINEL = {"sglang_router_sentinel_interval_secs": 2, "sglang_router_sentinel_stall_secs": 5}
 
 
 def new_configuration(n: int) -> str:
@@ -44,7 +48,11 @@ def pair(deployed, tmp_path_factory):
         "gateways-hosts.yml",
         {h: [RO] for h in NODES},
         {"sglang_replicas": list(NODES)},
-        routers={"lab-node1": {}, SMG: {"sglang_router_impl": "smg"}},
+        # smg first: the rollout's gateway steps run on its host, where they edit its discovery file.
+        routers={
+            SMG: {"sglang_router_impl": "smg", "sglang_router_discovery": "file", **SENTINEL},
+            "lab-node1": SENTINEL,
+        },
     )
     run = driver_runner(the_lab, tmp_path_factory.mktemp("ledger") / "ledger.sqlite3", None)
     try:
@@ -85,7 +93,8 @@ def test_a_rollout_behind_two_gateways_with_the_load_split_between_them_loses_no
         # streamed answers streamed through each gateway, whole ([DONE]), the completions naming the served model
         assert stats[n]["not_streamed"] == 0, (n, stats[n])
         assert stats[n]["by_kind"]["completions-stream"]["ok"] and stats[n]["by_kind"]["generate-stream"]["ok"], stats
-    assert "router lab-node1, lab-node2 lists: " + ", ".join(BOTH) in doc["report"], doc["report"]
+    assert f"router {SMG}, lab-node1 lists: " + ", ".join(BOTH) in doc["report"], doc["report"]
+    assert manifest(containers[SMG]) == sorted(BOTH)  # each worker out of smg's file in turn, and back
     print(f"two gateways, load split: {json.dumps(stats)}")
     # python -m driver status: what each gateway thinks of each replica, both having routed to both
     code, doc, proc = run("status", inventory=inventory)
@@ -138,6 +147,8 @@ def killed_mid_rollout(containers: dict, inventory: str, run) -> None:
     assert any(line.startswith(f"gateway {SMG} did not answer: ") for line in doc["report"]), doc["report"]
     assert router_workers(gw1) == BOTH
     assert stats["lost"] == 0, stats["failures"]
+    # smg's file is the truth: its removal of the canary was written, its return was not (smg was down).
+    assert manifest(gw2) == [WORKER2]
     code, doc, _ = run("status", inventory=inventory)
     down = [r for r in doc["gateways"] if r["gateway"] == SMG]
     assert len(down) == 2 and all(r["why"].startswith("the gateway did not answer: ") for r in down), down
@@ -145,9 +156,21 @@ def killed_mid_rollout(containers: dict, inventory: str, run) -> None:
 
 
 def revive_gateway(container: str) -> None:
-    """smg started again: it lists the workers of its own command line (both), healthy."""
+    """smg started again, its discovery file as the role writes it (both workers): it lists both, healthy."""
+    if manifest(container) != sorted(BOTH):  # what an operator does: playbooks/router.yml declares every worker
+        declare = f"from sglang_deploy import discovery; discovery.write({FILE!r}, {[{'url': u} for u in BOTH]!r})"
+        podman_exec(container, "python3", "-c", f"import sys; sys.path.insert(0, {PACKAGE!r}); {declare}")
     podman_exec(container, "systemctl", "start", "sglang-router.service")
     wait_for("smg back, listing both", lambda: router_workers(container) == BOTH, 120)
+
+
+FILE = "/var/lib/sglang-router-discovery/workers.json"
+PACKAGE = "/usr/local/libexec/sglang-deploy"
+
+
+def manifest(container: str) -> list[str]:
+    """The workers smg's discovery file declares."""
+    return sorted(w["url"] for w in json.loads(podman_exec(container, "cat", FILE))["workers"])
 
 
 def test_with_a_quorum_of_one_the_rollout_goes_on_through_the_gateway_left_and_says_the_other(pair):
@@ -178,3 +201,76 @@ def kill_gateway(container: str) -> None:
     """The gateway's process killed and its unit kept from coming back (a dead host's gateway, for this run)."""
     podman_exec(container, "systemctl", "kill", "-s", str(int(signal.SIGKILL)), "sglang-router.service")
     podman_exec(container, "systemctl", "stop", "sglang-router.service")
+
+
+BURST = """
+import json, sys, threading, urllib.request as u
+n, key, port, model = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+out = []
+def one():
+    body = json.dumps({"text": "burst", "model": model, "sampling_params": {"max_new_tokens": 8}}).encode()
+    req = u.Request(f"http://127.0.0.1:{port}/generate", data=body, headers={"Content-Type": "application/json",
+                    "Authorization": "Bearer " + key})
+    try:
+        with u.urlopen(req, timeout=8) as r:
+            out.append(r.status == 200 and bool(json.load(r).get("text")))
+    except Exception:
+        out.append(False)
+ts = [threading.Thread(target=one) for _ in range(n)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(json.dumps({"ok": out.count(True), "failed": out.count(False)}))
+"""
+
+
+def burst(container: str, n: int) -> dict:
+    """n generations at once through the node's gateway, 8 s each at most: how many were answered, how many not."""
+    return json.loads(
+        podman_exec(container, "python3", "-c", BURST, str(n), rollout.KEY, str(rollout.ROUTER_PORT), MODEL)
+    )
+
+
+def sentinel_said(container: str) -> str:
+    return podman_exec(container, "journalctl", "-u", "sglang-router-sentinel.service", "-o", "cat", "--no-pager")
+
+
+def test_a_replica_whose_generations_hang_is_taken_out_by_each_gateways_sentinel_and_put_back_after_a_restart(pair):
+    """sglang#22779's failure on lab-node2's replica (LAB_STANDIN_HANG_AFTER: /health stays 200, generations hang
+    once it has served 60): neither gateway's health check sees it, each gateway's sentinel takes it out, saying
+    how many requests it held (the ones it failed); the clients are then all served by lab-node1's replica; restarted
+    without the fault, it is put back into both."""
+    containers, inventory, run = pair
+    try:
+        hang = {"sglang_instances": [{**RO, "env": {"LAB_ROLLOUT": "gateways-hang", "LAB_STANDIN_HANG_AFTER": "60"}}]}
+        code, _, proc = run("restart", "-e", json.dumps(hang), "--limit", SMG, inventory=inventory)
+        assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        wait_for("both gateways list both", lambda: all(router_workers(c) == BOTH for c in containers.values()), 120)
+        failed = 0
+        for _ in range(20):  # until its 60 are spent and generations hang there
+            failed += sum(burst(c, 12)["failed"] for c in containers.values())
+            if failed:
+                break
+        assert failed, "the replica never hung"
+        for n, c in containers.items():
+            wait_for(
+                f"{n}'s sentinel to take {WORKER2} out", lambda c=c: router_workers(c).get(WORKER2) is not True, 90
+            )
+        for n, c in containers.items():  # every client served, by the replica left
+            assert burst(c, 12) == {"ok": 12, "failed": 0}, n
+            said = sentinel_said(c)
+            line = next(x for x in said.splitlines() if x.startswith(f"sentinel: {WORKER2} taken out of "))
+            held = int(line.split(" it held ", 1)[1].split()[0])
+            assert held >= 1, line  # the requests it failed, counted on its own gauges
+            print(f"{n}: {line}")
+        assert router_workers(containers["lab-node1"]).get(WORKER1) is True
+    finally:
+        code, _, proc = run("restart", "-e", new_configuration(4), "--limit", SMG, inventory=inventory)
+    assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for n, c in containers.items():
+        try:
+            wait_for(f"{n}'s sentinel to put {WORKER2} back", lambda c=c: router_workers(c) == BOTH, 120)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}: {router_workers(c)}; its sentinel said:\n{sentinel_said(c)[-3000:]}"
+            ) from None
+        assert f"sentinel: {WORKER2} put back into " in sentinel_said(c), n

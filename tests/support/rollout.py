@@ -79,8 +79,13 @@ class Watched:
 
 
 def remove_router(router: str) -> None:
-    podman_exec(router, "sh", "-c", "systemctl disable --now sglang-router.service || true")
-    podman_exec(router, "rm", "-rf", "/etc/systemd/system/sglang-router.service", "/tmp/loadgen.py")
+    """The gateway and its sentinel gone from the node (their units, the sentinel's state)."""
+    units = ("sglang-router-sentinel.service", "sglang-router.service")
+    podman_exec(router, "sh", "-c", f"systemctl disable --now {' '.join(units)} || true")
+    podman_exec(
+        router, "rm", "-rf", *(f"/etc/systemd/system/{u}" for u in units), "/var/lib/sglang-router-sentinel",
+        "/tmp/loadgen.py",
+    )  # fmt: skip
 
 
 def in_node(container: str, code: str) -> str:

@@ -105,3 +105,25 @@ def test_the_router_requires_the_key_and_routes_a_generation(host):
     status, body = http(host, "/generate", method="POST", body='{"text": "The capital of France is"}')
     assert status == 200, body
     assert json.loads(body)["text"]
+
+
+SENTINEL = "/etc/systemd/system/sglang-router-sentinel.service"
+
+
+def test_the_sentinel_watches_the_gateway_unprivileged_its_key_from_the_secrets_file(host):
+    sentinel = host.service("sglang-router-sentinel")
+    assert sentinel.is_running and sentinel.is_enabled
+    verify = host.run(f"systemd-analyze verify {SENTINEL}")
+    assert verify.rc == 0 and verify.stderr.strip() == "", verify.stderr
+    pid = int(host.check_output("systemctl show -p MainPID --value sglang-router-sentinel.service"))
+    assert host.check_output(f"ps -o user= -p {pid}").strip() == "sglang-router"
+    cmdline = host.check_output(f"tr '\\0' ' ' </proc/{pid}/cmdline")
+    assert KEY not in cmdline and KEY not in host.file(SENTINEL).content_string
+    argv = shlex.split(cmdline)
+    assert argv[argv.index("--gateway-url") + 1] == ROUTER and argv[argv.index("--impl") + 1] == "smg"
+    # Its package: the module_utils files themselves, beside its script.
+    assert host.file("/usr/local/libexec/sglang-deploy/sglang_deploy/sentinel.py").contains("class Sentinel")
+    # It reached the gateway with the key and probed the stand-ins: every worker generates, none taken out.
+    journal = host.check_output("journalctl -u sglang-router-sentinel.service -o cat --no-pager")
+    assert "sentinel: watching http://127.0.0.1:30000 (smg)" in journal
+    assert "taken out" not in journal, journal  # (a first round may find the gateway still starting: skipped)
