@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 DOCUMENTATION = r"""
+---
 module: gpu_state
 short_description: Read nvidia-smi; optionally wait, polling on the host, until GPUs are clean
 description:
@@ -26,9 +27,9 @@ options:
   timeout:
     description: Seconds to wait.
     type: float
-    default: 60
+    default: 60.0
   interval:
-    description: Seconds between polls (at most 0.25).
+    description: Seconds between polls, above 0 and at most 0.25 (else the module fails).
     type: float
     default: 0.1
   max_used_mib:
@@ -54,28 +55,47 @@ options:
   kill_grace:
     description: Seconds between SIGTERM and SIGKILL for stopped offenders.
     type: float
-    default: 10
-author: sglang-deploy
+    default: 10.0
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Read the GPUs and who holds them
+  sglang.deploy.gpu_state:
+  register: gpus
+
+- name: Wait until GPUs 0-3 are clean, stopping the service's own leftovers
+  become: true
+  sglang.deploy.gpu_state:
+    gpus: [0, 1, 2, 3]
+    wait: true
+    timeout: 120
+    stop_policy: own
+    service_unit: sglang-main.service
+    service_user: sglang
 """
 
 RETURN = r"""
 gpus:
   description:
-    - Every GPU of the host (index, uuid, name, memory_used_mib, memory_total_mib).
+    - Every GPU of the host (index, uuid, name, memory_used_mib, memory_total_mib); empty when nvidia-smi failed.
     - A number nvidia-smi reports as C([N/A]) or C([Not Supported]) is null.
   type: list
-  returned: success
+  elements: dict
+  returned: always
 processes:
   description: Every compute process (pid, gpu, gpu_uuid, used_mib, process_name, user, unit, cmdline).
   type: list
-  returned: success
+  elements: dict
+  returned: always
 wait:
   description:
-    - "With wait, the wait and its last verdict (the one the unit's GPU gate gives on the same state):
-      {clean, missing, offenders, busy, unknown_memory, lines, note, refused, stopped, stopped_processes, waited_s,
-      polls, message}; stopped_processes is each stopped process (pid, user, unit, gpus, command, how)."
+    - The wait and its last verdict (the one the unit's GPU gate gives on the same state) - clean, missing,
+      offenders, busy, unknown_memory, lines, note, refused, stopped, stopped_processes, waited_s, polls, message.
+    - stopped_processes is each stopped process (pid, user, unit, gpus, command, how); I(gpus) and I(processes)
+      are then the state as the wait last saw it.
   type: dict
-  returned: when wait
+  returned: with I(wait=true), also when the wait failed
 """
 
 from ansible.module_utils.basic import AnsibleModule

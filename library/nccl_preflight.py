@@ -6,6 +6,7 @@ A thin adapter: the logic lives in module_utils/sglang_deploy/nccl.py, the worke
 from __future__ import annotations
 
 DOCUMENTATION = r"""
+---
 module: nccl_preflight
 short_description: All-reduce on an instance's GPUs with its own NCCL/GLOO environment, judged against a floor
 description:
@@ -16,40 +17,119 @@ description:
   - Fails with NCCL's own message when NCCL refuses the environment (C(NCCL_PROTO=bogus)).
   - Changes nothing; one GPU is C(skipped) (no all-reduce). Supports check mode (it runs, and only reads).
 options:
-  python: {description: "The ml-env venv's python.", type: str, default: /opt/ml-env/bin/python}
-  env: {description: "The instance's environment (its NCCL_* and GLOO_* variables).", type: dict, default: {}}
-  gpus: {description: "The instance's GPU indices (default all of the host's).", type: list, elements: int}
-  backend: {description: "C(nccl) on GPUs or C(gloo) on CPU ranks.", type: str, choices: [nccl, gloo], default: nccl}
-  nprocs: {description: "Ranks for C(gloo) (default 2).", type: int, default: 0}
-  min_bytes: {description: "Smallest size.", type: int, default: 1048576}
-  max_bytes: {description: "Largest size (at least 64 MiB to be judged).", type: int, default: 1073741824}
-  floor_gbps: {description: "The operator's floor in GB/s; replaces the derived one; 0 reports only.", type: float}
-  budget_s: {description: "Seconds for the whole run on the host (torch import and NCCL init included).", type: float, default: 30}
-  topology: {description: "C(nvidia-smi topo -m) output to use instead of running it.", type: str}
-  nvlink_status: {description: "C(nvidia-smi nvlink --status) output to use instead of running it.", type: str}
-author: sglang-deploy
+  python:
+    description: The ml-env virtualenv's python (with torch).
+    type: str
+    default: /opt/ml-env/bin/python
+  env:
+    description: The instance's environment (its C(NCCL_*) and C(GLOO_*) variables).
+    type: dict
+    default: {}
+  gpus:
+    description: The instance's GPU indices (default all of the host's).
+    type: list
+    elements: int
+  backend:
+    description: C(nccl) on GPUs or C(gloo) on CPU ranks.
+    type: str
+    choices: [nccl, gloo]
+    default: nccl
+  nprocs:
+    description: Ranks for C(gloo); 0 is 2.
+    type: int
+    default: 0
+  min_bytes:
+    description: Smallest size, in bytes.
+    type: int
+    default: 1048576
+  max_bytes:
+    description: Largest size, in bytes (at least 64 MiB to be judged).
+    type: int
+    default: 1073741824
+  floor_gbps:
+    description: The operator's floor in GB/s; replaces the derived one; 0 reports only.
+    type: float
+  budget_s:
+    description: Seconds for the whole run on the host (torch import and NCCL init included).
+    type: float
+    default: 30.0
+  topology:
+    description: C(nvidia-smi topo -m) output to use instead of running it.
+    type: str
+  nvlink_status:
+    description: C(nvidia-smi nvlink --status) output to use instead of running it.
+    type: str
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: NCCL preflight of one instance's GPUs with its own environment
+  become: true
+  sglang.deploy.nccl_preflight:
+    python: /opt/ml-env/bin/python
+    env:
+      NCCL_SOCKET_IFNAME: eth0
+      NCCL_DEBUG: WARN
+    gpus: [0, 1, 2, 3]
+
+- name: Report the bandwidth without judging it
+  sglang.deploy.nccl_preflight:
+    gpus: [0, 1]
+    floor_gbps: 0
+  register: nccl
 """
 
 RETURN = r"""
-ok: {description: "The measurement ran and met the floor (or there was nothing to check).", type: bool, returned: always}
-status: {description: "C(ok), C(failed) or C(skipped) (one GPU).", type: str, returned: always}
-message: {description: "One line; NCCL's message when NCCL failed.", type: str, returned: always}
-busbw_gbps: {description: "Bus bandwidth at the largest size measured.", type: float, returned: always}
-at_bytes: {description: "That size.", type: int, returned: always}
-floor:
-  description: "{floor_gbps, basis (operator|nvlink|pcie|single-gpu|unknown), gpus, link, peak_gbps, reasoning: [lines]}."
-  type: dict
+ok:
+  description: The measurement ran and met the floor (or there was nothing to check).
+  type: bool
   returned: always
+status:
+  description: C(ok), C(failed) or C(skipped) (one GPU).
+  type: str
+  returned: always
+message:
+  description: One line; NCCL's message when NCCL failed.
+  type: str
+  returned: success, and when the measurement failed
+busbw_gbps:
+  description: Bus bandwidth at the largest size measured (null when none was).
+  type: float
+  returned: success, and when the measurement failed
+at_bytes:
+  description: That size.
+  type: int
+  returned: success, and when the measurement failed
+floor:
+  description:
+    - The floor and why - floor_gbps, basis (operator, nvlink, pcie, single-gpu or unknown), gpus, link,
+      peak_gbps and reasoning (lines).
+  type: dict
+  returned: success, and when the measurement failed
 result:
   description:
-    - The worker's JSON report (null when it did not run) - sizes [{bytes, iters, time_us, algbw_gbps, busbw_gbps,
-      algorithm, protocol}], ok, error, nccl_message, nccl_warnings, nccl_env, nccl_version, transports, channels,
+    - The worker's JSON report (null when it did not run) - sizes (each bytes, iters, time_us, algbw_gbps, busbw_gbps,
+      algorithm, protocol), ok, error, nccl_message, nccl_warnings, nccl_env, nccl_version, transports, channels,
       sum_ok, truncated, timed_out, elapsed_s, ranks.
   type: dict
-  returned: always
-topology: {description: "The parsed topology {gpus, pairs, nics, cpu_affinity, numa_affinity}, null for gloo.", type: dict, returned: always}
-nvlink: {description: "Per GPU {links, active, inactive, gbps}, null when unavailable.", type: dict, returned: always}
-command: {description: "The worker's command line.", type: list, returned: always}
+  returned: success, and when the measurement failed
+topology:
+  description: The parsed topology (gpus, pairs, nics, cpu_affinity, numa_affinity); null for gloo.
+  type: dict
+  returned: success, and when the measurement failed
+nvlink:
+  description: Per GPU its links, active, inactive and gbps; null when unavailable.
+  type: dict
+  returned: success, and when the measurement failed
+command:
+  description: The worker's command line (null when it did not run).
+  type: list
+  elements: str
+  returned: success, and when the measurement failed
+outcome:
+  description: C(invalid_config) when the module fails.
+  type: str
+  returned: failure
 """
 
 from ansible.module_utils.basic import AnsibleModule

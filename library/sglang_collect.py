@@ -6,6 +6,7 @@ The logic lives in module_utils/sglang_deploy/evidence.py; the controller fetche
 from __future__ import annotations
 
 DOCUMENTATION = r"""
+---
 module: sglang_collect
 short_description: Collect an SGLang instance's crash evidence into one tar.gz on the host
 description:
@@ -14,33 +15,95 @@ description:
     failure and request given, the unit and environment files (never the secrets file), the patch manifest, the
     GPU state, C(nvidia-smi -q), the kernel log's Xid/NVRM lines and the virtualenv's pip freeze.
   - Writes them as one tar.gz, mode 0600, at I(out_dir)/<instance>/<UTC time>-<invocation or on-demand>.tar.gz
-    (directories 0700) and keeps the newest I(keep) of the instance. Every secret is replaced by C(<secret>) (the one secret rule, sglang_deploy.secret_rule).
+    (directories 0700) and keeps the newest I(keep) of the instance. Every secret is replaced by C(<secret>)
+    (the one secret rule, sglang_deploy.secret_rule).
   - An item that could not be taken (no nvidia-smi, no py-spy, the budget spent) is listed with ok false and the
     reason; the module fails only when no bundle could be written. Check mode writes nothing.
 options:
-  action: {type: str, choices: [collect], default: collect}
+  action:
+    description: What to do; C(collect) is the only action.
+    type: str
+    choices: [collect]
+    default: collect
   instance:
+    description: The instance's rendered record (filter sglang_instance), as sglang_server takes it.
     type: dict
     required: true
-    description: The instance's rendered record (filter sglang_instance), as sglang_server takes it.
-  state_dir: {type: path, default: /var/lib/sglang}
-  out_dir: {type: path, description: "Where bundles go (default I(state_dir)/evidence)."}
-  invocation: {type: str, description: "The failing invocation's systemd InvocationID (default the unit's current one)."}
-  failure: {type: dict, description: "The failure of sglang_server (phase, cause, journal_tail, traceback, ...)."}
-  request: {type: dict, description: "The failing request (its response is the failure's C(response), if any)."}
-  budget_s: {type: float, default: 10, description: Seconds for the whole collection.}
-  keep: {type: int, default: 5, description: Bundles kept per instance.}
-author: sglang-deploy
+  state_dir:
+    description: The instance's state directory, as sglang_server's; bundles go under its C(evidence/) unless I(out_dir).
+    type: path
+    default: /var/lib/sglang
+  out_dir:
+    description: Where bundles go (default I(state_dir)/evidence).
+    type: path
+  invocation:
+    description: The failing invocation's systemd InvocationID (default the unit's current one).
+    type: str
+  failure:
+    description: The failure of sglang_server (phase, cause, journal_tail, traceback, ...).
+    type: dict
+  request:
+    description: The failing request (its response is the failure's C(response), if any).
+    type: dict
+  budget_s:
+    description: Seconds for the whole collection (above 0).
+    type: float
+    default: 10.0
+  keep:
+    description: Bundles kept per instance (at least 1).
+    type: int
+    default: 5
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Take an instance's evidence bundle on demand
+  become: true
+  sglang.deploy.sglang_collect:
+    instance: "{{ item }}"
+    state_dir: /var/lib/sglang
+    budget_s: 10
+  loop: "{{ sglang_rendered_instances }}"
+  register: collected
+
+- name: Bring the bundle to the controller
+  ansible.builtin.fetch:
+    src: "{{ collected.results[0].path }}"
+    dest: evidence/
+  when: collected.results[0].path is string
 """
 
 RETURN = r"""
-path: {description: The bundle on the host (null in check mode)., type: str, returned: always}
-bytes: {description: Its size., type: int, returned: always}
-items: {description: "Each item: name, ok, seconds, detail.", type: list, returned: always}
-seconds: {description: How long the collection took., type: float, returned: always}
-truncated: {description: An item was skipped for the budget or an output was cut., type: bool, returned: always}
-pruned: {description: Older bundles deleted., type: list, returned: always}
-host: {description: The host's name as it knows itself., type: str, returned: always}
+path:
+  description: The bundle on the host (null in check mode).
+  type: str
+  returned: success
+bytes:
+  description: Its size.
+  type: int
+  returned: success
+items:
+  description: Each item taken or not - name, ok, seconds, detail.
+  type: list
+  elements: dict
+  returned: success
+seconds:
+  description: How long the collection took.
+  type: float
+  returned: success
+truncated:
+  description: An item was skipped for the budget or an output was cut.
+  type: bool
+  returned: success
+pruned:
+  description: Older bundles deleted.
+  type: list
+  elements: str
+  returned: success
+host:
+  description: The host's name as it knows itself.
+  type: str
+  returned: success, not in check mode
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -14,6 +14,7 @@ description:
     something is removed. See docs/software-generations.md.
   - With I(state=migrated), a real virtualenv directory at I(link) (the layout before generations)
     becomes the generation C(legacy-<UTC time>) and I(link) a link to it.
+  - Supports check mode (says what it would remove or migrate).
 options:
   dir:
     description: The generations directory (one virtualenv per generation).
@@ -39,20 +40,46 @@ options:
     description: Glob patterns (C(**) recursive) of files whose text names generations that must stay.
     type: list
     elements: str
+    default:
+      - /etc/systemd/system/sglang-*.service
+      - /etc/systemd/system/sglang-*.service.d/*.conf
+      - /etc/sglang/pending/*
+      - /var/lib/sglang/known-good/**/*.json
   manifest:
     description: With I(state=migrated), the old layout's patch manifest, copied into the legacy generation.
     type: path
-author: sglang-deploy
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Prune old generations (never one a unit or a record names)
+  become: true
+  sglang.deploy.sglang_generations:
+    dir: /opt/ml-env-generations
+    link: /opt/ml-env
+    current: "{{ ml_env_generation_id }}"
+    keep: 2
+  register: pruned
+
+- name: Move a virtualenv of the layout before generations into one
+  become: true
+  sglang.deploy.sglang_generations:
+    state: migrated
+    dir: /opt/ml-env-generations
+    link: /opt/ml-env
+    manifest: /var/lib/sglang/patches.json
 """
 
 RETURN = r"""
 kept:
   description: Generations kept, each with name, path, reason, created and sglang_version.
   type: list
+  elements: dict
   returned: state=pruned
 removed:
   description: Generations removed (in check mode, that would be), each with the same fields.
   type: list
+  elements: dict
   returned: state=pruned
 generation:
   description: With state=migrated, the name of the legacy generation (null when nothing was migrated).

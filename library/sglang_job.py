@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 DOCUMENTATION = r"""
+---
 module: sglang_job
 short_description: The progress, then the result, of a detached sglang_server restart or rollback
 description:
@@ -13,31 +14,83 @@ description:
     outcome is a success), again on every call for it (an answer lost with a dropped connection is asked for
     again), until a call with I(ack) removes the job's files.
   - Called by the action plugin action_plugins/sglang_server.py, one call per progress change, never per second.
+  - No check mode (the job it answers for ran, or runs, as it was started).
 options:
-  job: {type: path, required: true, description: The job's directory (sglang_job in the previous answer).}
-  seen: {type: int, default: 0, description: The progress seq the controller has.}
-  wait_s: {type: float, default: 30.0, description: The most seconds to wait for a change.}
-  min_s: {type: float, default: 2.0, description: The least seconds before a progress answer (the result is at once).}
+  job:
+    description: The job's directory (C(sglang_job) in the previous answer), under /run/sglang-deploy/jobs.
+    type: path
+    required: true
+  seen:
+    description: The progress seq the controller has.
+    type: int
+    default: 0
+  wait_s:
+    description: The most seconds to wait for a change.
+    type: float
+    default: 30.0
+  min_s:
+    description: The least seconds before a progress answer (the result is at once).
+    type: float
+    default: 2.0
   boot_id:
-    type: str
     description:
       - The host's boot id in the previous answer. A job gone while the host has another one went with a reboot,
         and the failure says so.
+    type: str
   ack:
-    type: bool
-    default: false
     description:
       - The controller has the job's result; remove the job's files and answer C(acked) at once. Only an ended job's
         with its result written (a running worker's, or a killed one's, stay); a job already removed is no error.
-author: sglang-deploy
+    type: bool
+    default: false
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Wait for the detached restart's next progress
+  become: true
+  sglang.deploy.sglang_job:
+    job: "{{ started.sglang_job }}"
+    seen: "{{ started.seq }}"
+    boot_id: "{{ started.boot_id }}"
+  register: progress
+
+- name: Acknowledge its result (the job's files removed)
+  become: true
+  sglang.deploy.sglang_job:
+    job: "{{ started.sglang_job }}"
+    ack: true
 """
 
 RETURN = r"""
-sglang_job: {description: The job's directory while it runs., type: str, returned: running}
-boot_id: {description: The host's boot id while the job runs., type: str, returned: running}
-progress: {description: "seq, phase, step, detail, last_line, since, steps.", type: dict, returned: running}
-outcome: {description: "Once ended, sglang_server's result (outcome, phases, steps, ...).", type: str, returned: ended}
-acked: {description: "With ack: the job's directory (changed when its files were removed).", type: str, returned: ack}
+sglang_job:
+  description: The job's directory while it runs.
+  type: str
+  returned: running
+seq:
+  description: The progress seq of this answer (pass it as I(seen) next).
+  type: int
+  returned: running
+boot_id:
+  description: The host's boot id while the job runs.
+  type: str
+  returned: running
+progress:
+  description: seq, phase, step, detail, last_line, since, steps.
+  type: dict
+  returned: running
+outcome:
+  description: Once ended, the outcome of sglang_server's result, returned with all its other keys as sglang_server returns them.
+  type: str
+  returned: ended
+lost_job:
+  description: The job's directory, when its worker ended without a result (killed).
+  type: str
+  returned: ended without a result
+acked:
+  description: With I(ack), the job's directory (changed when its files were removed).
+  type: str
+  returned: ack
 """
 
 import os

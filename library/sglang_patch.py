@@ -15,6 +15,7 @@ description:
     manifest it writes, so a second run changes nothing and a hand-edited file is refused.
   - With I(mode=report) it changes nothing and reports, patch by patch, whether the series applies
     (the upgrade check for a candidate version).
+  - Supports check mode (says whether it would patch; a package not installed yet would be patched after).
 options:
   site_packages:
     description: The site-packages directory holding the package.
@@ -41,17 +42,38 @@ options:
     type: str
     choices: [apply, report]
     default: apply
-author: sglang-deploy
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Apply the patch series atomically
+  become: true
+  sglang.deploy.sglang_patch:
+    site_packages: /opt/ml-env/lib/python3.11/site-packages
+    version: 0.5.2
+    patches:
+      - name: 0001-fix-the-scheduler.patch
+        content: "{{ lookup('ansible.builtin.file', 'patches/0001-fix-the-scheduler.patch') }}"
+    manifest: /var/lib/sglang/patches.json
+
+- name: Does the series apply to a candidate version? (changes nothing)
+  sglang.deploy.sglang_patch:
+    site_packages: /tmp/candidate/lib/python3.11/site-packages
+    version: 0.5.3
+    patches: "{{ sglang_patches }}"
+    mode: report
+  register: upgrade_check
 """
 
 RETURN = r"""
 manifest:
-  description: Package version, each patch's sha256, and each patched file's sha256 before and after.
+  description: Package, version, site_packages, each patch's sha256, each patched file's sha256 before and after, applied_at.
   type: dict
-  returned: success
+  returned: mode=apply, when the package is installed at I(version)
 report:
-  description: In report mode, per patch whether it applies and why not.
+  description: In report mode, per patch whether it applies and why not; empty otherwise.
   type: list
+  elements: dict
   returned: always
 """
 

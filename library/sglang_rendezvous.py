@@ -6,6 +6,7 @@ The logic lives in module_utils/sglang_deploy/rendezvous.py; playbooks/preflight
 from __future__ import annotations
 
 DOCUMENTATION = r"""
+---
 module: sglang_rendezvous
 short_description: Check that the ranks of an SGLang instance over several nodes can meet, stopping nothing
 description:
@@ -22,37 +23,136 @@ description:
   - A failure names the variable (C(GLOO_SOCKET_IFNAME), C(NCCL_SOCKET_IFNAME), C(dist_init_addr)), the host
     and what to do. Changes nothing; supports check mode (it runs, and changes nothing either way).
 options:
-  step: {type: str, choices: [check, meet], required: true, description: "Which step."}
+  step:
+    description: Which step, C(check) or C(meet).
+    type: str
+    choices: [check, meet]
+    required: true
   instance:
+    description:
+      - The instance's rendered record (filter sglang_instance) - name, unit, nnodes, node_rank, dist_init_addr,
+        env, python.
     type: dict
     required: true
-    description: The instance's rendered record (filter sglang_instance) - name, unit, nnodes, node_rank, dist_init_addr, env, python.
-  host: {type: str, required: true, description: "This node's inventory name (for messages and the other ranks)."}
+  host:
+    description: This node's inventory name (for messages and the other ranks).
+    type: str
+    required: true
   ranks:
+    description:
+      - For C(meet), every node's C(check) result (the registered loop results of all hosts; others are ignored).
     type: list
     elements: dict
     default: []
-    description: For C(meet) - every node's C(check) result (the registered loop results of all hosts; others are ignored).
-  timeout_s: {type: float, default: 30, description: "Seconds for the handshake, and again for the all-reduce (at most 60)."}
-  python: {type: str, description: "The python with torch for the all-reduce (default the instance's, argv[0])."}
-author: sglang-deploy
+  timeout_s:
+    description: Seconds for the handshake, and again for the all-reduce (above 0, at most 60).
+    type: float
+    default: 30.0
+  python:
+    description: The python with torch for the all-reduce (default the instance's, its argv[0]).
+    type: str
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Check the instance's interfaces and dist_init_addr on every node
+  become: true
+  sglang.deploy.sglang_rendezvous:
+    step: check
+    instance: "{{ item }}"
+    host: "{{ inventory_hostname }}"
+  loop: "{{ multinode_instances }}"
+  register: rendezvous_check
+
+- name: Meet on dist_init_addr and all-reduce across the nodes
+  become: true
+  sglang.deploy.sglang_rendezvous:
+    step: meet
+    instance: "{{ item }}"
+    host: "{{ inventory_hostname }}"
+    ranks: >-
+      {{ ansible_play_hosts_all | map('extract', hostvars, 'rendezvous_check') | map(attribute='results')
+         | flatten(levels=1) | selectattr('instance', 'eq', item.name) | list }}
+    timeout_s: 30
+  loop: "{{ multinode_instances }}"
 """
 
 RETURN = r"""
-ok: {description: "Every check passed (and, for meet, the ranks met and all-reduced).", type: bool, returned: always}
-problems: {description: "One line each, naming the variable, the host and what to do.", type: list, returned: always}
-instance: {description: "The instance's name.", type: str, returned: always}
-node_rank: {description: "This node's rank.", type: int, returned: always}
-host: {description: "This node's inventory name.", type: str, returned: always}
-dist_init_addr: {description: "The instance's dist_init_addr as this rank has it.", type: str, returned: check}
-interfaces: {description: "This host's interfaces and their addresses.", type: dict, returned: check}
-nccl_selected: {description: "The interfaces NCCL_SOCKET_IFNAME selects here (null when unset).", type: list, returned: check}
-resolved: {description: "The addresses dist_init_addr's host resolves to here.", type: list, returned: check}
-port_state: {description: "Rank 0 - {state (free, own, taken), holders, error} of dist_init_addr's port.", type: dict, returned: check}
-store_port: {description: "The port the all-reduce meets on (rank 0's choice).", type: int, returned: always}
-listener: {description: "Rank 0 - whether it listens on dist_init_addr's port in meet.", type: bool, returned: check}
-handshake: {description: "meet - rank 0 {joined, missing, error}; others {ok, address, error, attempts}.", type: dict, returned: meet}
-allreduce: {description: "meet - {ok, error, timed_out, sizes, sum_ok, seconds, command}.", type: dict, returned: meet}
+ok:
+  description: Every check passed (and, for meet, the ranks met and all-reduced).
+  type: bool
+  returned: always
+problems:
+  description: One line each, naming the variable, the host and what to do.
+  type: list
+  elements: str
+  returned: always
+instance:
+  description: The instance's name.
+  type: str
+  returned: success, and when a check failed
+node_rank:
+  description: This node's rank.
+  type: int
+  returned: success, and when a check failed
+host:
+  description: This node's inventory name.
+  type: str
+  returned: success, and when a check failed
+nnodes:
+  description: The instance's number of nodes.
+  type: int
+  returned: success, and when a check failed
+dist_init_addr:
+  description: The instance's dist_init_addr as this rank has it.
+  type: str
+  returned: check
+interfaces:
+  description: This host's interfaces and their addresses.
+  type: dict
+  returned: check
+gloo_ifname:
+  description: The instance's GLOO_SOCKET_IFNAME (null when unset).
+  type: str
+  returned: check
+port:
+  description: dist_init_addr's port.
+  type: int
+  returned: check
+nccl_selected:
+  description: The interfaces NCCL_SOCKET_IFNAME selects here (null when unset).
+  type: list
+  elements: str
+  returned: check
+resolved:
+  description: The addresses dist_init_addr's host resolves to here.
+  type: list
+  elements: str
+  returned: check
+port_state:
+  description: On rank 0, the state (free, own, taken), holders and error of dist_init_addr's port.
+  type: dict
+  returned: check
+store_port:
+  description: The port the all-reduce meets on (rank 0's choice).
+  type: int
+  returned: success, and when a check failed
+listener:
+  description: On rank 0, whether it listens on dist_init_addr's port in meet.
+  type: bool
+  returned: check
+handshake:
+  description: In meet, rank 0's joined, missing and error; the other ranks' ok, address, error and attempts.
+  type: dict
+  returned: meet
+allreduce:
+  description: In meet, the all-reduce's ok, error, timed_out, sizes, sum_ok, seconds and command.
+  type: dict
+  returned: meet
+outcome:
+  description: C(invalid_config) when the module fails.
+  type: str
+  returned: failure
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -48,12 +48,30 @@ options:
     type: list
     elements: dict
     suboptions:
-      name: {description: The gateway's name in messages (its inventory host)., type: str}
-      url: {description: Its base URL as seen from where the module runs., type: str, required: true}
-      impl: {description: Its gateway (as I(impl))., type: str, choices: [sglang-router, smg], default: sglang-router}
-      api_key: {description: Its API key (else I(api_key))., type: str}
-      metrics_url: {description: With I(action=view), its Prometheus endpoint's base URL (circuit states)., type: str}
-      discovery_file: {description: "smg only: the discovery file it reads its workers from, on the host the module runs on; remove and add edit it (smg adds a DELETEd worker again while the file names it)", type: path}
+      name:
+        description: The gateway's name in messages (its inventory host).
+        type: str
+      url:
+        description: Its base URL as seen from where the module runs.
+        type: str
+        required: true
+      impl:
+        description: Its gateway (as I(impl)).
+        type: str
+        choices: [sglang-router, smg]
+        default: sglang-router
+      api_key:
+        description: Its API key (else I(api_key)).
+        type: str
+      metrics_url:
+        description: With I(action=view), its Prometheus endpoint's base URL (circuit states).
+        type: str
+      discovery_file:
+        description:
+          - smg only. The discovery file that gateway reads its workers from, on the host the module runs on.
+          - I(action=remove) and I(action=add) edit it, not the worker API (smg adds back a worker deleted through the
+            API while the file names it).
+        type: path
   quorum:
     description: With I(routers), how many gateways must carry the action out (default all); fewer FAILS.
     type: int
@@ -81,12 +99,12 @@ options:
     description: Seconds to wait until the router no longer lists a removed worker, or lists an added one healthy;
       with I(action=inspect), each read's limit. A finite number, 0 or more.
     type: float
-    default: 60
+    default: 60.0
   drain_timeout:
     description: Seconds I(action=drain) (or I(action=remove) with I(drain)) waits for the worker's running and
       queued requests to finish.
     type: float
-    default: 120
+    default: 120.0
   drain:
     description: With I(action=remove), drain the worker once the router no longer lists it.
     type: bool
@@ -99,10 +117,48 @@ options:
     description: With I(action=measure), how many generations.
     type: int
     default: 4
-  max_new_tokens: {description: With I(action=measure) the tokens of each., type: int, default: 64}
+  max_new_tokens:
+    description: With I(action=measure), the tokens of each generation.
+    type: int
+    default: 64
 notes:
   - Check mode - remove and add read the router's list and send nothing; drain reads nothing (C(drained=null)).
-author: sglang-deploy
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Take the worker out of the router and drain it
+  sglang.deploy.sglang_router_worker:
+    action: remove
+    router_url: http://router-1:30000
+    worker_url: http://gpu-node-3:30001
+    drain: true
+    drain_timeout: 300
+  delegate_to: router-1
+
+- name: Put it back once restarted, and wait until the router lists it healthy
+  sglang.deploy.sglang_router_worker:
+    action: add
+    routers:
+      - name: router-1
+        url: http://router-1:30000
+      - name: router-2
+        url: http://router-2:30000
+        impl: smg
+        api_key: "{{ smg_api_key }}"
+    worker_url: http://gpu-node-3:30001
+    timeout: 120
+  delegate_to: router-1
+
+- name: Can each replica be taken out and drained on evidence? (changes nothing)
+  sglang.deploy.sglang_router_worker:
+    action: inspect
+    router_url: http://router-1:30000
+    worker_urls:
+      - http://gpu-node-3:30001
+      - http://gpu-node-4:30001
+    fail_on_problems: true
+  delegate_to: router-1
 """
 
 RETURN = r"""
@@ -137,12 +193,23 @@ drain:
   type: dict
   returned: drain, remove with drain
   contains:
-    drained: {description: Whether the worker has nothing left to run (on evidence); null in check mode., type: bool}
-    seconds: {description: How long the drain took., type: float}
-    running: {description: The last sglang:num_running_reqs read (summed over label sets); null when none., type: float}
-    queued: {description: The last sglang:num_queue_reqs read; null when none was read., type: float}
-    why: {description: "Why it ended: nothing running or queued, not serving, cannot be drained on evidence, the
-        drain timeout (the last load or error), or check mode.", type: str}
+    drained:
+      description: Whether the worker has nothing left to run (on evidence); null in check mode.
+      type: bool
+    seconds:
+      description: How long the drain took.
+      type: float
+    running:
+      description: The last sglang:num_running_reqs read (summed over label sets); null when none.
+      type: float
+    queued:
+      description: The last sglang:num_queue_reqs read; null when none was read.
+      type: float
+    why:
+      description:
+        - Why it ended - nothing running or queued, not serving, cannot be drained on evidence, the drain
+          timeout (the last load or error), or check mode.
+      type: str
     gateway_in_flight:
       description: With smg, its own count of the worker's requests in flight at the drain's last read (summed over
         the smg gateways of I(routers)); null once none lists it. Evidence only; absent with sglang-router.
@@ -154,16 +221,37 @@ workers:
   elements: dict
   returned: remove (when it removed), add, wait_healthy, list, inspect
   contains:
-    url: {description: The worker (inspect, as given; else as the router lists it)., type: str}
-    id: {description: Its UUID (not inspect)., type: str}
-    healthy: {description: Whether the router lists it healthy and in rotation (not inspect)., type: bool}
-    status: {description: With smg, its state (C(ready), C(draining), C(not_ready))., type: str}
-    listed: {description: (inspect) Whether the router lists it under any spelling., type: bool}
-    ids: {description: (inspect) The UUIDs the router lists it with., type: list, elements: str}
-    healthy_in_router: {description: (inspect) Whether a record of it is healthy; null when not listed., type: bool}
-    serving: {description: (inspect) Whether its own GET /health answered 200 within I(timeout)., type: bool}
-    drainable: {description: (inspect) Whether its /metrics answered 200 with both load series., type: bool}
-    why: {description: (inspect) Why it is not serving or not drainable; empty when it is both., type: str}
+    url:
+      description: The worker (with inspect, as given; else as the router lists it).
+      type: str
+    id:
+      description: Its UUID (not with inspect).
+      type: str
+    healthy:
+      description: Whether the router lists it healthy and in rotation (not with inspect).
+      type: bool
+    status:
+      description: With smg, its state (C(ready), C(draining), C(not_ready)).
+      type: str
+    listed:
+      description: With inspect, whether the router lists it under any spelling.
+      type: bool
+    ids:
+      description: With inspect, the UUIDs the router lists it with.
+      type: list
+      elements: str
+    healthy_in_router:
+      description: With inspect, whether a record of it is healthy; null when not listed.
+      type: bool
+    serving:
+      description: With inspect, whether its own GET /health answered 200 within I(timeout).
+      type: bool
+    drainable:
+      description: With inspect, whether its /metrics answered 200 with both load series.
+      type: bool
+    why:
+      description: With inspect, why it is not serving or not drainable; empty when it is both.
+      type: str
 problems:
   description: With action=inspect, one sentence per worker not listed and per worker not drainable (each naming
     the worker); empty when none.
@@ -220,7 +308,7 @@ ARGUMENT_SPEC = dict(
     drain=dict(type="bool", default=False),
     prompt=dict(type="str", default="The capital of France is"),
     requests=dict(type="int", default=4),
-    max_new_tokens=dict(type="int", default=64),
+    max_new_tokens=dict(type="int", default=64, no_log=False),  # a count of tokens: no secret (validate-modules)
 )
 REQUIRED_IF = (
     [("action", a, ["worker_url"]) for a in ("remove", "add", "drain", "wait_healthy", "measure")]

@@ -16,13 +16,14 @@ description:
     run the parser again.
   - Returns the plan with each combination's C(valid) and C(problems). Fails only when the checks cannot run,
     or when the baseline (no speculation) itself is refused.
+  - Changes nothing; supports check mode.
 options:
   plan:
     description: The sweep's plan (filter C(sglang_tune_plan)), C(combinations) and C(dropped).
     type: dict
     required: true
   records:
-    description: Each combination's rendered instance record, in the plan's order.
+    description: Each combination's rendered instance record, in the plan's order (as many as its combinations).
     type: list
     elements: dict
     required: true
@@ -31,12 +32,24 @@ options:
     type: str
     required: true
   state_dir:
-    description: Where parser verdicts are kept (under C(validated/)).
+    description: Where parser verdicts are kept (under C(validated/)); unset, none is kept.
     type: path
   patch_manifest:
     description: SGLang's patch manifest (part of the installation's identity).
     type: path
-author: sglang-deploy
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Check every combination with SGLang's own parser
+  become: true
+  sglang.deploy.sglang_tune:
+    plan: "{{ tune_plan }}"
+    records: "{{ tune_records }}"
+    service_user: sglang
+    state_dir: /var/lib/sglang
+    patch_manifest: /var/lib/sglang/patches.json
+  register: tune_checked
 """
 
 RETURN = r"""
@@ -47,7 +60,11 @@ instance:
 plan:
   description: C(combinations) (each with C(valid) and C(problems)) and C(dropped) (each with its C(reason)).
   type: dict
-  returned: always
+  returned: success, and when the baseline is refused
+seconds:
+  description: Time the checks took.
+  type: float
+  returned: success
 """
 
 import traceback

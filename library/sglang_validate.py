@@ -53,7 +53,19 @@ options:
     description: Reuse kept parser verdicts (false runs SGLang's parser for every instance).
     type: bool
     default: true
-author: sglang-deploy
+author: sglang-deploy maintainers (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Check the host's instances with SGLang's own parser, and the host
+  become: true
+  sglang.deploy.sglang_validate:
+    instances: "{{ sglang_rendered_instances }}"
+    service_user: sglang
+    min_shm_mib: 1024
+    state_dir: /var/lib/sglang
+    patch_manifest: /var/lib/sglang/patches.json
+  register: validated
 """
 
 RETURN = r"""
@@ -64,27 +76,29 @@ outcome:
 problems:
   description: Each problem as C(check), C(key) (the variable), C(message) and C(instance) (null for the host's).
   type: list
+  elements: dict
   returned: always
 instances:
   description: Per instance C(name), C(unit), C(profile), C(parsed) (SGLang's parser verdict known) and C(cached).
   type: list
-  returned: always
+  elements: dict
+  returned: when the checks ran
 installed:
   description: Whether SGLang's python exists for every instance.
   type: bool
-  returned: always
+  returned: when the checks ran
 host_gpus:
   description: The GPUs nvidia-smi lists (null in check mode on a node without the driver).
   type: int
-  returned: always
+  returned: when the checks ran
 shm_mib:
   description: The size of C(/dev/shm) in MiB (null when not checked).
   type: int
-  returned: always
+  returned: when the checks ran
 seconds:
   description: Time the checks took.
   type: float
-  returned: always
+  returned: when the checks ran
 """
 
 import traceback
