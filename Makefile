@@ -50,14 +50,17 @@ demo: lab-up ## the main job on the local lab: deploy, safe restart and verify, 
 	@$(BIN)/python -m driver restart
 	@$(BIN)/python -m driver verify
 
-lint: setup lint-only ## ruff (lint and format), yamllint and ansible-lint (production profile)
+lint: setup lint-only ## ruff (lint and format), yamllint, ansible-lint (production profile), the modules' sanity
 
 # The linters alone, on the virtualenv as it is (make test's rest stream: no setup's self-check beside a lab).
+# tools/sanity.py: ansible-test's sanity tests on library/ as the collection sglang.deploy, and ansible-doc of each
+# module (issue #33; about 15 s, its first run about a minute: it builds ansible-test's virtualenvs).
 lint-only:
 	@ruff check .
 	@ruff format --check .
 	@yamllint --strict .
 	@ansible-lint --profile production
+	@$(BIN)/python tools/sanity.py
 
 unit: setup ## pytest without the lab
 	@$(BIN)/python -m pytest -m "not lab" $(PYTEST_ARGS)
