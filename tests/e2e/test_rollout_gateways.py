@@ -11,11 +11,13 @@ through the other. Nothing is lost through the gateway that stays up.
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 
 import pytest
 
+from sglang_deploy import discovery
 from support import rollout, wait_for
 from support.e2e import driver_runner, podman_exec, remove_instances
 from support.rollout import MODEL, Load, router_workers
@@ -158,14 +160,13 @@ def killed_mid_rollout(containers: dict, inventory: str, run) -> None:
 def revive_gateway(container: str) -> None:
     """smg started again, its discovery file as the role writes it (both workers): it lists both, healthy."""
     if manifest(container) != sorted(BOTH):  # what an operator does: playbooks/router.yml declares every worker
-        declare = f"from sglang_deploy import discovery; discovery.write({FILE!r}, {[{'url': u} for u in BOTH]!r})"
-        podman_exec(container, "python3", "-c", f"import sys; sys.path.insert(0, {PACKAGE!r}); {declare}")
+        text = base64.b64encode(discovery.render([{"url": u} for u in BOTH]).encode()).decode()
+        podman_exec(container, "sh", "-c", f"echo {text} | base64 -d > {FILE}.new && mv {FILE}.new {FILE}")
     podman_exec(container, "systemctl", "start", "sglang-router.service")
     wait_for("smg back, listing both", lambda: router_workers(container) == BOTH, 120)
 
 
 FILE = "/var/lib/sglang-router-discovery/workers.json"
-PACKAGE = "/usr/local/libexec/sglang-deploy"
 
 
 def manifest(container: str) -> list[str]:
