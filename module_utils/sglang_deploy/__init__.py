@@ -17,6 +17,10 @@ the names alone:
     validate   configuration checks with SGLang's own parser
     patch      the atomic, recorded patch series
     software   software generations (one virtualenv per lock)
+    router     the gateways' worker API (smg, sglang-router) and the drain
+    gateways   an action on every gateway at once, with a quorum
+    discovery  smg's discovery file: the workers declared, edited under a lock
+    sentinel   the hung-worker sentinel beside each gateway (run on the gateway's host)
 
 Nothing here imports Ansible: the modules are thin adapters over these, and the
 unit tests import them directly (as ``sglang_deploy.X`` with module_utils on sys.path).
