@@ -11,21 +11,11 @@ import sys
 from pathlib import Path
 
 from sglang_deploy import outcomes
+from support import code_lines
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = sorted((REPO / "library").glob("*.py"))
 LOGIC = sorted((REPO / "module_utils" / "sglang_deploy").glob("*.py"))
-
-
-def code_lines(path: Path) -> int:
-    """The file's lines but its DOCUMENTATION, EXAMPLES and RETURN strings: what a module does, not what it says."""
-    text = path.read_text()
-    docs = [
-        n.end_lineno - n.lineno + 1
-        for n in ast.parse(text).body
-        if isinstance(n, ast.Assign) and {ast.unparse(t) for t in n.targets} <= {"DOCUMENTATION", "EXAMPLES", "RETURN"}
-    ]
-    return len(text.splitlines()) - sum(docs)
 
 
 def test_every_module_in_library_is_a_thin_adapter_of_at_most_250_lines():

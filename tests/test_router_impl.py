@@ -108,7 +108,8 @@ PLAY = """
   tasks:
     - ansible.builtin.copy:
         content: "{{ {'routers': sglang_rollout_routers, 'quorum': sglang_rollout_gateway_quorum | int,
-                      'on': sglang_rollout_router} | to_json }}"
+                      'on': sglang_rollout_router, 'become': _sglang_rollout_gateway_become | bool,
+                      'far': _sglang_rollout_far_files} | to_json }}"
         dest: "%(out)s"
       delegate_to: localhost
 """
@@ -137,7 +138,8 @@ def test_the_rollout_reaches_each_gateway_with_its_own_impl_address_and_key(tmp_
     out = rendered(
         tmp_path,
         {
-            "r1": {"sglang_router_port": 30100, "sglang_router_api_key": "k1"},  # the role's default impl
+            # the role's default impl; its workers in smg's discovery file (edited where the rollout's gateway steps run)
+            "r1": {"sglang_router_port": 30100, "sglang_router_api_key": "k1", "sglang_router_discovery": "file"},
             "r2": {
                 "sglang_router_impl": "sglang-router",
                 "sglang_router_address": "10.0.0.2",
@@ -151,13 +153,15 @@ def test_the_rollout_reaches_each_gateway_with_its_own_impl_address_and_key(tmp_
         ("-e", "sglang_service_api_key=fleet"),
     )
     assert out["on"] == "r1" and out["quorum"] == 5
+    assert out["become"] is True and out["far"] == []  # r1's file is edited as root, on r1
     smg = DEFAULTS["sglang_router_impl"]
+    file = DEFAULTS["sglang_router_discovery_file"]
     assert out["routers"] == [
-        {"name": "r1", "impl": smg, "url": "http://127.0.0.1:30100", "metrics_url": "http://127.0.0.1:29000", "api_key": "k1"},
-        {"name": "r2", "impl": "sglang-router", "url": "http://10.0.0.2:30200", "metrics_url": "http://10.0.0.2:29200", "api_key": "fleet"},
-        {"name": "r3", "impl": "smg", "url": "http://[fd00::3]:30000", "metrics_url": "http://[fd00::3]:29000", "api_key": "k3"},
-        {"name": "r4", "impl": smg, "url": "http://10.0.0.4:30000", "metrics_url": "http://r4:29000", "api_key": "fleet"},
-        {"name": "r5", "impl": smg, "url": "http://r5:30000", "metrics_url": "http://r5:29000", "api_key": "fleet"},
+        {"name": "r1", "impl": smg, "url": "http://127.0.0.1:30100", "metrics_url": "http://127.0.0.1:29000", "api_key": "k1", "discovery_file": file},
+        {"name": "r2", "impl": "sglang-router", "url": "http://10.0.0.2:30200", "metrics_url": "http://10.0.0.2:29200", "api_key": "fleet", "discovery_file": None},
+        {"name": "r3", "impl": "smg", "url": "http://[fd00::3]:30000", "metrics_url": "http://[fd00::3]:29000", "api_key": "k3", "discovery_file": None},
+        {"name": "r4", "impl": smg, "url": "http://10.0.0.4:30000", "metrics_url": "http://r4:29000", "api_key": "fleet", "discovery_file": None},
+        {"name": "r5", "impl": smg, "url": "http://r5:30000", "metrics_url": "http://r5:29000", "api_key": "fleet", "discovery_file": None},
     ]  # fmt: skip
     assert DEFAULTS["sglang_router_impl"] == "smg"
     # what the role's entry points accept for each gateway (their argument specs): every key rendered
@@ -213,3 +217,11 @@ def test_status_says_a_gateway_that_does_not_answer_for_each_instance(tmp_path):
         ("n1", "ro", "r1", "http://127.0.0.1:30010", None)
     ]
     assert view[0]["why"].startswith("the gateway did not answer: ")
+
+
+def test_a_discovery_file_the_rollout_cannot_reach_is_named_and_without_one_nothing_becomes_root(tmp_path):
+    out = rendered(tmp_path, {"r1": {}, "r3": {"sglang_router_impl": "smg", "sglang_router_discovery": "file"}})
+    assert out["far"] == ["r3"] and out["become"] is True  # refused by the plan (playbooks/rollout.yml)
+    (tmp_path / "api").mkdir()
+    out = rendered(tmp_path / "api", {"r1": {}, "r3": {"sglang_router_impl": "smg"}})
+    assert out["far"] == [] and out["become"] is False

@@ -7,6 +7,7 @@ and tests/e2e/conftest.py; no test module imports from another test module.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import time
@@ -63,3 +64,14 @@ def refused(capsys, *argv: str) -> str:
     out, err = capsys.readouterr()
     assert out == ""
     return err
+
+
+def code_lines(path: Path) -> int:
+    """A module's lines but its DOCUMENTATION, EXAMPLES and RETURN strings: what it does, not what it says."""
+    text = path.read_text()
+    docs = [
+        n.end_lineno - n.lineno + 1
+        for n in ast.parse(text).body
+        if isinstance(n, ast.Assign) and {ast.unparse(t) for t in n.targets} <= {"DOCUMENTATION", "EXAMPLES", "RETURN"}
+    ]
+    return len(text.splitlines()) - sum(docs)
