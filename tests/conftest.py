@@ -48,3 +48,16 @@ def usual_umask():
     old = os.umask(0o022)
     yield
     os.umask(old)
+
+
+@pytest.fixture(scope="module")
+def standins():
+    """Three lab stand-ins on loopback for a test module that runs a real gateway in front of them
+    (tests/support/smg.py's Standins), stopped at its end."""
+    from support.smg import Standins
+
+    s = Standins()
+    try:
+        yield s
+    finally:
+        s.stop()

@@ -15,7 +15,7 @@ from sglang_deploy import discovery, http
 from sglang_deploy import router as rt
 from sglang_deploy import sentinel as sn
 from support import wait_for
-from support.smg import KEY, Gateway, Standins, all_ready, free_port, smg_venv
+from support.smg import KEY, Gateway, all_ready, free_port, smg_venv
 
 
 def test_a_good_manifest_has_no_problem():
@@ -99,15 +99,6 @@ def test_sglang_router_reads_no_discovery_file():
 
 
 # --------------------------------------------------------------------------- the real smg
-
-
-@pytest.fixture(scope="module")
-def standins():
-    s = Standins()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture

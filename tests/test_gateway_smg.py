@@ -33,7 +33,6 @@ from support.smg import (
     SMG_VERSION,
     TOKENS_PER_S,
     Gateway,
-    Standins,
     all_ready,
     call,
     free_port,
@@ -45,15 +44,6 @@ from support.smg import (
 @pytest.fixture(scope="module")
 def venv() -> Path:
     return smg_venv()
-
-
-@pytest.fixture(scope="module")
-def standins():
-    s = Standins()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

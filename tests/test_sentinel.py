@@ -13,7 +13,7 @@ from sglang_deploy import http
 from sglang_deploy import router as rt
 from sglang_deploy import sentinel as sn
 from support import wait_for
-from support.smg import KEY, Gateway, Standins, all_ready, free_port, smg_venv
+from support.smg import KEY, Gateway, all_ready, free_port, smg_venv
 
 
 class FakeGateway:
@@ -322,15 +322,6 @@ def test_main_takes_its_key_from_the_environment_and_refuses_a_bad_setting_namin
 # --------------------------------------------------------------------------- the probe, on a stand-in
 
 
-@pytest.fixture(scope="module")
-def standins():
-    s = Standins()
-    try:
-        yield s
-    finally:
-        s.stop()
-
-
 def test_the_probe_tells_a_token_from_a_stall_from_a_dead_worker(standins):
     w0 = standins.urls[0]
     hung = f"http://127.0.0.1:{free_port()}"
@@ -398,7 +389,10 @@ def test_smg_a_worker_whose_generations_hang_is_taken_out_by_the_sentinel_and_pu
         assert (e["event"], e["worker"], e["stalls"]) == ("taken_out", hung, 2)
         # What it held: the 2 clients' requests and the sentinel's own 2 probes (hung there too), on its gauges.
         assert (e["held"]["running"], e["held"]["requests"]) == (4.0, 4), e
-        assert hung not in [w["url"] for w in s.router.workers() if w["healthy"]]
+        # smg takes a DELETE in (202) and acts on it a moment later: out of rotation (draining), then gone
+        wait_for(
+            "out of rotation", lambda: hung not in [w["url"] for w in s.router.workers() if w["healthy"]], 10, 0.05
+        )
         wait_for("smg drops it", lambda: hung not in gw.by_url(), timeout=15, interval=0.1)
         for _ in range(6):  # every client now served
             assert http.generate(gw.url, "after", 2, timeout=10, api_key=KEY)["completion_tokens"] == 2
