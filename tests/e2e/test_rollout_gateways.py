@@ -131,7 +131,9 @@ def killed_mid_rollout(containers: dict, inventory: str, run) -> None:
             run("rollout", "-e", new_configuration(2), "-e", GATE, inventory=inventory, popen=True)
         )
         try:
+            # out of both: smg acts on its file a moment after 0.3.2 on its DELETE; killed before, its part fails
             wait_for("the canary out of lab-node1's gateway", lambda: WORKER1 not in router_workers(gw1), 120, 0.1)
+            wait_for("the canary out of smg's rotation", lambda: router_workers(gw2).get(WORKER1) is not True, 30, 0.1)
             kill_gateway(gw2)
         finally:
             code, out, err = driver.wait(400)
