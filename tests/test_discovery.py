@@ -53,7 +53,7 @@ def test_a_bad_manifest_is_never_written_and_a_bad_file_never_edited(tmp_path):
     assert discovery.read(path) == [{"url": "http://a:1"}]  # the last good one stands
     (tmp_path / "workers.json").write_text('{"version": 1, "workers": [{"url": "http://a:1", "weight": 2}]}')
     with pytest.raises(discovery.DiscoveryError, match="unknown field"):
-        discovery.edit(path, lambda ws: [])
+        discovery.take_out(path, lambda u: True)
     assert "weight" in (tmp_path / "workers.json").read_text()  # untouched
     with pytest.raises(SystemExit, match=r"discovery file refused: .*unknown field"):
         discovery.check_file([path])
@@ -65,11 +65,11 @@ def test_two_editors_at_once_lose_neither_change(tmp_path):
     urls = [f"http://w{i}:1" for i in range(20)]
 
     def add(url):
-        def change(ws):
-            time.sleep(0.01)  # a slow read-modify-write: without the lock, editors overwrite one another
-            return [*ws, {"url": url}]
+        def match(u):
+            time.sleep(0.001)  # a slow read-modify-write: without the lock, editors overwrite one another
+            return u == url
 
-        discovery.edit(path, change)
+        discovery.put_back(path, url, match)
 
     threads = [threading.Thread(target=add, args=(u,)) for u in urls]
     for t in threads:

@@ -104,17 +104,6 @@ def locked(path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def edit(path: str, change: Callable[[list[dict]], list[dict]]) -> tuple[list[dict], list[dict]]:
-    """(before, after): the manifest's workers changed by ``change`` under the lock, written only when they
-    differ. DiscoveryError when the file cannot be read as a manifest (nothing written then)."""
-    with locked(path):
-        before = read(path)
-        after = change([dict(w) for w in before])
-        if after != before:
-            write(path, after)
-        return before, after
-
-
 def _parked(path: str) -> dict[str, dict]:
     """The entries taken out of the manifest, by URL (PATH.out): what put_back restores, fields and all."""
     try:
@@ -125,34 +114,42 @@ def _parked(path: str) -> dict[str, dict]:
         return {}
 
 
-def take_out(path: str, match: Callable[[str], bool]) -> tuple[list[dict], list[dict]]:
-    """(before, after): every entry whose url matches leaves the manifest, kept in PATH.out (its id, its
-    worker_type, its bootstrap_port... come back with it), under the lock."""
+def _edit(path: str, change: Callable[[list[dict], dict], tuple[list[dict], dict]]) -> tuple[list[dict], list[dict]]:
+    """(before, after): the manifest's workers and the parked entries changed together under the lock, each written
+    only when it changed. DiscoveryError when the file cannot be read as a manifest (nothing written then)."""
     with locked(path):
-        before = read(path)
-        after = [w for w in before if not match(w["url"])]
+        before, parked = read(path), _parked(path)
+        after, parked_after = change([dict(w) for w in before], dict(parked))
+        if parked_after != parked:
+            durable.write_atomic(f"{path}.out", json.dumps(parked_after, indent=1) + "\n", mode=0o644)
         if after != before:
-            parked = {**_parked(path), **{w["url"]: w for w in before if match(w["url"])}}
-            durable.write_atomic(f"{path}.out", json.dumps(parked, indent=1) + "\n", mode=0o644)
             write(path, after)
         return before, after
 
 
+def take_out(path: str, match: Callable[[str], bool]) -> tuple[list[dict], list[dict]]:
+    """(before, after): every entry whose url matches leaves the manifest, kept in PATH.out (its id, its
+    worker_type, its bootstrap_port... come back with it)."""
+
+    def change(ws: list[dict], parked: dict) -> tuple[list[dict], dict]:
+        out = {w["url"]: w for w in ws if match(w["url"])}
+        return [w for w in ws if not match(w["url"])], {**parked, **out}
+
+    return _edit(path, change)
+
+
 def put_back(path: str, url: str, match: Callable[[str], bool]) -> tuple[list[dict], list[dict]]:
     """(before, after): the worker into the manifest unless it names it already, as it was taken out (PATH.out)
-    or as {"url": url}, under the lock."""
-    with locked(path):
-        before = read(path)
-        if any(match(w["url"]) for w in before):
-            return before, before
-        parked = _parked(path)
+    or as {"url": url}."""
+
+    def change(ws: list[dict], parked: dict) -> tuple[list[dict], dict]:
+        if any(match(w["url"]) for w in ws):
+            return ws, parked
         mine = [u for u in parked if match(u)]
-        after = [*before, *(parked[u] for u in mine)] if mine else [*before, {"url": url}]
-        write(path, after)
-        if mine:
-            rest = {u: w for u, w in parked.items() if u not in mine}
-            durable.write_atomic(f"{path}.out", json.dumps(rest, indent=1) + "\n", mode=0o644)
-        return before, after
+        back = [parked[u] for u in mine] or [{"url": url}]
+        return [*ws, *back], {u: w for u, w in parked.items() if u not in mine}
+
+    return _edit(path, change)
 
 
 def check_file(argv: list[str]) -> None:
