@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import signal
+import subprocess
 
 import pytest
 
@@ -165,7 +166,16 @@ def revive_gateway(container: str) -> None:
         text = base64.b64encode(discovery.render([{"url": u} for u in BOTH]).encode()).decode()
         podman_exec(container, "sh", "-c", f"echo {text} | base64 -d > {FILE}.new && mv {FILE}.new {FILE}")
     podman_exec(container, "systemctl", "start", "sglang-router.service")
-    wait_for("smg back, listing both", lambda: router_workers(container) == BOTH, 120)
+    # started is not listening yet (the unit's Type=simple): refused connections are part of the wait
+    wait_for("smg back, listing both", lambda: answering(container) == BOTH, 120)
+
+
+def answering(container: str) -> dict[str, bool] | None:
+    """What the gateway lists, None while it does not answer."""
+    try:
+        return router_workers(container)
+    except subprocess.CalledProcessError:
+        return None
 
 
 FILE = "/var/lib/sglang-router-discovery/workers.json"
