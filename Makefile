@@ -15,7 +15,7 @@ LAB_NODES ?= 2
 LAB_GPUS  ?= 8
 PYTEST_ARGS ?=
 MOLECULE ?= molecule
-# Line coverage of module_utils/, library/, driver/ and filter_plugins/ (.coveragerc: subprocess runs included),
+# Line coverage of plugins/module_utils/, plugins/modules/, driver/ and plugins/filter/ (.coveragerc: subprocess runs included),
 # printed by `make test`; each of those files must stay at 80 % or more (issue #17, tools/coverage_floor.py),
 # the restart state machine at 90 % or more (issue #10).
 COV := --cov --cov-report=term
@@ -53,7 +53,7 @@ demo: lab-up ## the main job on the local lab: deploy, safe restart and verify, 
 lint: setup lint-only ## ruff (lint and format), yamllint, ansible-lint (production profile), the modules' sanity
 
 # The linters alone, on the virtualenv as it is (make test's rest stream: no setup's self-check beside a lab).
-# tools/sanity.py: ansible-test's sanity tests on library/ as the collection sglang.deploy, and ansible-doc of each
+# tools/sanity.py: ansible-test's sanity tests on plugins/modules/ as the collection sglang.deploy, and ansible-doc of each
 # module (issue #33; about 15 s, its first run about a minute: it builds ansible-test's virtualenvs).
 lint-only:
 	@ruff check .
@@ -73,7 +73,7 @@ pytest: image ## every pytest test in one run, with line coverage (each producti
 	@$(MAKE) --no-print-directory coverage-floor
 
 coverage-floor: ## the floors over the last run's .coverage (each production file 80 %, the state machine 90 %)
-	@$(BIN)/python -m coverage report --include='module_utils/sglang_deploy/restart.py' --fail-under=90
+	@$(BIN)/python -m coverage report --include='plugins/module_utils/sglang_deploy/restart.py' --fail-under=90
 	@$(BIN)/python -m coverage json -q -o - | $(BIN)/python tools/coverage_floor.py --floor $(COV_FLOOR) -
 
 molecule: image ## every molecule scenario (create, converge, idempotence, check, verify, destroy)

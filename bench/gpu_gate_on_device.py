@@ -1,4 +1,4 @@
-"""The ExecStartPre GPU gate (roles/sglang_service/files/sglang-gpu-gate over module_utils/sglang_deploy/gpu.py,
+"""The ExecStartPre GPU gate (roles/sglang_service/files/sglang-gpu-gate over plugins/module_utils/sglang_deploy/gpu.py,
 laid out as on a host) on real GPUs.
 
 Run on a GPU host (the `device` machine): python3 bench/gpu_gate_on_device.py OUT_DIR
@@ -31,14 +31,14 @@ def host_layout() -> Path:
     lib = Path(tempfile.mkdtemp()) / "sglang-deploy"
     (lib / "sglang_deploy").mkdir(parents=True)
     for name in ("__init__.py", "gpu.py", "procinfo.py"):
-        shutil.copy(REPO / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
+        shutil.copy(REPO / "plugins" / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
     shutil.copy(REPO / "roles" / "sglang_service" / "files" / "sglang-gpu-gate", lib / "sglang-gpu-gate")
     return lib / "sglang-gpu-gate"
 
 
 GATE = [sys.executable, str(host_layout())]
-sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import gpu  # noqa: E402  - the modules' verdict, beside the gate's
+sys.path.insert(0, str(REPO / "collections"))
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import gpu  # noqa: E402  - the modules' verdict, beside the gate's
 
 
 def module_verdict() -> dict:

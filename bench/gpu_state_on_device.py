@@ -1,4 +1,4 @@
-"""library/gpu_state and the wait for clean GPUs (module_utils/sglang_deploy/gpu.py) on real GPUs.
+"""plugins/modules/gpu_state and the wait for clean GPUs (plugins/module_utils/sglang_deploy/gpu.py) on real GPUs.
 
 Run on a GPU host (the `device` machine), with ansible-core installed:
     python3 bench/gpu_state_on_device.py OUT_DIR [RUNS]
@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "module_utils"))
+sys.path.insert(0, str(REPO / "collections"))
 from gpu_gate_on_device import holder  # noqa: E402  (bench/ is on sys.path: a real process holding GPU memory)
 
-from sglang_deploy import gpu as sglang_gpu  # noqa: E402
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import gpu as sglang_gpu  # noqa: E402
 
 
 def module(args: dict) -> tuple[int, dict]:
@@ -38,8 +38,8 @@ def module(args: dict) -> tuple[int, dict]:
     env = {
         **os.environ,
         "ANSIBLE_CONFIG": str(cfg),
-        "ANSIBLE_LIBRARY": str(REPO / "library"),
-        "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
+        "ANSIBLE_LIBRARY": str(REPO / "plugins" / "modules"),
+        "ANSIBLE_MODULE_UTILS": str(REPO / "plugins" / "module_utils"),
         "ANSIBLE_LOCALHOST_WARNING": "0",
         "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
     }

@@ -1,4 +1,4 @@
-"""The NCCL preflight (module_utils/sglang_deploy/nccl.py and nccl_worker.py) on real GPUs.
+"""The NCCL preflight (plugins/module_utils/sglang_deploy/nccl.py and nccl_worker.py) on real GPUs.
 
 Run on a GPU host (the `device` machine, kind nvidia-h200-x2), with py-spy carried as a wheel:
     python3 bench/nccl_preflight_on_device.py OUT_DIR
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "module_utils"))
-from sglang_deploy import nccl  # noqa: E402
+sys.path.insert(0, str(REPO / "collections"))
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import nccl  # noqa: E402
 
 # The device host's rule: never NVLink multicast (NVLS), whatever environment a program gets.
 HOST_SAFETY = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -199,7 +199,7 @@ def main() -> int:
     logs = []
     for name, case in (("default", {}), ("bad_proto", {"NCCL_PROTO": "bogus"})):
         wenv = {**env, **case, "CUDA_VISIBLE_DEVICES": ",".join(map(str, topo["gpus"]))}
-        worker = REPO / "module_utils" / "sglang_deploy" / "nccl_worker.py"
+        worker = REPO / "plugins" / "module_utils" / "sglang_deploy" / "nccl_worker.py"
         r = subprocess.run(
             [sys.executable, str(worker), "--max-bytes", str(16 << 20), "--keep-log", "60000"],
             capture_output=True,

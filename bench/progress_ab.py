@@ -1,5 +1,5 @@
 """Benchmark what the live progress costs a restart (issue 16): restart.yml on a lab node, alternating runs
-without and with $SGLANG_DEPLOY_PROGRESS_DIR (with it, action_plugins/sglang_server.py runs the restart
+without and with $SGLANG_DEPLOY_PROGRESS_DIR (with it, plugins/action/sglang_server.py runs the restart
 detached and asks sglang_job for its progress, as under python -m driver). Medians of each, and the difference.
 
     make lab-up && ansible-playbook playbooks/deploy.yml     # or: make demo

@@ -59,7 +59,7 @@ TUNE_PLAYBOOK = "playbooks/tune.yml"
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(exitcodes.MEANING.items()))
 
 
-# The commands whose restarts or rollbacks report their progress as they run (action_plugins/sglang_server.py).
+# The commands whose restarts or rollbacks report their progress as they run (plugins/action/sglang_server.py).
 PROGRESSING = ("restart", "rollback", "rollout")
 
 

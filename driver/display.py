@@ -7,10 +7,10 @@ import os
 import sys
 import time
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import job as jobs
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
 from driver import exitcodes
 from driver.events import NOT_BEGUN, WAITS, Tracker
-from module_utils.sglang_deploy import job as jobs
-from module_utils.sglang_deploy import outcomes
 
 # Results shown green: the host ended well, or the instance serves (a restart's rollback shows yellow).
 GOOD = outcomes.SUCCESS | {outcomes.ROLLED_BACK, "ok"}

@@ -6,7 +6,7 @@ host, the phase it is in and since when, what each SGLang instance's module repo
 length), and why a task failed. exit_code() maps all of it to driver/exitcodes.py.
 
 Everything is read from structured fields: the module a task runs and its role for the
-phase, a result's ``outcome`` and ``phases`` (names from module_utils/sglang_deploy/outcomes.py)
+phase, a result's ``outcome`` and ``phases`` (names from plugins/module_utils/sglang_deploy/outcomes.py)
 for what happened. Task names and the files tasks live in are free to change.
 """
 
@@ -16,8 +16,8 @@ import datetime as dt
 import re
 from dataclasses import dataclass, field
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, progress
 from driver import exitcodes
-from module_utils.sglang_deploy import outcomes, progress
 
 PROFILE_LINE = re.compile(r"^\w+day \d+ \w+ \d{4} ")
 
@@ -69,7 +69,7 @@ WAITS = {
 
 
 # The driver's own event: a detached restart's progress, read from the run's progress/ directory (written by
-# action_plugins/sglang_server.py) and recorded in the stream like Ansible's events.
+# plugins/action/sglang_server.py) and recorded in the stream like Ansible's events.
 PROGRESS = "sglang_progress"
 # What "no change" compares: a load that says nothing new for the stall time is flagged (driver/display.py).
 PROGRESS_KEYS = ("phase", "step", "detail", "last_line", "done")

@@ -1,6 +1,6 @@
 """The crash evidence of a run, on the controller: one tar.gz per run, old ones pruned.
 
-The hosts write their bundles (module_utils/sglang_deploy/evidence.py: journal, py-spy of every
+The hosts write their bundles (plugins/module_utils/sglang_deploy/evidence.py: journal, py-spy of every
 rank, nvidia-smi -q, ...); the playbooks bring them to ``<run dir>/evidence/<host>/`` (the driver
 names that directory in SGLANG_DEPLOY_EVIDENCE_DIR). After the run, ``package`` puts them into
 ``<run dir>/evidence-<run id>.tar.gz`` (0600), and ``prune`` keeps the newest KEEP of those.
@@ -13,7 +13,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from module_utils.sglang_deploy import durable
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable
 
 KEEP = 20
 ENV = "SGLANG_DEPLOY_EVIDENCE_DIR"

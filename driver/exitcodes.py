@@ -1,12 +1,12 @@
 """The driver's exit codes: distinct for each way a run can end (README: "Exit codes").
 
-Outcomes are the modules' own names (module_utils/sglang_deploy/outcomes.py, imported, never
+Outcomes are the modules' own names (plugins/module_utils/sglang_deploy/outcomes.py, imported, never
 retyped), so a renamed or added outcome cannot silently fall through to FAILED.
 """
 
 from __future__ import annotations
 
-from module_utils.sglang_deploy import outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
 
 OK = 0
 FAILED = 1  # a failure of another kind: see the output

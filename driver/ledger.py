@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from module_utils.sglang_deploy import durable
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (

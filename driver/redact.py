@@ -2,7 +2,7 @@
 stream (events.jsonl, the terminal, --json).
 
 What names a secret, the mask and the forms a value is logged in are the hosts' own:
-module_utils/sglang_deploy/secret_rule.py, the one secret rule. A value is secret when its variable is declared so
+plugins/module_utils/sglang_deploy/secret_rule.py, the one secret rule. A value is secret when its variable is declared so
 (an option with ``no_log: true`` in a role's meta/argument_specs.yml) or its name says so (secret_rule.secret_name:
 sglang_service_secret_env, sglang_service_api_key, HF_TOKEN), at any depth of a JSON or YAML `-e`. The `-e` values
 are the ones the driver's own parser (driver/cli.py) reads, so every spelling argparse accepts is found (-e X, -eX,
@@ -16,7 +16,7 @@ import json
 import shlex
 from pathlib import Path
 
-from module_utils.sglang_deploy import secret_rule
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 
 REPO = Path(__file__).resolve().parent.parent
 # Short values (true, 1, "") are not worth hiding in the event stream, and would blank out ordinary words.

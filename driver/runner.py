@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from module_utils.sglang_deploy.progress import PROGRESS_DIR_ENV
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.progress import PROGRESS_DIR_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ class Job:
     verbosity: int = 0
     env: dict[str, str] | None = None  # more environment for ansible-playbook (SGLANG_DEPLOY_CANCEL_FILE)
     scrub: Callable[[dict], dict] | None = None  # applied to each event before it is recorded or handed on
-    # Where action_plugins/sglang_server.py writes each detached restart's progress (created 0700 here); each
+    # Where plugins/action/sglang_server.py writes each detached restart's progress (created 0700 here); each
     # change becomes a progress event (driver/events.py PROGRESS), recorded and handed on like Ansible's.
     progress_dir: Path | None = None
     stall_s: float = 300.0  # a progress unchanged this long (not done) is flagged once: an event with stalled_s
@@ -128,10 +128,11 @@ def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_e
         "ANSIBLE_NOCOLOR": "1",
         # ansible-runner runs from its private dir: name the project's plugin paths outright.
         "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
-        "ANSIBLE_LIBRARY": str(REPO / "library"),
-        "ANSIBLE_ACTION_PLUGINS": str(REPO / "action_plugins"),
-        "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
-        "ANSIBLE_FILTER_PLUGINS": str(REPO / "filter_plugins"),
+        # The checkout is the collection sglang.deploy (collections/ansible_collections/sglang/deploy: a
+        # symlink onto it), ahead of any installed copy.
+        "ANSIBLE_COLLECTIONS_PATH": os.pathsep.join(
+            [str(REPO / "collections"), "~/.ansible/collections", "/usr/share/ansible/collections"]
+        ),
         # The ansible-playbook of this Python's environment (.venv), whether on PATH or not.
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         **(job.env or {}),

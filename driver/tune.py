@@ -28,10 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench as benchmark
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, outcomes, tune
 from driver import cli, exitcodes
 from driver.events import NOT_BEGUN
-from module_utils.sglang_deploy import bench as benchmark
-from module_utils.sglang_deploy import durable, outcomes, tune
 
 PLAYBOOK = cli.TUNE_PLAYBOOK
 RESTART = cli.PLAYBOOKS["restart"][0]

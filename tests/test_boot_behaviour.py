@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import boot, known_good
-from sglang_deploy.instance import kg_dir
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import boot, known_good
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import kg_dir
 
 GOOD = {"unit": "[Service]\nExecStart=/venv-good/bin/python -m sglang.launch_server\n", "env": 'P="good"\n'}
 NEW = {"unit": "[Service]\nExecStart=/venv-new/bin/python -m sglang.launch_server\n", "env": 'P="new"\n'}

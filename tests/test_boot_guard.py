@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import boot, known_good
-from sglang_deploy.instance import kg_dir
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import boot, known_good
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import kg_dir
 from support import REPO
 from support.gpus import install_gate
 
@@ -129,7 +129,7 @@ def test_a_bad_instance_name_is_refused_not_joined_into_a_path(host):
 
 
 def test_the_machine_marks_where_the_guard_looks():
-    from sglang_deploy.restart import Machine, Ports
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import Machine, Ports
 
     class Bare:
         ports = Ports()

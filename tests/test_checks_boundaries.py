@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import checks, http
-from sglang_deploy.checks import Checks, Thresholds
-from sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import checks, http
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.checks import Checks, Thresholds
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
 from support.modules import instance_record
 
 KEY = "k-lab-77"
@@ -329,7 +329,7 @@ def verified(inst, ports) -> dict:
 
 
 def put_back(ports: Ports, count: int) -> None:
-    from sglang_deploy import boot
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import boot
 
     path = boot.marker("m", boot.beside(ports.lock_dir, boot.PUT_BACK_DIR))
     os.makedirs(os.path.dirname(path))

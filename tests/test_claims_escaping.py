@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from filter_plugins.sglang_config import env_file_line, instance_record, systemd_quote
-from sglang_deploy.instance import read_env_file
+from ansible_collections.sglang.deploy.plugins.filter.sglang_config import env_file_line, instance_record, systemd_quote
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import read_env_file
 from support import REPO
 from support.systemd_rules import (
     directive,
@@ -167,7 +167,7 @@ def test_the_server_started_from_the_rendered_unit_gets_the_intended_argv_and_en
     lib = tmp_path / "libexec" / "sglang-deploy"
     (lib / "sglang_deploy").mkdir(parents=True)
     for name in ("__init__.py", "procinfo.py", "secret_rule.py", "launch.py"):
-        shutil.copy(REPO / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
+        shutil.copy(REPO / "plugins" / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
     shutil.copy(REPO / "roles" / "sglang_service" / "files" / "sglang-launch", lib / "sglang-launch")
     server = tmp_path / "site" / "sglang"
     server.mkdir(parents=True)
@@ -310,7 +310,7 @@ def test_a_profile_name_the_unit_cannot_hold_is_refused_before_rendering(bad):
     """A profile's name goes raw into the unit's Description=: a '%' is a specifier (systemd-analyze refuses it), a
     newline starts a directive of its own. Refused as an instance name is, naming the variable and the profile
     (issue #30); a bad name is refused even when another profile is the one selected."""
-    from filter_plugins.sglang_config import ConfigError, with_tuned
+    from ansible_collections.sglang.deploy.plugins.filter.sglang_config import ConfigError, with_tuned
 
     assert record_of({"fast": {}}, "fast")["profile"] == "fast"
     for selected in (bad, "fast"):

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import outcomes, restart
-from sglang_deploy.instance import Instance
-from sglang_deploy.known_good import FAILED_DIR, Store
-from sglang_deploy.restart import Machine, Ports, Settings
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, restart
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import FAILED_DIR, Store
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import Machine, Ports, Settings
 
 UNIT = "sglang-m.service"
 GOOD = {"unit": "[Service]\nExecStart=/venv-good/bin/python -m sglang.launch_server\n", "env": 'PROFILE="good"\n'}

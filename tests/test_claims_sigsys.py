@@ -23,9 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import outcomes, unit
-from sglang_deploy.instance import Instance
-from sglang_deploy.restart import Failure, Machine, Ports, Settings
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, unit
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import (
+    Failure,
+    Machine,
+    Ports,
+    Settings,
+)
 
 UNIT = "sglang-m.service"
 OLD, NEW = "0" * 31 + "1", "f" * 31 + "2"  # the invocation before the start, and the one killed by SIGSYS

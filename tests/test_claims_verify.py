@@ -23,12 +23,17 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, restart
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.checks import Thresholds
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.checks import verify as run_checks
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import (
+    Failure,
+    Machine,
+    Ports,
+    Settings,
+)
 from driver import exitcodes
-from sglang_deploy import outcomes, restart
-from sglang_deploy.checks import Thresholds
-from sglang_deploy.checks import verify as run_checks
-from sglang_deploy.instance import Instance
-from sglang_deploy.restart import Failure, Machine, Ports, Settings
 
 UNIT = "sglang-m.service"
 PATCHED = "sglang/srt/speculative/eagle_worker.py"

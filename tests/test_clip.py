@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from sglang_deploy import http, progress, router, secret_rule
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http, progress, router, secret_rule
 
 M = secret_rule.MASK
 SECRET = "sk-STRADDLE0123456789abcdef"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import unit
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import unit
 from support import lab_standin
 
 ROOT = Path(__file__).resolve().parent.parent

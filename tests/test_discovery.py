@@ -1,4 +1,4 @@
-"""smg's discovery file as the workers' one declaration (module_utils/sglang_deploy/discovery.py; router.Router with
+"""smg's discovery file as the workers' one declaration (plugins/module_utils/sglang_deploy/discovery.py; router.Router with
 discovery_file; docs/router.md "Declarative workers"): the manifest's rules, the lock, and against the real smg
 1.13.0 on loopback: a worker DELETEd through the API comes back while the file names it, so taking one out and
 putting it back go through the file; the rollout's client and the sentinel do so."""
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from sglang_deploy import discovery, http
-from sglang_deploy import router as rt
-from sglang_deploy import sentinel as sn
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import discovery, http
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import sentinel as sn
 from support import wait_for
 from support.smg import KEY, Gateway, all_ready, free_port, smg_venv
 

@@ -13,10 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import (
+    durable,
+    job,
+    known_good,
+    software,
+    stage,
+)
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
 from driver import evidence as run_evidence
 from driver.ledger import Ledger
-from sglang_deploy import durable, job, known_good, software, stage
-from sglang_deploy.instance import Instance
 
 
 class Recorder:

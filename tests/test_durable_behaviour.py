@@ -15,7 +15,7 @@ import stat
 
 import pytest
 
-from sglang_deploy import durable
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable
 
 pytestmark = pytest.mark.usefixtures("usual_umask")
 

@@ -1,4 +1,4 @@
-"""module_utils/sglang_deploy/evidence (the crash evidence bundle) and library/sglang_collect.
+"""plugins/module_utils/sglang_deploy/evidence (the crash evidence bundle) and plugins/modules/sglang_collect.
 
 With fakes behind evidence.EvidencePorts (commands, clock, /proc and the cgroup root, the GPU snapshot): every
 item in the tar, no secret anywhere in it, never the secrets file, the budget, missing tools, pruning, modes.
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import evidence, gpu, secret_rule
-from sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import evidence, gpu, secret_rule
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "sk-EVIDENCE-9f8e7d6c5b4a"  # the secrets file's SGLANG_API_KEY
@@ -532,13 +532,13 @@ def test_for_failure_never_raises(tmp_path):
     assert "path" in evidence.for_failure(inst, None, None, ports)
 
 
-# --------------------------------------------------------------------------- library/sglang_collect.py
+# --------------------------------------------------------------------------- plugins/modules/sglang_collect.py
 
 RUNNER = """\
 import sys
 import ansible.module_utils, sglang_deploy, sglang_deploy.evidence, sglang_deploy.instance
 for name in ('', '.evidence', '.instance'):
-    sys.modules['ansible.module_utils.sglang_deploy' + name] = sys.modules['sglang_deploy' + name]
+    sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy' + name] = sys.modules['sglang_deploy' + name]
 sys.argv = ['sglang_collect', {argfile!r}]
 exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
@@ -548,8 +548,13 @@ def run_module(tmp_path: Path, args: dict) -> tuple[int, dict]:
     argfile = tmp_path / "args.json"
     argfile.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
     runner = tmp_path / "runner.py"
-    runner.write_text(RUNNER.format(argfile=str(argfile), module=str(REPO / "library" / "sglang_collect.py")))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "module_utils"), os.environ.get("PYTHONPATH", "")])}
+    runner.write_text(
+        RUNNER.format(argfile=str(argfile), module=str(REPO / "plugins" / "modules" / "sglang_collect.py"))
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "plugins" / "module_utils"), os.environ.get("PYTHONPATH", "")]),
+    }
     env["PATH"] = str(tmp_path / "nobin")  # no systemctl, journalctl, nvidia-smi, py-spy, dmesg: all reported
     proc = subprocess.run([sys.executable, str(runner)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip(), proc.stderr

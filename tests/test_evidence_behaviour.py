@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import evidence, gpu, secret_rule
-from sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import evidence, gpu, secret_rule
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
 
 MASK = secret_rule.MASK
 UNIT = "sglang-main.service"

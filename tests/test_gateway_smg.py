@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import http
-from sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
 from support import wait_for
 from support.smg import (
     KEY,

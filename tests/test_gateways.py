@@ -12,9 +12,9 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
-from sglang_deploy import gateways as gws
-from sglang_deploy import outcomes
-from sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import gateways as gws
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
 from support import REPO
 from support.fake_gateway import KEY, W1, W2, Gateway, closed_port, deletes, params, serving, worker
 from support.modules import http_server, run_module

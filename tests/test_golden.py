@@ -110,7 +110,7 @@ def verifiable(text: str) -> str:
 
 
 def verify_complaints(text: str, name: str, tmp_path: Path) -> list[str]:
-    """systemd-analyze verify, as staging runs it (module_utils/sglang_deploy/stage.py), on a copy whose commands
+    """systemd-analyze verify, as staging runs it (plugins/module_utils/sglang_deploy/stage.py), on a copy whose commands
     exist here. It exits 0 on a line it ignores ("Invalid device rights 'verbs rw', ignoring."): its stderr counts."""
     path = tmp_path / name
     path.write_text(verifiable(text))

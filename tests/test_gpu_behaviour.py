@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from sglang_deploy import gpu
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import gpu
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ def test_gate_yml_installs_the_layout_these_tests_run():
     package = tasks["Install the GPU logic the gate runs"]
     assert tuple(package["loop"]) == GATE_PACKAGE
     copy = package["ansible.builtin.copy"]
-    assert copy["src"] == "{{ role_path }}/../../module_utils/sglang_deploy/{{ item }}"
+    assert copy["src"] == "{{ role_path }}/../../plugins/module_utils/sglang_deploy/{{ item }}"
     assert copy["dest"] == "{{ sglang_service_gate_path | dirname }}/sglang_deploy/{{ item }}"
     entries = {e["src"]: e["dest"] for e in tasks["Install the GPU gate and the launcher"]["loop"]}
     guard = "{{ sglang_service_gate_path | dirname }}/sglang-boot-guard"  # beside the package it imports

@@ -1,4 +1,4 @@
-"""module_utils/sglang_deploy/gpu (the GPU state, the verdict, the wait), procinfo, and library/gpu_state.
+"""plugins/module_utils/sglang_deploy/gpu (the GPU state, the verdict, the wait), procinfo, and plugins/modules/gpu_state.
 
 Parsers run on the real H200 captures (tests/vectors); the wait and the stop policy on
 the lab's simulated nvidia-smi (a PATH shim) with real processes holding its GPUs.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import nvsim
-from sglang_deploy import gpu, procinfo
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import gpu, procinfo
 from support import started, wait_for
 from support.gpus import UUIDS_2GPU, VEC, holding, run_gpu_state
 

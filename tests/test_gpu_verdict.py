@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import nvsim
-from sglang_deploy import gpu
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import gpu
 from support import started
 from support.gpus import VEC, VECTORS, expected_text, run_gpu_state, simulated
 
@@ -430,7 +430,7 @@ def by_wait_clean(env: dict, case: Case, monkeypatch) -> dict:
 
 
 def by_module(env: dict, case: Case, where: Path) -> dict:
-    """library/gpu_state's verdict with wait=true, from its result as Ansible gets it."""
+    """plugins/modules/gpu_state's verdict with wait=true, from its result as Ansible gets it."""
     args = {
         "wait": True,
         "gpus": case.gpus,

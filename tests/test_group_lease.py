@@ -1,4 +1,4 @@
-"""A multi-node restart's lease (module_utils/sglang_deploy/lock.py, issue #29): the instance's lock held between
+"""A multi-node restart's lease (plugins/module_utils/sglang_deploy/lock.py, issue #29): the instance's lock held between
 the group's phases, each of which is a module call of its own. Taken by the group's first phase, let in and renewed
 for the same run's token, removed by its last phase; every other taker refused while it is valid, as a held flock
 refuses it; an expired lease ignored; a lease that cannot be read counted as expired (never wedging the instance),
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import lock
-from sglang_deploy.lock import (
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import lock
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock import (
     LEASE_BEGIN,
     LEASE_CHECK,
     LEASE_CONTINUE,

@@ -17,8 +17,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_deploy.instance import Instance
-from sglang_deploy.known_good import Store
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import Store
 from support.modules import instance_record
 
 CONFIGS = st.integers(0, 3)  # few enough that configurations recur, as profiles do

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import known_good
-from sglang_deploy.instance import Instance
-from sglang_deploy.known_good import Store
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import known_good
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import Store
 from support.modules import instance_record
 
 UNIT = "sglang-m.service"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import launch
-from sglang_deploy.launch import server_argv
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import launch
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.launch import server_argv
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "k3y-never-on-a-command-line"
@@ -35,7 +35,7 @@ def installed(tmp_path: Path) -> Path:
     lib = tmp_path / "libexec"
     (lib / "sglang_deploy").mkdir(parents=True)
     for name in ("__init__.py", "procinfo.py", "secret_rule.py", "launch.py"):
-        shutil.copy(REPO / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
+        shutil.copy(REPO / "plugins" / "module_utils" / "sglang_deploy" / name, lib / "sglang_deploy" / name)
     shutil.copy(REPO / "roles" / "sglang_service" / "files" / "sglang-launch", lib / "sglang-launch")
     return lib
 
@@ -82,7 +82,7 @@ def test_the_launcher_without_a_module_says_how_to_call_it(tmp_path):
 def test_main_runs_the_module_as_python_m_does_with_the_key_appended(tmp_path):
     """launch.main from this repository's package (the installed copy above is the same file)."""
     mods = fake_server(tmp_path)
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'module_utils'}:{mods}", "SGLANG_API_KEY": KEY}
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'plugins' / 'module_utils'}:{mods}", "SGLANG_API_KEY": KEY}
     code = "from sglang_deploy.launch import main; main()"
     out = subprocess.run(
         [sys.executable, "-c", code, "fake_server", "--port", "30000"],

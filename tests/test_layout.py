@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sglang_deploy import outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
 from support import code_lines
 
 REPO = Path(__file__).resolve().parents[1]
-LIBRARY = sorted((REPO / "library").glob("*.py"))
-LOGIC = sorted((REPO / "module_utils" / "sglang_deploy").glob("*.py"))
+LIBRARY = sorted((REPO / "plugins" / "modules").glob("*.py"))
+LOGIC = sorted((REPO / "plugins" / "module_utils" / "sglang_deploy").glob("*.py"))
 
 
 def test_every_module_in_library_is_a_thin_adapter_of_at_most_250_lines():

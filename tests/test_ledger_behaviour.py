@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable
 from driver import ledger
-from module_utils.sglang_deploy import durable
 
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 

@@ -21,8 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import lock, procinfo
-from sglang_deploy.lock import LEASE_BEGIN, LEASE_CONTINUE, InstanceLock, Lease, LeaseLost, Locked
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import lock, procinfo
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock import (
+    LEASE_BEGIN,
+    LEASE_CONTINUE,
+    InstanceLock,
+    Lease,
+    LeaseLost,
+    Locked,
+)
 
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 TOKEN, OTHER = "mn-20270115T080000Z-00000000000000aa", "mn-20270115T080000Z-00000000000000bb"

@@ -18,13 +18,13 @@ import yaml
 
 from support import MODULE_UTILS, REPO
 
-LIBRARY = sorted((REPO / "library").glob("*.py"))
+LIBRARY = sorted((REPO / "plugins" / "modules").glob("*.py"))
 NAMES = {p.stem for p in LIBRARY}
 FQCN = "sglang.deploy"
 
 # Each module's argument spec as its main() passes it to AnsibleModule: main() runs with AnsibleModule replaced by a
 # recorder that stops it there (before any parameter is read), so a spec built inline needs no refactoring. In a
-# subprocess, with module_utils/ on ansible.module_utils' path as Ansible ships it (never in the test process, where
+# subprocess, with plugins/module_utils/ on ansible.module_utils' path as Ansible ships it (never in the test process, where
 # sglang_deploy is imported under its own name).
 CAPTURE = r"""
 import json, runpy, sys

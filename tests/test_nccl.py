@@ -1,4 +1,4 @@
-"""module_utils/sglang_deploy/nccl (bus bandwidth, topology, floor, verdict, preflight), nccl_worker, library/nccl_preflight.
+"""plugins/module_utils/sglang_deploy/nccl (bus bandwidth, topology, floor, verdict, preflight), nccl_worker, plugins/modules/nccl_preflight.
 
 Vectors (tests/vectors/nccl/): the lent 2 x H200 host's real `nvidia-smi topo -m` (with the ANSI
 underlining nvidia-smi 580 prints into a pipe), `nvlink --status`, NCCL 2.28.9's own log lines
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import nccl, nccl_worker
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import nccl, nccl_worker
 
 REPO = Path(__file__).resolve().parents[1]
 VEC = REPO / "tests" / "vectors" / "nccl"
@@ -401,7 +401,7 @@ def test_preflight_gloo_has_no_topology_and_no_cuda_devices():
 
 
 def test_worker_source_is_the_file():
-    assert nccl.worker_source() == (REPO / "module_utils" / "sglang_deploy" / "nccl_worker.py").read_text()
+    assert nccl.worker_source() == (REPO / "plugins" / "module_utils" / "sglang_deploy" / "nccl_worker.py").read_text()
 
 
 def test_worker_runs_its_ranks_and_reports_each_ranks_error_without_a_traceback(tmp_path):
@@ -527,13 +527,13 @@ def test_gloo_on_cpu_for_real():
     assert not bad["ok"] and "Unable to find address for: nonexistent0" in bad["message"]
 
 
-# --- library/nccl_preflight.py as Ansible runs it --------------------------------------------------------------------
+# --- plugins/modules/nccl_preflight.py as Ansible runs it --------------------------------------------------------------------
 
 RUNNER = """\
 import sys
 import ansible.module_utils, sglang_deploy, sglang_deploy.nccl
-sys.modules['ansible.module_utils.sglang_deploy'] = sglang_deploy
-sys.modules['ansible.module_utils.sglang_deploy.nccl'] = sglang_deploy.nccl
+sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy'] = sglang_deploy
+sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.nccl'] = sglang_deploy.nccl
 sys.argv = ['nccl_preflight', {argfile!r}]
 exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
@@ -553,8 +553,10 @@ def run_module(tmp_path: Path, args: dict, report: dict | None) -> tuple[int, di
     }
     argfile.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
     runner = tmp_path / "runner.py"
-    runner.write_text(RUNNER.format(argfile=str(argfile), module=str(REPO / "library" / "nccl_preflight.py")))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "module_utils")}
+    runner.write_text(
+        RUNNER.format(argfile=str(argfile), module=str(REPO / "plugins" / "modules" / "nccl_preflight.py"))
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "plugins" / "module_utils")}
     proc = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, env=env, timeout=60)
     assert proc.stdout.strip(), proc.stderr
     return proc.returncode, json.loads(proc.stdout)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import job as jobs
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import progress
 from driver import display, runner
 from driver.events import PROGRESS, Tracker
-from sglang_deploy import job as jobs
-from sglang_deploy import progress
 
 
 def test_the_journal_steps_of_a_speculative_load_in_sglang_0_5_23_words():
@@ -258,7 +258,7 @@ def test_the_ledger_keeps_the_load_and_capture_seconds_of_the_restart_not_its_ro
 def job_module(tmp_path, args: dict):
     from support.modules import run_module
 
-    prelude = f"import ansible.module_utils.sglang_deploy.job as j; j.JOBS_DIR = {str(tmp_path / 'jobs')!r}"
+    prelude = f"import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.job as j; j.JOBS_DIR = {str(tmp_path / 'jobs')!r}"
     return run_module("sglang_job", args, tmp_path, prelude=prelude)
 
 
@@ -332,7 +332,9 @@ def action_plugin(tmp_path, monkeypatch, args: dict, answer, clock):
 
     from support import REPO
 
-    spec = importlib.util.spec_from_file_location("sglang_server_action", REPO / "action_plugins" / "sglang_server.py")
+    spec = importlib.util.spec_from_file_location(
+        "sglang_server_action", REPO / "plugins" / "action" / "sglang_server.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     where = tmp_path / "progress"

@@ -15,8 +15,8 @@ import json
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 from driver import redact
-from module_utils.sglang_deploy import secret_rule
 
 M = secret_rule.MASK
 

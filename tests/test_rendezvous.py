@@ -1,4 +1,4 @@
-"""module_utils/sglang_deploy/rendezvous (the multi-node rendezvous check) and library/sglang_rendezvous.
+"""plugins/module_utils/sglang_deploy/rendezvous (the multi-node rendezvous check) and plugins/modules/sglang_rendezvous.
 
 NCCL_SOCKET_IFNAME's patterns as NCCL reads them (src/misc/socket.cc: findInterfaces, parseStringList,
 matchIfList), dist_init_addr's forms, every message naming its variable and host, the check on rank 0
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import rendezvous as rdv
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import rendezvous as rdv
 from support.rendezvous import checked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -586,13 +586,13 @@ def test_two_ranks_meet_and_all_reduce_for_real_on_loopback():
     assert out[0]["allreduce"]["sum_ok"] and out[0]["handshake"]["joined"] == {1: "b"}
 
 
-# --- library/sglang_rendezvous.py as Ansible runs it ------------------------------------------------------------------
+# --- plugins/modules/sglang_rendezvous.py as Ansible runs it ------------------------------------------------------------------
 
 RUNNER = """\
 import sys
 import ansible.module_utils, sglang_deploy, sglang_deploy.rendezvous
-sys.modules['ansible.module_utils.sglang_deploy'] = sglang_deploy
-sys.modules['ansible.module_utils.sglang_deploy.rendezvous'] = sglang_deploy.rendezvous
+sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy'] = sglang_deploy
+sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.rendezvous'] = sglang_deploy.rendezvous
 sys.argv = ['sglang_rendezvous', {argfile!r}]
 exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
@@ -602,8 +602,10 @@ def run_module(tmp_path: Path, args: dict) -> tuple[int, dict]:
     argfile = tmp_path / "args.json"
     argfile.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
     runner = tmp_path / "runner.py"
-    runner.write_text(RUNNER.format(argfile=str(argfile), module=str(REPO / "library" / "sglang_rendezvous.py")))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "module_utils")}
+    runner.write_text(
+        RUNNER.format(argfile=str(argfile), module=str(REPO / "plugins" / "modules" / "sglang_rendezvous.py"))
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "plugins" / "module_utils")}
     proc = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, env=env, timeout=60)
     assert proc.stdout.strip(), proc.stderr
     return proc.returncode, json.loads(proc.stdout)

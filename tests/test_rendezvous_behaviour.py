@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import rendezvous as rdv
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import rendezvous as rdv
 from support.rendezvous import checked
 
 IFACES = {

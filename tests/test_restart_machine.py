@@ -40,12 +40,29 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import bench, boot, checks, gpu, http, known_good, lock, outcomes, procinfo, restart, stage, unit
-from sglang_deploy.checks import Thresholds, flag_value
-from sglang_deploy.instance import Instance, masked, read_env_file
-from sglang_deploy.known_good import Store
-from sglang_deploy.lock import InstanceLock, peek
-from sglang_deploy.restart import Machine, Ports, Settings
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import (
+    bench,
+    boot,
+    checks,
+    gpu,
+    http,
+    known_good,
+    lock,
+    outcomes,
+    procinfo,
+    restart,
+    stage,
+    unit,
+)
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.checks import Thresholds, flag_value
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import (
+    Instance,
+    masked,
+    read_env_file,
+)
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import Store
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock import InstanceLock, peek
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import Machine, Ports, Settings
 from support import MODULE_UTILS, env_with_pythonpath
 
 UNIT = "sglang-m.service"
@@ -1990,7 +2007,7 @@ def test_a_restart_validating_in_its_own_call_goes_on_when_valid(world, handlers
 def test_a_lock_whose_holder_died_does_not_block(world, handlers):
     code = textwrap.dedent(f"""
         import os
-        from sglang_deploy.lock import InstanceLock, peek
+        from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock import InstanceLock, peek
         InstanceLock("m", "restart m", "ctl-dead", "killed", {world.host.lock_dir!r}).acquire()
         os._exit(0)  # dies holding it
     """)
@@ -3014,7 +3031,7 @@ def test_http_healthy_is_false_when_nothing_listens():
 
 
 def test_unit_show_parses_and_cause_of_reads_the_journal(monkeypatch):
-    from sglang_deploy import unit
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import unit
 
     out = "ActiveState=failed\nSubState=failed\nMainPID=0\nNRestarts=x\nInvocationID=abc\n"
     monkeypatch.setattr(unit, "systemctl", lambda *a, timeout=0: subprocess.CompletedProcess(a, 0, out, ""))
@@ -3277,7 +3294,7 @@ LOAD_LOG = [
 def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_their_times(world, handlers):
     """The journal's new lines are read while start waits (a cursor each time), the steps SGLang logs reported
     as they come; the server turns healthy before its last batch is read, which the start's last read takes."""
-    from sglang_deploy import progress
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import progress
 
     world.host.behave("new", health=503)
     batches = list(LOAD_LOG)
@@ -3374,7 +3391,7 @@ def test_a_restart_with_a_benchmark_measures_after_the_record_under_its_lock_and
 
 
 def test_a_benchmarks_long_error_is_cut_to_600_characters_and_the_live_table_says_bench(world, handlers):
-    from sglang_deploy import progress
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import progress
 
     def long_error():
         raise RuntimeError("x" * 2000)
@@ -3908,7 +3925,7 @@ def test_a_mark_a_killed_run_left_is_ended_by_the_next_run_that_holds_the_lock(t
 
 
 def test_status_names_the_instances_restart_workers_running_ended_uncollected_or_killed(tmp_path, monkeypatch):
-    from sglang_deploy import job
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import job
 
     w = build(tmp_path, new=None)
     m = w.machine()
@@ -4246,7 +4263,7 @@ def test_a_rank_above_0_gives_rank_0_10_s_to_answer_health(tmp_path, monkeypatch
 
 
 def test_a_reporting_start_shows_the_servers_newest_journal_line(world, handlers):
-    from sglang_deploy import progress
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import progress
 
     m = world.machine()
     path = world.tmp / "progress.json"
@@ -4259,7 +4276,7 @@ def test_a_reporting_start_shows_the_servers_newest_journal_line(world, handlers
 def test_a_reporting_rank_above_0_reads_its_journal_once_more_when_its_start_ends(tmp_path, monkeypatch, handlers):
     """Rank 1's start ends 2 s after its process's first line, whenever the journal was last read: what the rank
     logged since (here its weights loading) is read then, the step and line the controller is shown."""
-    from sglang_deploy import progress
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import progress
 
     monkeypatch.setattr(restart.LoadFollower, "READ_S", 60.0)  # reads rarer than the 2 s: the first, then the last
     w = build(tmp_path, nnodes=2, node_rank=1)

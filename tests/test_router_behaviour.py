@@ -1,7 +1,7 @@
 """The gateways' worker API and the module's actions as their callers read them (issue #31: the behaviours behind
 the mutants the unit suite let survive in sglang_deploy/router.py).
 
-`act` is what library/sglang_router_worker.py runs; its own tests run it under Ansible's name, so here it is called
+`act` is what plugins/modules/sglang_router_worker.py runs; its own tests run it under Ansible's name, so here it is called
 as `sglang_deploy.router.act`, with the module's parameters, against fakes of both gateways and of SGLang's worker on
 loopback. The fakes are as unkind as the real binaries (docs/router.md, "The two gateways"): the key required on
 /workers, removal by UUID only (400 for anything else, 404 for an unknown id), an addition listed a few listings
@@ -19,9 +19,9 @@ import urllib.parse
 
 import pytest
 
-from sglang_deploy import http, outcomes
-from sglang_deploy import router as rt
-from sglang_deploy.secret_rule import MASK
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http, outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import MASK
 from support.fake_gateway import (
     KEY,
     W1,

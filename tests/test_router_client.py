@@ -1,4 +1,4 @@
-"""module_utils/sglang_deploy/router.py: the gateways' worker API (sglang-router 0.3.2, smg 1.13.0) and draining
+"""plugins/module_utils/sglang_deploy/router.py: the gateways' worker API (sglang-router 0.3.2, smg 1.13.0) and draining
 a worker.
 
 Two kinds of test, both on loopback only:
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import http
-from sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
 from support import REPO, lab_standin
 from support.smg import STANDIN, WHEELHOUSE, free_port
 
@@ -1235,7 +1235,7 @@ def test_the_standin_drains_on_sigterm_and_refuses_new_requests(tmp_path):
 
 
 def test_worker_url_is_written_once_for_the_router_role_and_the_rollout():
-    from filter_plugins.sglang_config import FilterModule
+    from ansible_collections.sglang.deploy.plugins.filter.sglang_config import FilterModule
 
     assert rt.worker_url("gpu-node-01.example.internal", 30000) == "http://gpu-node-01.example.internal:30000"
     assert rt.worker_url("fd00::12", "30001", "https") == "https://[fd00::12]:30001"

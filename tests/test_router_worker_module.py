@@ -1,6 +1,6 @@
-"""library/sglang_router_worker.py as Ansible runs it, against a fake sglang-router and fake workers on loopback.
+"""plugins/modules/sglang_router_worker.py as Ansible runs it, against a fake sglang-router and fake workers on loopback.
 
-The router client itself (module_utils/sglang_deploy/router.py) is tested in test_router_client.py; this is
+The router client itself (plugins/module_utils/sglang_deploy/router.py) is tested in test_router_client.py; this is
 the module: each action's result fields, check mode (nothing sent that changes the router), the argument
 rules, and every failure as a failed result naming the action and the worker.
 """
@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from sglang_deploy import router as rt
-from sglang_deploy.secret_rule import MASK
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import MASK
 from support.modules import http_server, run_module
 
 KEY = "router-key-never-shown"

@@ -1,4 +1,4 @@
-"""module_utils/sglang_deploy/secret_rule.py, the one secret rule (#30): the names it calls secret, the same for the
+"""plugins/module_utils/sglang_deploy/secret_rule.py, the one secret rule (#30): the names it calls secret, the same for the
 driver (driver/redact.py), the modules (a tune grid, the filter's flags) and the evidence bundle; one mask; the
 patterns; a known value redacted in every form a log carries it; no second list of names or mask anywhere."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import evidence, tune
 from driver import redact
-from sglang_deploy import evidence, tune
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ VALUE = "v4lue-0123456789"
 
 @pytest.mark.parametrize(("name", "secret"), NAMES)
 def test_the_rule(name, secret):
-    from sglang_deploy import secret_rule
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 
     assert secret_rule.secret_name(name) is secret
 
@@ -76,8 +76,8 @@ def test_the_driver_the_modules_and_the_evidence_bundle_call_the_same_names_secr
 
 
 def test_one_mask_for_the_driver_the_modules_and_the_bundle():
-    from sglang_deploy import secret_rule
-    from sglang_deploy.instance import masked
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import masked
 
     driver = redact.Redactor().argv(["status", "-e", "api_key=abcd1234"])[-1].split("=", 1)[1]
     bundle = evidence.Redactor([]).text("api_key=abcd1234").split("=", 1)[1]
@@ -108,7 +108,7 @@ def test_one_mask_for_the_driver_the_modules_and_the_bundle():
     ],
 )
 def test_the_patterns(text, expected):
-    from sglang_deploy import secret_rule
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 
     want = text if expected is None else expected.replace("{M}", secret_rule.MASK)
     assert secret_rule.Redactor([]).text(text) == want
@@ -144,7 +144,7 @@ def gone(text: str, value: str) -> bool:
 
 @pytest.mark.parametrize("form", list(logged(ODD)))
 def test_a_known_value_is_redacted_in_every_form_a_log_carries_it(form):
-    from sglang_deploy import secret_rule
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 
     line = logged(ODD)[form]
     assert not gone(line, ODD)
@@ -156,14 +156,14 @@ def test_a_known_value_is_redacted_in_every_form_a_log_carries_it(form):
 
 def test_a_short_value_has_no_base64_form():
     """Two or three base64 characters would match inside any base64 text."""
-    from sglang_deploy import secret_rule
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 
     assert secret_rule.forms("ab") == {"ab"}
     assert base64.b64encode(b"abcd").decode() in secret_rule.forms("abcd")
 
 
 def test_data_masks_secret_named_keys_and_redacts_every_string():
-    from sglang_deploy import secret_rule
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 
     r = secret_rule.Redactor([ODD])
     M = secret_rule.MASK
@@ -177,7 +177,7 @@ def test_data_masks_secret_named_keys_and_redacts_every_string():
 
 # --------------------------------------------------------------------------- one rule, in one place
 
-CODE = ["driver", "module_utils", "library", "filter_plugins", "action_plugins", "lab", "tools", "bench"]
+CODE = ["driver", "plugins", "lab", "tools", "bench"]
 OLD_MASK = "<" + "redacted>"  # spelled in parts: this file holds no such string either
 
 
@@ -188,7 +188,7 @@ def python_files(*tops: str) -> list[Path]:
 def test_no_second_list_of_secret_names_and_no_second_mask():
     """Outside secret_rule.py no code defines a name list, pattern or mask of secrets (a module-level name with
     SECRET, MASK or REDACT in it) nor spells the mask; no test expects the driver's old mask."""
-    from sglang_deploy import secret_rule
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 
     offences = []
     for path in python_files(*CODE):
@@ -214,7 +214,7 @@ def test_the_rule_stays_importable_by_the_hosts_modules():
     that shadows no module of the standard library, wherever its directory lands on sys.path."""
     import sys
 
-    path = REPO / "module_utils" / "sglang_deploy" / "secret_rule.py"
+    path = REPO / "plugins" / "module_utils" / "sglang_deploy" / "secret_rule.py"
     tree = ast.parse(path.read_text(), feature_version=(3, 9))
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -16,8 +16,8 @@ import json
 
 import pytest
 
-from sglang_deploy import secret_rule
-from sglang_deploy.secret_rule import MASK, Redactor
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import MASK, Redactor
 
 M = MASK
 

@@ -1,4 +1,4 @@
-"""The hung-worker sentinel (module_utils/sglang_deploy/sentinel.py, docs/router.md "Hung workers"): its rule
+"""The hung-worker sentinel (plugins/module_utils/sglang_deploy/sentinel.py, docs/router.md "Hung workers"): its rule
 against a fake gateway and fake probes, its probe against a lab stand-in, and the whole against the real smg 1.13.0
 on loopback, in front of a stand-in whose generations hang after two (LAB_STANDIN_HANG_AFTER, sglang#22779)."""
 
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from sglang_deploy import http
-from sglang_deploy import router as rt
-from sglang_deploy import sentinel as sn
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import sentinel as sn
 from support import wait_for
 from support.smg import KEY, Gateway, all_ready, free_port, smg_venv
 

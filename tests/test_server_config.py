@@ -1,4 +1,4 @@
-"""filter_plugins/sglang_config.py: group_vars -> exact argv and environment, with origins."""
+"""plugins/filter/sglang_config.py: group_vars -> exact argv and environment, with origins."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from filter_plugins.sglang_config import ConfigError, server_config
+from ansible_collections.sglang.deploy.plugins.filter.sglang_config import ConfigError, server_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
-"""library/sglang_server.py as Ansible runs it: its arguments, each action's result, and which outcomes fail the task.
+"""plugins/modules/sglang_server.py as Ansible runs it: its arguments, each action's result, and which outcomes fail the task.
 
-The state machine itself (module_utils/sglang_deploy/restart.py) is tested in test_restart_machine.py against
+The state machine itself (plugins/module_utils/sglang_deploy/restart.py) is tested in test_restart_machine.py against
 in-process fakes; here the module runs in its own process against stand-ins on this machine: systemctl on
 PATH (its `show` naming a real process whose command line is the instance's argv), the lab's simulated
 nvidia-smi (nvsim), and SGLang's HTTP API served on the instance's loopback port. The instance lock lies under
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import outcomes
-from sglang_deploy.lock import InstanceLock
-from sglang_deploy.secret_rule import MASK
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock import InstanceLock
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import MASK
 from support import started
 from support.gpus import simulated
 from support.modules import http_server, instance_record, run_module, systemctl_shim
@@ -67,7 +67,7 @@ def node(tmp_path):
 def prelude(lock_dir: Path) -> str:
     """The state machine's ports as on a host, but for the lock directory."""
     return (
-        "import ansible.module_utils.sglang_deploy.restart as r; _ports = r.Ports; "
+        "import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart as r; _ports = r.Ports; "
         f"r.Ports = lambda: _ports(lock_dir={str(lock_dir)!r})"
     )
 
@@ -258,7 +258,7 @@ def test_a_multinode_phase_is_refused_while_another_runs_group_lease_is_valid_an
     the refusals only, the lease read and left as it is)."""
     import time
 
-    from sglang_deploy import lock
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import lock
 
     record, _, locks, log, _ = node
     for path, text in ((record["unit_path"], "[Service]\n"), (record["env_path"], "A=1\n")):

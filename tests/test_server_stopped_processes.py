@@ -1,4 +1,4 @@
-"""library/sglang_server.py's `stopped_processes`: every process a restart's GPU waits stopped (its own and its
+"""plugins/modules/sglang_server.py's `stopped_processes`: every process a restart's GPU waits stopped (its own and its
 rollback's), gathered from the phases that stopped them, so the driver can name whose processes a restart killed.
 
 The state machine is replaced by a fake (the module's prelude) that returns a result as restart.restart does: what
@@ -30,7 +30,7 @@ RESULT = {
 
 def fake_action(name: str, result: dict) -> str:
     """run_module's prelude: the state machine's `name` returns `result` (before the module imports it)."""
-    return f"import ansible.module_utils.sglang_deploy.restart as r, json; r.{name} = lambda m: json.loads({json.dumps(result)!r})"
+    return f"import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart as r, json; r.{name} = lambda m: json.loads({json.dumps(result)!r})"
 
 
 def test_a_restart_lists_every_process_its_gpu_waits_stopped_with_the_phase_that_stopped_it(tmp_path):

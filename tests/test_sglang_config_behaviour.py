@@ -1,4 +1,4 @@
-"""filter_plugins/sglang_config.py as the roles and the driver read it (issue #31: the behaviours behind the mutants
+"""plugins/filter/sglang_config.py as the roles and the driver read it (issue #31: the behaviours behind the mutants
 the unit suite let survive): the instance record whole, each field the unit template, validation and the modules
 read; the tensor-parallel size each setting gives; the environment's layers, unsets and booleans; a refused flag
 set and unset; multi-node ranks at each end; each refusal's message as the operator reads it; the sweep's plan
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from ansible.errors import AnsibleFilterError
 
-from filter_plugins.sglang_config import (
+from ansible_collections.sglang.deploy.plugins.filter.sglang_config import (
     ConfigError,
     FilterModule,
     env_file_line,
@@ -25,7 +25,7 @@ from filter_plugins.sglang_config import (
     tune_plan,
     with_tuned,
 )
-from sglang_deploy.router import worker_url
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router import worker_url
 
 REPO = Path(__file__).resolve().parents[1]
 ONE = {"name": "main", "port": 30000, "gpus": [0]}

@@ -1,4 +1,4 @@
-"""sglang_deploy.patch (library/sglang_patch.py is its adapter): atomic, idempotent, recorded
+"""sglang_deploy.patch (plugins/modules/sglang_patch.py is its adapter): atomic, idempotent, recorded
 application of a patch series.
 
 Runs the series against a small installed distribution made here, with a RECORD like pip
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy.patch import PatchError, patch_series
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.patch import PatchError, patch_series
 
 REPO = Path(__file__).resolve().parents[1]
-MODULE = REPO / "library" / "sglang_patch.py"
+MODULE = REPO / "plugins" / "modules" / "sglang_patch.py"
 
 ORIGINAL = """class Worker:
     def __init__(self, cfg):
@@ -92,7 +92,7 @@ def run(tmp_path: Path, check_mode: bool = False, **args) -> dict:
 
 
 def run_module(tmp_path: Path, check_mode: bool = False, **args) -> dict:
-    """library/sglang_patch.py as Ansible runs it, module_utils/ as ansible.module_utils' (as Ansible ships it)."""
+    """plugins/modules/sglang_patch.py as Ansible runs it, plugins/module_utils/ as ansible.module_utils' (as Ansible ships it)."""
     args.setdefault("package", "pkg")
     args.setdefault("version", "1.2.3")
     if check_mode:
@@ -104,7 +104,7 @@ def run_module(tmp_path: Path, check_mode: bool = False, **args) -> dict:
         "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(REPO / "module_utils"), str(MODULE), str(path)],
+        [sys.executable, "-c", code, str(REPO / "plugins" / "module_utils"), str(MODULE), str(path)],
         capture_output=True,
         text=True,
         check=False,

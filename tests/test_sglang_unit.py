@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from filter_plugins import sglang_config
-from sglang_deploy import http as sglang_http
-from sglang_deploy import unit as sglang_unit
+from ansible_collections.sglang.deploy.plugins.filter import sglang_config
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http as sglang_http
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import unit as sglang_unit
 
 # What a crash on the first decode leaves in the journal (SGLang's scheduler log shape).
 DECODE_CRASH = """\
@@ -98,7 +98,7 @@ def test_profile_argvs_tell_profiles_apart():
 
 
 def test_no_command_line_carries_an_api_key_and_one_that_does_is_masked():
-    from sglang_deploy.instance import masked
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import masked
 
     record = sglang_config.instance_record(
         {"name": "main", "port": 30000, "gpus": [0]},
@@ -163,7 +163,7 @@ def test_an_instance_name_that_would_be_a_path_or_a_reserved_directory_is_refuse
             "/etc/sglang",
             "/l",
         )
-    from sglang_deploy.instance import NAME, Instance
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import NAME, Instance
 
     if NAME.match(name):
         return  # a reserved name is a valid word: the renderer refuses it, the modules need not

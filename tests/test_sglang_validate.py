@@ -1,4 +1,4 @@
-"""sglang_deploy.validate (library/sglang_validate.py is its adapter): the checks that need no
+"""sglang_deploy.validate (plugins/modules/sglang_validate.py is its adapter): the checks that need no
 SGLang, the host's checks, the kept parser verdicts, and the parser script against a stand-in
 SGLang (the real parser runs on lab nodes in tests/e2e/test_validate.py)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import validate as v
-from sglang_deploy.outcomes import INVALID_CONFIG
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import validate as v
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.outcomes import INVALID_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -615,7 +615,7 @@ def test_a_parser_that_cannot_run_is_an_error_naming_the_python(tmp_path):
 
 # ---------------------------------------------------------------- the module, as Ansible runs it
 def run_module(tmp_path: Path, args: dict, path_dirs=()) -> dict:
-    """library/sglang_validate.py with module_utils/ as ansible.module_utils' (as Ansible ships it)."""
+    """plugins/modules/sglang_validate.py with plugins/module_utils/ as ansible.module_utils' (as Ansible ships it)."""
     args_file = tmp_path / "args.json"
     args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
     code = (
@@ -628,8 +628,8 @@ def run_module(tmp_path: Path, args: dict, path_dirs=()) -> dict:
             sys.executable,
             "-c",
             code,
-            str(REPO / "module_utils"),
-            str(REPO / "library" / "sglang_validate.py"),
+            str(REPO / "plugins" / "module_utils"),
+            str(REPO / "plugins" / "modules" / "sglang_validate.py"),
             str(args_file),
         ],
         capture_output=True,

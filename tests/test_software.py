@@ -1,4 +1,4 @@
-"""Software generations (module_utils/sglang_deploy/software.py, library/sglang_generations.py).
+"""Software generations (plugins/module_utils/sglang_deploy/software.py, plugins/modules/sglang_generations.py).
 
 Pruning, references and migration on temporary directories; the generation id the sglang role
 computes on the controller (its Jinja, rendered by Ansible's own templar) against the Python one;
@@ -18,13 +18,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sglang_deploy import software
-from sglang_deploy.software import generation_id, lock_sha256, patch_series_sha256, plan, prune
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import software
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.software import (
+    generation_id,
+    lock_sha256,
+    patch_series_sha256,
+    plan,
+    prune,
+)
 from support import MODULE_UTILS, code_lines, env_with_pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
 
-MODULE = REPO / "library" / "sglang_generations.py"
+MODULE = REPO / "plugins" / "modules" / "sglang_generations.py"
 
 
 def make_generation(gen_dir: Path, name: str, created: str | None = "2026-01-01T00:00:00Z", venv: bool = True) -> Path:
@@ -399,8 +405,8 @@ def test_migration_refuses_a_file_and_ignores_nothing_there(tmp_path, gens):
 DRIVER = """
 import runpy, sys
 import sglang_deploy, sglang_deploy.software
-sys.modules["ansible.module_utils.sglang_deploy"] = sglang_deploy
-sys.modules["ansible.module_utils.sglang_deploy.software"] = sglang_deploy.software
+sys.modules["ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy"] = sglang_deploy
+sys.modules["ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.software"] = sglang_deploy.software
 runpy.run_path({module!r}, run_name="__main__")
 """
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import durable, software
-from sglang_deploy.software import migrate, plan, prune
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, software
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.software import migrate, plan, prune
 
 RULE2 = "keep=2: the current one and the newest other"
 NOT_VENV = "not a virtualenv (no pyvenv.cfg, no generation.json): left alone"

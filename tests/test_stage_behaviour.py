@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import outcomes, stage
-from sglang_deploy.instance import Instance
-from sglang_deploy.known_good import Store, content_hash
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, stage
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import Store, content_hash
 from support.modules import instance_record
 
 UNIT = "sglang-m.service"

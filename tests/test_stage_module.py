@@ -1,4 +1,4 @@
-"""library/sglang_stage.py as Ansible runs it: the outcome of each staging, under the instance's lock.
+"""plugins/modules/sglang_stage.py as Ansible runs it: the outcome of each staging, under the instance's lock.
 
 systemctl and systemd-analyze are stand-ins on PATH (each call logged); the instance's files, its known-good
 generations and its lock all lie under tmp_path (the lock directory is moved there by the runner's prelude).
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import outcomes
-from sglang_deploy.instance import Instance
-from sglang_deploy.known_good import Store
-from sglang_deploy.lock import InstanceLock
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import Store
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock import InstanceLock
 from support.modules import instance_record, lock_dir_prelude, run_module, shim, systemctl_shim
 
 UNIT = "[Unit]\nDescription=m\n[Service]\nExecStart=/opt/ml-env/bin/python -m sglang.launch_server\n"

@@ -1,7 +1,7 @@
 """Autotune's logic without a lab (issue 15): the grid, the plan (SGLang 0.5.23's refusals and redundancies), the
 lab stand-in's throughput model and its known optimum measured through the real benchmark (bench.py against the
 stand-in's HTTP server on a loopback port), the ranking, the winner's profile file, the plot, tuned profiles in
-the render, the ledger's sweep records, and library/sglang_tune.py run as Ansible runs it. The benchmark inside
+the render, the ledger's sweep records, and plugins/modules/sglang_tune.py run as Ansible runs it. The benchmark inside
 the safe restart (restart.measure, under its lock): test_restart_machine.py and test_server_module.py."""
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ from http.server import ThreadingHTTPServer
 import pytest
 import yaml
 
+from ansible_collections.sglang.deploy.plugins.filter.sglang_config import (
+    ConfigError,
+    server_config,
+    tune_plan,
+    with_tuned,
+)
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench, tune
 from driver import ledger
-from filter_plugins.sglang_config import ConfigError, server_config, tune_plan, with_tuned
-from sglang_deploy import bench, tune
 from support import lab_standin
 from support.modules import instance_record, run_module
 
@@ -413,7 +418,7 @@ def free_port() -> int:
 
 FAKE_PARSER = """
 import functools
-import ansible.module_utils.sglang_deploy.validate as v
+import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.validate as v
 def fake(python, argvs, timeout=0):
     return [{"error": None, "args": {}, "options": ["--port", "--speculative-num-steps"], "env_names": []} for _ in argvs]
 v.validate_host = functools.partial(v.validate_host, gpu_counter=lambda: 8, parser=fake)

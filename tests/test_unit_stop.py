@@ -1,4 +1,4 @@
-"""How long the modules let `systemctl stop` take (module_utils/sglang_deploy/unit.py): under KillMode=mixed SGLang's
+"""How long the modules let `systemctl stop` take (plugins/module_utils/sglang_deploy/unit.py): under KillMode=mixed SGLang's
 own drain may use most of the unit's TimeoutStopSec, and systemd's final SIGKILL waits as long again; a bound of
 its own below that would fail a stop that systemd is still carrying out."""
 
@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from sglang_deploy import unit
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import unit
 
 
 @pytest.mark.parametrize(

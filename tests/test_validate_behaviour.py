@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy import validate as v
-from sglang_deploy.outcomes import INVALID_CONFIG
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import validate as v
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.outcomes import INVALID_CONFIG
 
 ADVICE = (
     "NCCL shares buffers through it: enlarge it (for example `size=` in the /dev/shm line of /etc/fstab) "
@@ -492,7 +492,7 @@ def test_root_reads_whatever_another_user_closed_and_no_other_user_does(world):
                     "env",
                     "sglang_server_env.NCCL_PROTOCOL",
                     "NCCL_PROTOCOL is not an NCCL variable this project knows (set by sglang_server_env.NCCL_PROTOCOL): "
-                    "misspelt? Add it to NCCL_FREE in module_utils/sglang_deploy/validate.py if it is real",
+                    "misspelt? Add it to NCCL_FREE in plugins/module_utils/sglang_deploy/validate.py if it is real",
                 )
             ],
         ),

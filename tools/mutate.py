@@ -51,7 +51,7 @@ SCOPE = [
         )
     ),
     *(f"driver/{name}.py" for name in ("redact", "exitcodes", "inventory", "interrupts", "ledger")),
-    "filter_plugins/sglang_config.py",
+    "plugins/filter/sglang_config.py",
 ]  # fmt: skip
 CORE = ["sglang_deploy/restart.py", "sglang_deploy/known_good.py", "sglang_deploy/stage.py",
         "sglang_deploy/gpu.py", "sglang_deploy/checks.py"]  # fmt: skip
@@ -59,7 +59,7 @@ CORE = ["sglang_deploy/restart.py", "sglang_deploy/known_good.py", "sglang_deplo
 PROSE = "the wording of a message to a person (a string with a space, wrapped in XX or its case changed)"
 # The survivors argued equivalent, each with why (tools/mutation_equivalents.py).
 EQUIVALENT = runpy.run_path(str(Path(__file__).with_name("mutation_equivalents.py")))["EQUIVALENT"]
-SOURCE_DIRS = ["sglang_deploy", "driver", "filter_plugins"]
+SOURCE_DIRS = ["sglang_deploy", "driver", "plugins/filter"]
 
 
 def tracked() -> list[str]:
@@ -83,7 +83,7 @@ def stage_tree() -> None:
             shutil.copy2(src, dst)
     link = STAGE / "sglang_deploy"
     if not link.is_symlink():
-        link.symlink_to("module_utils/sglang_deploy")
+        link.symlink_to("plugins/module_utils/sglang_deploy")
 
 
 def fresh_copies(files: list[str]) -> None:
@@ -343,7 +343,7 @@ def ci(budget: float, jobs: int) -> int:
     (mutmut failed, or the budget ran out), or when a core file is gone; a core file never measured is said, not run
     (make mutate measures it)."""
     record = json.loads(OUT.read_text())["files"] if OUT.exists() else {}
-    gone = [rel for rel in CORE if not (REPO / "module_utils" / rel).exists() and not (REPO / rel).exists()]
+    gone = [rel for rel in CORE if not (REPO / "plugins" / "module_utils" / rel).exists() and not (REPO / rel).exists()]
     if gone:
         print(
             f"mutation (CI): core file(s) gone: {', '.join(gone)} (tools/mutate.py's CORE names them)", file=sys.stderr

@@ -114,7 +114,7 @@ EQUIVALENT = {
         "xǁLedgerǁtune_record__mutmut_44": _R24,
         "xǁLedgerǁtune_results__mutmut_20": "tune_record writes combo, software and bench as json.dumps text ('null' for none), never NULL or '': the condition is true for every row, with or without `or True`",
     },
-    "filter_plugins/sglang_config.py": {
+    "plugins/filter/sglang_config.py": {
         "x_instance_record__mutmut_49": "the instance's place (index) goes only into origins and refusal messages; profiles_argv keeps only the other profile's argv and swallows its refusal, so None for the index changes nothing read",
         "x_instance_record__mutmut_57": "the index left to server_config's default 0 changes only origins and refusal messages; profiles_argv keeps only the argv and swallows the refusal, so nothing read differs",
         "x_tune_plan__mutmut_55": "sglang_deploy.tune.plan never reads its start_env parameter (the plan varies the grid's values; the starting environment reaches only the fingerprint), so None for it changes nothing",

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 from driver import cli, exitcodes, interrupts, putback, runner
 from driver.events import NOT_BEGUN, Tracker
-from module_utils.sglang_deploy import secret_rule
 from support import wait_for
 
 

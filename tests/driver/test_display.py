@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
 from driver import display, exitcodes
 from driver.events import NOT_BEGUN, WAITS, Tracker
-from module_utils.sglang_deploy import outcomes
 
 
 def event(kind: str, host: str | None = None, module: str = "", created: str = "2026-01-01T00:00:00", **data):

@@ -1,5 +1,5 @@
 """Secrets stay out of the ledger (driver/redact.py) and the ledger is private (driver/ledger.py): -e values of
-declared secret variables and of any key naming a secret (module_utils/sglang_deploy/secret_rule.py, the one rule)
+declared secret variables and of any key naming a secret (plugins/module_utils/sglang_deploy/secret_rule.py, the one rule)
 are redacted in the recorded argv, found by the driver's own parser whatever their spelling, and scrubbed from the
 recorded event stream, the terminal and --json in every form a log carries them; the database is 0600, its
 directory and the run directories 0700."""
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
 from driver import cli, events, ledger, redact
-from module_utils.sglang_deploy import secret_rule
 
 M = secret_rule.MASK
 

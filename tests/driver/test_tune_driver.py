@@ -8,10 +8,10 @@ import sqlite3
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench as benchmark
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, tune
 from driver import cli, events, exitcodes, inventory
 from driver import tune as dtune
-from module_utils.sglang_deploy import bench as benchmark
-from module_utils.sglang_deploy import outcomes, tune
 
 HOST = "gpu-node-01"
 SOFTWARE = {"generation": "0123456789abcdef", "venv": "/opt/ml-env.d/0123456789abcdef", "sglang_version": "0.5.23"}

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from sglang_deploy import known_good, outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import known_good, outcomes
 from support.e2e import back_to_deployed, driver_runner, labmod, main_with, podman_exec
 
 pytestmark = pytest.mark.lab

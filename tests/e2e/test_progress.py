@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sglang_deploy import outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
 from support.e2e import back_to_deployed, driver_runner, main_with
 
 pytestmark = pytest.mark.lab

@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from sglang_deploy import discovery
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import discovery
 from support import rollout, wait_for
 from support.e2e import driver_runner, podman_exec, remove_instances
 from support.rollout import MODEL, Load, router_workers

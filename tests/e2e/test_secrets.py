@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_deploy.secret_rule import forms
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import forms
 from support.e2e import ALL_GPUS, back_to_deployed, driver_runner, members
 
 pytestmark = pytest.mark.lab

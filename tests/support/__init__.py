@@ -1,6 +1,6 @@
 """Helpers shared by the test modules (not tests themselves): `from support import ...`.
 
-Importable because pytest.ini puts tests/ on the path (`pythonpath`), as it puts module_utils/
+Importable because pytest.ini puts tests/ on the path (`pythonpath`), as it puts plugins/module_utils/
 (sglang_deploy), lab/ (lab.py) and lab/gpu_sim/ (nvsim). Fixtures live in tests/conftest.py
 and tests/e2e/conftest.py; no test module imports from another test module.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
-MODULE_UTILS = REPO / "module_utils"
+MODULE_UTILS = REPO / "plugins" / "module_utils"
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
 
 KEY = "rk-" + "q7" * 50  # long, and nothing the secret patterns know: only the client's own masking hides it
 W1, W2, W3 = "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"

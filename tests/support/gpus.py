@@ -2,7 +2,7 @@
 
 The real H200 captures (tests/vectors) parsed into sections; the lab's simulated nvidia-smi
 (lab/gpu_sim/nvsim.py) behind a PATH shim, with real processes holding its GPUs; the GPU gate
-installed as tasks/gate.yml lays it out on a host; library/gpu_state.py run as Ansible runs it.
+installed as tasks/gate.yml lays it out on a host; plugins/modules/gpu_state.py run as Ansible runs it.
 """
 
 from __future__ import annotations
@@ -132,20 +132,20 @@ def install_gate(root: Path) -> Path:
     return root / "sglang-gpu-gate"
 
 
-# ---------------------------------------------------------------- library/gpu_state.py
+# ---------------------------------------------------------------- plugins/modules/gpu_state.py
 
 GPU_STATE_RUNNER = """\
 import sys
 import ansible.module_utils, sglang_deploy, sglang_deploy.gpu
-sys.modules['ansible.module_utils.sglang_deploy'] = sglang_deploy
-sys.modules['ansible.module_utils.sglang_deploy.gpu'] = sglang_deploy.gpu
+sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy'] = sglang_deploy
+sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.gpu'] = sglang_deploy.gpu
 sys.argv = ['gpu_state', {argfile!r}]
 exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
 
 
 def run_gpu_state(env: dict, args: dict, workdir: Path | None = None) -> tuple[int, dict]:
-    """library/gpu_state.py run as Ansible runs it (arguments as JSON, the package as ansible.module_utils.X).
+    """plugins/modules/gpu_state.py run as Ansible runs it (arguments as JSON, the package as ansible.module_utils.X).
 
     Files go to workdir (default: beside LAB_GPU_STATE); sglang_deploy comes from PYTHONPATH.
     """
@@ -153,7 +153,9 @@ def run_gpu_state(env: dict, args: dict, workdir: Path | None = None) -> tuple[i
     argfile = workdir / "args.json"
     argfile.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
     runner = workdir / "ansible_module_runner.py"
-    runner.write_text(GPU_STATE_RUNNER.format(argfile=str(argfile), module=str(REPO / "library" / "gpu_state.py")))
+    runner.write_text(
+        GPU_STATE_RUNNER.format(argfile=str(argfile), module=str(REPO / "plugins" / "modules" / "gpu_state.py"))
+    )
     proc = subprocess.run(
         [sys.executable, str(runner)],
         env=env_with_pythonpath(env, MODULE_UTILS),

@@ -1,7 +1,7 @@
-"""library/NAME.py run as Ansible runs it, and the small loopback fakes its tests need.
+"""plugins/modules/NAME.py run as Ansible runs it, and the small loopback fakes its tests need.
 
 `run_module` starts the module file itself (runpy, under its own path, so coverage counts it) with its arguments
-as Ansible passes them ({"ANSIBLE_MODULE_ARGS": ...} in a file) and module_utils/ as ansible.module_utils' (as
+as Ansible passes them ({"ANSIBLE_MODULE_ARGS": ...} in a file) and plugins/module_utils/ as ansible.module_utils' (as
 Ansible ships it); its JSON result is returned with its exit status (0: exit_json, 1: fail_json).
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from support import MODULE_UTILS, REPO
 
-LIBRARY = REPO / "library"
+LIBRARY = REPO / "plugins" / "modules"
 
-# ansible.module_utils is a package of the installed Ansible: module_utils/ joins its path, so
-# ansible.module_utils.sglang_deploy is this repository's package, imported from its files.
+# ansible.module_utils is a package of the installed Ansible: plugins/module_utils/ joins its path, so
+# ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy is this repository's package, imported from its files.
 RUNNER = (
     "import sys, runpy, ansible.module_utils as mu; mu.__path__.append(sys.argv[1]); "
     "exec(sys.argv[2]); sys.argv = sys.argv[3:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -39,7 +39,7 @@ def run_module(
     prelude: str = "",
     timeout: float = 120,
 ) -> tuple[int, dict]:
-    """(exit status, result) of library/<name>.py; `prelude` is Python run first in the module's process."""
+    """(exit status, result) of plugins/modules/<name>.py; `prelude` is Python run first in the module's process."""
     payload = {**args, **({"_ansible_check_mode": True} if check_mode else {})}
     argfile = workdir / f"args-{name}-{os.urandom(4).hex()}.json"
     argfile.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": payload}))
@@ -136,7 +136,7 @@ def instance_record(root: Path, name: str = "m", port: int = 30000, argv: list[s
 def lock_dir_prelude(lock_dir: Path) -> str:
     """run_module's prelude: the instance locks under lock_dir instead of the host's /run/sglang-deploy/locks."""
     return (
-        "import ansible.module_utils.sglang_deploy.lock as lock; "
+        "import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock as lock; "
         "lock.InstanceLock.__init__.__defaults__ = (*lock.InstanceLock.__init__.__defaults__[:-1], "
         f"{str(lock_dir)!r})"
     )

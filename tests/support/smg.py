@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from sglang_deploy import http
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http
 from support import REPO, wait_for
 
 SMG_VERSION = "1.13.0"

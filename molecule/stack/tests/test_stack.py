@@ -6,7 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from sglang_deploy import software  # module_utils/ is on the path: pytest.ini's pythonpath (the rootdir's)
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import (
+    software,  # plugins/module_utils/ is on the path: pytest.ini's pythonpath (the rootdir's)
+)
 
 REPO = Path(__file__).resolve().parents[3]
 

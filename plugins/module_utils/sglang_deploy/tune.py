@@ -1,0 +1,372 @@
+"""Autotune's logic (issue 15): a sweep's plan, its ranking, the winner as a profile file, the plot.
+
+A sweep varies flags (snake_case, as profiles write them: ``speculative_num_steps``) and environment
+variables (upper case: ``NCCL_ALGO``) over a starting profile. ``plan`` expands the grid, drops every
+combination SGLang 0.5.23 would refuse or that would start the same server as another (each with its
+reason), and always puts the no-speculation baseline first. The combinations are named by a hash of what
+they change, so a sweep interrupted and run again finds the ones it measured. ``rank`` orders the
+measurements and marks those slower than the baseline; ``profile_file`` writes the winner as a new named
+profile; ``svg`` draws tok/s against accept length.
+
+No Ansible and no I/O here: plugins/filter/sglang_config.py plans inside the play, driver/tune.py runs the
+sweep, the safe restart measures (plugins/module_utils/sglang_deploy/bench.py, run by restart.measure under its lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+
+from .secret_rule import secret_name
+
+# A profile named sglang_tuned_profile_<name> anywhere in the variables (a group_vars file the sweep
+# wrote, or the sweep's own extra variable for the combination it runs) is profile <name>.
+TUNED_PREFIX = "sglang_tuned_profile_"
+BASELINE = "tune_no_spec"
+PREFIX = "tune_"
+SPEC = "speculative_"
+STEPS, TOPK, DRAFT = "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"
+ALGORITHM = "speculative_algorithm"
+EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN")
+ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+FLAG_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# SGLang 0.5.23, speculative_hook.py: page trees with topk > 1 only on these attention backends.
+PAGE_TREE_BACKENDS = ("flashinfer", "fa3", "triton")
+
+
+class GridError(ValueError):
+    """The grid cannot be swept: the message names the key or value and what to do."""
+
+
+def value_of(text: str):
+    """A grid value as YAML would read it: an int, a float, true/false, empty (unset), else the string."""
+    t = text.strip()
+    if t.lower() in ("true", "false"):
+        return t.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(t)
+        except ValueError:
+            pass
+    return t
+
+
+def parse_grid(items: list[str], base: dict | None = None) -> dict[str, list]:
+    """--grid key=v1,v2 (repeatable) on top of a grid file's {key: [values]}: {key: [values]}, in order."""
+    grid: dict[str, list] = {}
+    for key, values in (base or {}).items():
+        grid[str(key)] = list(values) if isinstance(values, (list, tuple)) else [values]
+    for item in items:
+        key, sep, rest = item.partition("=")
+        key = key.strip().replace("-", "_") if not ENV_NAME.match(key.strip()) else key.strip()
+        if not sep or not key:
+            raise GridError(f"--grid {item!r}: write it as key=value1,value2 (for example speculative_num_steps=1,3)")
+        grid[key] = [value_of(v) for v in rest.split(",")]
+    for key, values in grid.items():
+        if not (FLAG_NAME.match(key) or ENV_NAME.match(key)):
+            raise GridError(
+                f"grid key {key!r}: a flag as profiles write it (speculative_num_steps) or an environment "
+                "variable (NCCL_ALGO)"
+            )
+        if not values:
+            raise GridError(f"grid key {key!r} has no values")
+        # Its values would be secrets (SGLang's --api-key, a token), which the sweep's labels, ledger and profile
+        # file would show (secret_rule: the one rule of what names a secret).
+        if secret_name(key):
+            raise GridError(f"grid key {key!r} names a secret: a sweep shows its values everywhere; set it as a secret")
+        if len({json.dumps(v) for v in values}) != len(values):
+            raise GridError(f"grid key {key!r} lists a value twice: {values}")
+    if not grid:
+        raise GridError("an empty grid: give --grid key=v1,v2 (repeatable) or --grid-file")
+    return grid
+
+
+@dataclass
+class Combination:
+    name: str
+    flags: dict = field(default_factory=dict)  # changed flags; None removes the flag
+    env: dict = field(default_factory=dict)  # changed variables; None removes the variable
+    values: dict = field(default_factory=dict)  # the grid's values as given (what the tables show)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        if self.name == BASELINE:
+            return "no speculation"
+        return " ".join(f"{short(k)}={'-' if v in (None, '') else v}" for k, v in self.values.items())
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "flags": self.flags, "env": self.env, "values": self.values, "label": self.label}
+
+    def profile(self, start: dict, origin: str) -> dict:
+        """The starting profile with this combination's changes: what the restart runs. A removed flag or variable
+        stays as null, so that it also unsets what sglang_server_flags or sglang_server_env set."""
+        flags = {**(start.get("flags") or {}), **self.flags}
+        env = {**(start.get("env") or {}), **self.env}
+        out = {"description": f"{origin}: {self.label}", "flags": flags}
+        if env:
+            out["env"] = env
+        return out
+
+
+SHORT = {STEPS: "steps", TOPK: "topk", DRAFT: "draft", "cuda_graph_max_bs_decode": "graph_bs"}
+
+
+def short(key: str) -> str:
+    return SHORT.get(key, key)
+
+
+def name_of(flags: dict, env: dict) -> str:
+    digest = hashlib.sha256(json.dumps([flags, env], sort_keys=True, default=str).encode()).hexdigest()
+    return PREFIX + digest[:8]
+
+
+def _int(effective: dict, key: str):
+    v = effective.get(key)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise GridError(f"{key}={v!r}: SGLang takes a whole number") from None
+
+
+def refusal(effective: dict) -> str | None:
+    """Why SGLang 0.5.23 (or the draft tree) rules this speculative configuration out, or None."""
+    steps, topk, draft = _int(effective, STEPS), _int(effective, TOPK), _int(effective, DRAFT)
+    for key, v, least in ((STEPS, steps, 1), (TOPK, topk, 1), (DRAFT, draft, 2)):
+        if v is not None and v < least:
+            return f"{key}={v}: at least {least} for EAGLE-family speculation"
+    if steps is not None and topk is not None and draft is not None and draft > steps * topk + 1:
+        return (
+            f"{draft} draft tokens, more than the draft tree holds ({STEPS} x {TOPK} + 1 = {steps * topk + 1}): "
+            "SGLang's bench_speculative.py skips it"
+        )
+    backend = effective.get("attention_backend")
+    if topk and topk > 1 and backend == "trtllm_mha":
+        return "trtllm_mha backend only supports topk = 1 for speculative decoding (SGLang 0.5.23)"
+    if topk and topk > 1 and effective.get("speculative_use_rejection_sampling"):
+        return "--speculative-use-rejection-sampling requires --speculative-eagle-topk=1 (SGLang 0.5.23)"
+    page = effective.get("page_size")
+    if topk and topk > 1 and page and int(page) > 1 and backend and backend not in PAGE_TREE_BACKENDS:
+        return (
+            f"speculative_eagle_topk > 1 with page_size > 1 is only supported on {PAGE_TREE_BACKENDS} (SGLang 0.5.23)"
+        )
+    return None
+
+
+def plan(start_flags: dict, start_env: dict, grid: dict[str, list], fixed: dict | None = None):
+    """(combinations, dropped): the baseline first, then each distinct server the grid gives, in grid order.
+
+    start_flags/start_env: what the starting configuration runs (common flags, profile, instance merged);
+    fixed: {key: the variable that sets it} for keys the sweep cannot vary (an instance's own flags win over
+    any profile). dropped: [{values, reason}].
+    """
+    for key in grid:
+        if key in (fixed or {}):
+            raise GridError(
+                f"grid key {key!r} is set by {fixed[key]}, which overrides every profile: move it into the profile"
+            )
+    spec_keys = sorted({k for k in [*start_flags, *grid] if k.startswith(SPEC) and not ENV_NAME.match(k)})
+    baseline = Combination(BASELINE, flags={k: None for k in spec_keys}, values={k: None for k in spec_keys})
+    out, dropped, seen = [baseline], [], {}
+    keys = list(grid)
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        values = dict(zip(keys, combo, strict=True))
+        flags = {k: v for k, v in values.items() if not ENV_NAME.match(k)}
+        env = {k: (None if v == "" else str(v)) for k, v in values.items() if ENV_NAME.match(k)}
+        flags = {k: (None if v == "" else v) for k, v in flags.items()}
+        effective = {k: v for k, v in {**start_flags, **flags}.items() if v is not None}
+        notes = []
+        if any(k.startswith(SPEC) for k in flags) and effective.get(ALGORITHM) is None:
+            raise GridError(
+                f"the grid varies {', '.join(k for k in flags if k.startswith(SPEC))} but the starting profile "
+                f"has no {ALGORITHM}: start from a speculative profile or put {ALGORITHM} in the grid"
+            )
+        if str(effective.get(ALGORITHM, "")).upper() in EAGLE_FAMILY:
+            steps, topk = _int(effective, STEPS), _int(effective, TOPK)
+            if topk == 1 and steps is not None and _int(effective, DRAFT) not in (None, steps + 1):
+                # SGLang 0.5.23 (_handle_eagle_family) does this itself: the server it starts has steps + 1.
+                notes.append(f"{DRAFT} {effective[DRAFT]} -> {steps + 1}: SGLang sets steps + 1 when topk is 1")
+                flags = {**flags, DRAFT: steps + 1}
+                effective[DRAFT] = steps + 1
+            why = refusal(effective)
+            if why:
+                dropped.append({"values": values, "reason": why})
+                continue
+        key = json.dumps([{k: effective.get(k) for k in sorted(set(effective) | set(flags))}, env], sort_keys=True)
+        if key in seen:
+            reason = f"the same server as {seen[key].label}"
+            reason += f" ({notes[0]})" if notes else ""
+            dropped.append({"values": values, "reason": reason})
+            continue
+        c = Combination(name_of(flags, env), flags=flags, env=env, values=values, notes=notes)
+        seen[key] = c
+        out.append(c)
+    return out, dropped
+
+
+def sweep_id(host: str, instance: str, start: str, grid: dict, bench: dict, fingerprint: str = "") -> str:
+    """The sweep's identity: a re-run with the same host, instance, start, grid and benchmark, from the same
+    configuration and software (the plan's fingerprint), resumes it."""
+    doc = json.dumps([host, instance, start, grid, bench, fingerprint], sort_keys=True, default=str)
+    return hashlib.sha256(doc.encode()).hexdigest()[:12]
+
+
+def fingerprint(start_flags: dict, start_env: dict, identity=None) -> str:
+    """What a sweep starts from, as the plan sees it: the starting configuration's flags and environment, and the
+    identity the play names (the software the units run, the model)."""
+    doc = json.dumps([start_flags, start_env, identity], sort_keys=True, default=str)
+    return hashlib.sha256(doc.encode()).hexdigest()[:12]
+
+
+def score(m: dict) -> float | None:
+    return m.get("output_tokens_per_s")
+
+
+def rank(results: list[dict]) -> list[dict]:
+    """The results ranked by output tok/s (measured first, failed last), each with its rank, its ratio to the
+    baseline and `slower_than_baseline` (a speculative combination below no speculation)."""
+    base = next((r for r in results if r["name"] == BASELINE and score(r) is not None), None)
+    ranked = sorted(results, key=lambda r: (score(r) is None, -(score(r) or 0.0)))
+    out = []
+    for i, r in enumerate(ranked, 1):
+        s = score(r)
+        ratio = round(s / score(base), 3) if base and s is not None and score(base) else None
+        slower = bool(r["name"] != BASELINE and ratio is not None and ratio < 1.0)
+        out.append({**r, "rank": i if s is not None else None, "vs_baseline": ratio, "slower_than_baseline": slower})
+    return out
+
+
+def winner(ranked: list[dict]) -> dict | None:
+    """The fastest measured combination that beats the baseline; None when none does, or when the baseline
+    itself was not measured (nothing to beat: never a winner by default)."""
+    if not any(r["name"] == BASELINE and score(r) is not None for r in ranked):
+        return None
+    return next(
+        (r for r in ranked if r["name"] != BASELINE and score(r) is not None and not r["slower_than_baseline"]), None
+    )
+
+
+def profile_var(name: str) -> str:
+    return TUNED_PREFIX + name
+
+
+# Where the winner's file goes, under the inventory's directory: group_vars of the group every playbook runs on.
+PROFILE_DIR = "group_vars/sglang_nodes"
+
+
+def profile_file_name(name: str) -> str:
+    return f"tuned_{name}.yml"
+
+
+def default_name(start: str, sweep: str) -> str:
+    """<start>_tuned_<sweep>, as a variable's name can hold it."""
+    return re.sub(r"[^a-z0-9_]", "_", start.lower()) + "_tuned_" + sweep[:6]
+
+
+def single_stream(best: dict) -> float | None:
+    """The winner's tok/s at concurrency 1, the figure verify's own measure is comparable with; None without."""
+    level = next((lv for lv in (best.get("bench") or {}).get("levels") or [] if lv.get("concurrency") == 1), None)
+    return level.get("output_tokens_per_s") if level else None
+
+
+def profile_file(name: str, profile: dict, best: dict, base: dict | None, how: str) -> str:
+    """A group_vars file defining profile `name`: the winner's flags and env, its concurrency-1 figure as the
+    baseline verify compares with (none when the sweep measured no concurrency 1), and a comment of how it was
+    measured. YAML, deterministic."""
+    one = single_stream(best)
+    doc = {
+        profile_var(name): {
+            "description": profile.get("description", ""),
+            **({"baseline": {"output_tokens_per_s": one}} if one is not None else {}),
+            "flags": profile.get("flags") or {},
+            **({"env": profile["env"]} if profile.get("env") else {}),
+        }
+    }
+    lines = [
+        "---",
+        f"# Profile {name!r}, written by `python -m driver tune` (issue 15). Select it with",
+        f"#   sglang_profile: {name}     (or profile: {name} on an instance)",
+        f"# How it was measured: {how}",
+        f"# Its figure: {score(best)} output tok/s, accept length {best.get('accept_length')}"
+        + (f"; no speculation in the same sweep: {score(base)} tok/s." if base else "."),
+        "# baseline: its tok/s at concurrency 1 (verify measures single requests)"
+        if one is not None
+        else "# No baseline: the sweep measured no concurrency 1, which verify's single requests compare with.",
+    ]
+    return "\n".join(lines) + "\n" + _yaml(doc, 0) + "\n"
+
+
+def _scalar(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a JSON string is a YAML double-quoted scalar ("{{ var }}" stays a template)
+
+
+def _yaml(doc: dict, indent: int) -> str:
+    pad = "  " * indent
+    lines = []
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            lines.append(f"{pad}{k}:" + (" {}" if not v else ""))
+            if v:
+                lines.append(_yaml(v, indent + 1))
+        elif isinstance(v, (list, tuple)):
+            lines.append(f"{pad}{k}: [{', '.join(_scalar(x) for x in v)}]")
+        else:
+            lines.append(f"{pad}{k}: {_scalar(v)}")
+    return "\n".join(lines)
+
+
+def svg(ranked: list[dict], title: str) -> str:
+    """tok/s (y) against accept length (x) per measured combination, the baseline as a dashed line."""
+    pts = [r for r in ranked if score(r) is not None and r["name"] != BASELINE]
+    base = next((r for r in ranked if r["name"] == BASELINE and score(r) is not None), None)
+    w, h, m = 640, 400, 60
+    xs = [r.get("accept_length") or 1.0 for r in pts] + [1.0]
+    ys = [score(r) for r in pts] + ([score(base)] if base else []) + [0.0]
+    x0, x1 = min(xs) - 0.2, max(xs) + 0.2
+    y1 = max(ys) * 1.15 or 1.0
+
+    def px(x: float) -> float:
+        return round(m + (x - x0) / (x1 - x0) * (w - 2 * m), 1)
+
+    def py(y: float) -> float:
+        return round(h - m - y / y1 * (h - 2 * m), 1)
+
+    esc = lambda s: str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{esc(title)}</text>',
+        f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
+        f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
+        f'<text x="{w / 2}" y="{h - 20}" text-anchor="middle">accept length</text>',
+        f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">output tok/s</text>',
+    ]
+    for t in range(5):
+        yv = y1 * t / 4
+        out.append(f'<text x="{m - 5}" y="{py(yv) + 4}" text-anchor="end">{yv:.0f}</text>')
+        xv = x0 + (x1 - x0) * t / 4
+        out.append(f'<text x="{px(xv)}" y="{h - m + 15}" text-anchor="middle">{xv:.2f}</text>')
+    if base:
+        yb = py(score(base))
+        out.append(f'<line x1="{m}" y1="{yb}" x2="{w - m}" y2="{yb}" stroke="gray" stroke-dasharray="6 4"/>')
+        out.append(f'<text x="{w - m}" y="{yb - 5}" text-anchor="end" fill="gray">no speculation {score(base)}</text>')
+    for r in pts:
+        color = "crimson" if r["slower_than_baseline"] else ("forestgreen" if r.get("rank") == 1 else "steelblue")
+        x, y = px(r.get("accept_length") or 1.0), py(score(r))
+        out.append(
+            f'<circle cx="{x}" cy="{y}" r="5" fill="{color}"><title>{esc(r.get("label", r["name"]))}</title></circle>'
+        )
+        out.append(f'<text x="{x + 7}" y="{y - 6}">{esc(r.get("label", r["name"]))}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
