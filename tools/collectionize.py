@@ -236,7 +236,7 @@ def fqcn_filters(text: str, filters: list[str]) -> str:
 
 def fqcn_roles(text: str, roles: list[str]) -> str:
     names = alternation(roles)
-    text = re.sub(rf"^(\s*-\s+role:\s+)({names})\s*$", rf"\1{FQ}.\2", text, flags=re.M)
+    text = re.sub(rf"^(\s*-\s+role:[ \t]+)({names})[ \t]*$", rf"\1{FQ}.\2", text, flags=re.M)
     # include_role / import_role: the name: line of the block under it
     out, block = [], None
     for line in text.split("\n"):
