@@ -2,7 +2,7 @@
 
 Run on a GPU host (the `device` machine), with ansible-core installed:
     python3 bench/gpu_state_on_device.py OUT_DIR [RUNS]
-1. the module through Ansible (ansible localhost -m gpu_state) on idle GPUs;
+1. the module through Ansible (ansible localhost -m sglang.deploy.gpu_state) on idle GPUs;
 2. a real process holds ~20 GB on GPU 0 (torch.empty on cuda): the module lists it with
    pid, user, command line, memory; wait=true with a short timeout fails naming it;
 3. the module waits (wait=true) while a holder is SIGKILLed 2 s later: it succeeds;
@@ -31,15 +31,15 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import
 
 def module(args: dict) -> tuple[int, dict]:
     """gpu_state run by Ansible itself on this host."""
-    # ansible-core alone (no collections) and no project ansible.cfg (it names collection callbacks).
+    # ansible-core and this checkout as the collection sglang.deploy alone, and no project ansible.cfg (it names
+    # collection callbacks).
     cfg = Path("/tmp/gpu-state-bench-ansible.cfg")
     cfg.write_text("[defaults]\n")
     tree = Path("/tmp/gpu-state-bench-tree")
     env = {
         **os.environ,
         "ANSIBLE_CONFIG": str(cfg),
-        "ANSIBLE_LIBRARY": str(REPO / "plugins" / "modules"),
-        "ANSIBLE_MODULE_UTILS": str(REPO / "plugins" / "module_utils"),
+        "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"),
         "ANSIBLE_LOCALHOST_WARNING": "0",
         "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
     }
@@ -53,7 +53,7 @@ def module(args: dict) -> tuple[int, dict]:
         "-t",
         str(tree),
         "-m",
-        "gpu_state",
+        "sglang.deploy.gpu_state",
         "-a",
         " ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in args.items()),
     ]

@@ -7,3 +7,13 @@ is handled in driver/interrupts.py; every run is kept in a private local SQLite 
 its secrets redacted (driver/redact.py). Heavy imports (ansible, ansible-runner, rich) wait until a command
 runs, so `--help` answers at once.
 """
+
+import sys
+from pathlib import Path
+
+# The host logic is the collection's, imported by one name (ansible_collections.sglang.deploy.plugins.module_utils.
+# sglang_deploy) here as in the modules and plugins: from a checkout, its collections/ (the symlink tree onto this
+# repository, as ansible.cfg's collections_path has it) comes first on the import path, ahead of any installed copy.
+_COLLECTIONS = str(Path(__file__).resolve().parents[1] / "collections")
+if _COLLECTIONS not in sys.path:
+    sys.path.insert(0, _COLLECTIONS)

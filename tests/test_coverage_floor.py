@@ -31,7 +31,7 @@ def report(**percent: float) -> dict:
 
 
 def test_below_names_each_file_under_the_floor_lowest_first():
-    got = coverage_floor.below(report(driver__cli=79.9, driver__runner=80.0, library__x=10.0, a__b=100.0), 80)
+    got = coverage_floor.below(report(driver__cli=79.9, driver__runner=80.0, plugins__modules__x=10.0, a__b=100.0), 80)
     assert [(s.path, s.percent) for s in got] == [("plugins/modules/x.py", 10.0), ("driver/cli.py", 79.9)]
     assert got[0].missing == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 

@@ -536,9 +536,6 @@ def test_for_failure_never_raises(tmp_path):
 
 RUNNER = """\
 import sys
-import ansible.module_utils, sglang_deploy, sglang_deploy.evidence, sglang_deploy.instance
-for name in ('', '.evidence', '.instance'):
-    sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy' + name] = sys.modules['sglang_deploy' + name]
 sys.argv = ['sglang_collect', {argfile!r}]
 exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
@@ -551,10 +548,7 @@ def run_module(tmp_path: Path, args: dict) -> tuple[int, dict]:
     runner.write_text(
         RUNNER.format(argfile=str(argfile), module=str(REPO / "plugins" / "modules" / "sglang_collect.py"))
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "plugins" / "module_utils"), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "collections"), os.environ.get("PYTHONPATH", "")])}
     env["PATH"] = str(tmp_path / "nobin")  # no systemctl, journalctl, nvidia-smi, py-spy, dmesg: all reported
     proc = subprocess.run([sys.executable, str(runner)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip(), proc.stderr

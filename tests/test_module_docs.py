@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import MODULE_UTILS, REPO
+from support import COLLECTIONS, REPO, env_with_pythonpath
 
 LIBRARY = sorted((REPO / "plugins" / "modules").glob("*.py"))
 NAMES = {p.stem for p in LIBRARY}
@@ -24,13 +25,9 @@ FQCN = "sglang.deploy"
 
 # Each module's argument spec as its main() passes it to AnsibleModule: main() runs with AnsibleModule replaced by a
 # recorder that stops it there (before any parameter is read), so a spec built inline needs no refactoring. In a
-# subprocess, with plugins/module_utils/ on ansible.module_utils' path as Ansible ships it (never in the test process, where
-# sglang_deploy is imported under its own name).
+# subprocess (never in the test process: main() is run), with collections/ on its PYTHONPATH for the package.
 CAPTURE = r"""
 import json, runpy, sys
-import ansible.module_utils as mu
-
-mu.__path__.append(sys.argv[1])
 
 
 class Captured(Exception):
@@ -42,7 +39,7 @@ def record(*args, **kwargs):
 
 
 specs = {}
-for path in sys.argv[2:]:
+for path in sys.argv[1:]:
     main = runpy.run_path(path, run_name="module_docs_capture")["main"]
     main.__globals__["AnsibleModule"] = record
     try:
@@ -56,7 +53,8 @@ print(json.dumps(specs))
 @pytest.fixture(scope="module")
 def specs() -> dict[str, dict]:
     proc = subprocess.run(
-        [sys.executable, "-c", CAPTURE, str(MODULE_UTILS), *map(str, LIBRARY)],
+        [sys.executable, "-c", CAPTURE, *map(str, LIBRARY)],
+        env=env_with_pythonpath(dict(os.environ), COLLECTIONS),
         capture_output=True,
         text=True,
         timeout=120,

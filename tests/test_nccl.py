@@ -531,9 +531,6 @@ def test_gloo_on_cpu_for_real():
 
 RUNNER = """\
 import sys
-import ansible.module_utils, sglang_deploy, sglang_deploy.nccl
-sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy'] = sglang_deploy
-sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.nccl'] = sglang_deploy.nccl
 sys.argv = ['nccl_preflight', {argfile!r}]
 exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
@@ -556,7 +553,7 @@ def run_module(tmp_path: Path, args: dict, report: dict | None) -> tuple[int, di
     runner.write_text(
         RUNNER.format(argfile=str(argfile), module=str(REPO / "plugins" / "modules" / "nccl_preflight.py"))
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "plugins" / "module_utils")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "collections")}
     proc = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, env=env, timeout=60)
     assert proc.stdout.strip(), proc.stderr
     return proc.returncode, json.loads(proc.stdout)

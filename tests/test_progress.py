@@ -340,10 +340,16 @@ def action_plugin(tmp_path, monkeypatch, args: dict, answer, clock):
     where = tmp_path / "progress"
     where.mkdir()
     monkeypatch.setenv(progress.PROGRESS_DIR_ENV, str(where))
-    task = SimpleNamespace(args=args, async_val=0, check_mode=False, action="sglang_server")
+    task = SimpleNamespace(args=args, async_val=0, check_mode=False, action="sglang.deploy.sglang_server")
     connection = SimpleNamespace(_shell=SimpleNamespace(tmpdir=str(tmp_path)))
     plugin = mod.ActionModule(task, connection, SimpleNamespace(check_mode=False), None, None)
-    plugin._execute_module = lambda module_name, module_args, task_vars: answer(module_name, dict(module_args))
+
+    def execute(module_name, module_args, task_vars):
+        # the collection's modules by their FQCN, the one name an installed copy has for them
+        assert module_name.startswith("sglang.deploy."), module_name
+        return answer(module_name.removeprefix("sglang.deploy."), dict(module_args))
+
+    plugin._execute_module = execute
     path = progress.progress_file(str(where), "gpu-01", "main")
 
     def sleep(s):

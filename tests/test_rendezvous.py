@@ -590,9 +590,6 @@ def test_two_ranks_meet_and_all_reduce_for_real_on_loopback():
 
 RUNNER = """\
 import sys
-import ansible.module_utils, sglang_deploy, sglang_deploy.rendezvous
-sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy'] = sglang_deploy
-sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.rendezvous'] = sglang_deploy.rendezvous
 sys.argv = ['sglang_rendezvous', {argfile!r}]
 exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
@@ -605,7 +602,7 @@ def run_module(tmp_path: Path, args: dict) -> tuple[int, dict]:
     runner.write_text(
         RUNNER.format(argfile=str(argfile), module=str(REPO / "plugins" / "modules" / "sglang_rendezvous.py"))
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "plugins" / "module_utils")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "collections")}
     proc = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, env=env, timeout=60)
     assert proc.stdout.strip(), proc.stderr
     return proc.returncode, json.loads(proc.stdout)

@@ -63,7 +63,7 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instan
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import Store
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock import InstanceLock, peek
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import Machine, Ports, Settings
-from support import MODULE_UTILS, env_with_pythonpath
+from support import COLLECTIONS, env_with_pythonpath
 
 UNIT = "sglang-m.service"
 KEY = "s3cret-key"
@@ -2012,7 +2012,7 @@ def test_a_lock_whose_holder_died_does_not_block(world, handlers):
         os._exit(0)  # dies holding it
     """)
     subprocess.run(
-        [sys.executable, "-c", code], env=env_with_pythonpath(dict(os.environ), MODULE_UTILS), check=True, timeout=30
+        [sys.executable, "-c", code], env=env_with_pythonpath(dict(os.environ), COLLECTIONS), check=True, timeout=30
     )
     holder = json.loads(Path(world.host.lock_dir, "m.lock").read_text())
     assert holder["controller"] == "ctl-dead"  # what it wrote is still there, the flock is not

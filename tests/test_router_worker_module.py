@@ -412,22 +412,24 @@ def test_the_documentation_describes_every_option_as_the_argument_spec_has_it():
     """validate-modules' rules, as far as they go here: each option documented with its description, type,
     default, choices and elements as the argument spec says; RETURN and EXAMPLES-free YAML that parses."""
     import json
+    import os
     import subprocess
     import sys
 
     import yaml
 
-    from support import MODULE_UTILS
+    from support import COLLECTIONS, env_with_pythonpath
     from support.modules import LIBRARY
 
-    # the module's globals as Ansible would import them (module_utils as ansible.module_utils'), in a child
+    # the module's globals as Ansible would import them (the package from collections/), in a child
     code = (
-        "import json, runpy, sys, ansible.module_utils as mu; mu.__path__.append(sys.argv[1]); "
-        "g = runpy.run_path(sys.argv[2], run_name='doc'); "
+        "import json, runpy, sys; "
+        "g = runpy.run_path(sys.argv[1], run_name='doc'); "
         "print(json.dumps({k: g[k] for k in ('DOCUMENTATION', 'RETURN', 'ARGUMENT_SPEC')}))"
     )
-    run = [sys.executable, "-c", code, str(MODULE_UTILS), str(LIBRARY / "sglang_router_worker.py")]
-    mod = json.loads(subprocess.run(run, check=True, capture_output=True, text=True).stdout)
+    run = [sys.executable, "-c", code, str(LIBRARY / "sglang_router_worker.py")]
+    env = env_with_pythonpath(dict(os.environ), COLLECTIONS)
+    mod = json.loads(subprocess.run(run, check=True, capture_output=True, text=True, env=env).stdout)
     doc = yaml.safe_load(mod["DOCUMENTATION"])
     spec = mod["ARGUMENT_SPEC"]
     assert set(doc["options"]) == set(spec)

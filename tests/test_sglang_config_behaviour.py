@@ -381,11 +381,15 @@ def test_an_unknown_tune_instance_lists_the_hosts_instances():
 
 
 def used_filters() -> set[str]:
-    """Every filter of this plugin that a role, a playbook or a golden render calls (`| name`)."""
+    """Every filter of this plugin that a role, a playbook or a golden render calls (`| sglang.deploy.name`: the
+    one name an installed collection has for it; none by its short name)."""
     ours = {"systemd_quote", "env_file_line"}
     found = set()
     for path in [*REPO.glob("roles/**/*.yml"), *REPO.glob("roles/**/*.j2"), *REPO.glob("playbooks/**/*.yml")]:
-        found |= {m for m in re.findall(r"\|[ \t]*(\w+)", path.read_text()) if m.startswith("sglang_") or m in ours}
+        text = path.read_text()
+        found |= set(re.findall(r"\|\s*sglang\.deploy\.(\w+)", text))
+        short = [m for m in re.findall(r"\|[ \t]*(\w+)\b(?!\.)", text) if m.startswith("sglang_") or m in ours]
+        assert not short, f"{path.relative_to(REPO)} calls {short} by the short name"
     return found
 
 

@@ -92,19 +92,17 @@ def run(tmp_path: Path, check_mode: bool = False, **args) -> dict:
 
 
 def run_module(tmp_path: Path, check_mode: bool = False, **args) -> dict:
-    """plugins/modules/sglang_patch.py as Ansible runs it, plugins/module_utils/ as ansible.module_utils' (as Ansible ships it)."""
+    """plugins/modules/sglang_patch.py as Ansible runs it, the package from collections/ (as Ansible ships it)."""
     args.setdefault("package", "pkg")
     args.setdefault("version", "1.2.3")
     if check_mode:
         args["_ansible_check_mode"] = True
     path = tmp_path / f"args-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    code = (
-        "import sys, runpy, ansible.module_utils as mu; mu.__path__.append(sys.argv[1]); "
-        "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
+    code = "import sys, runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(REPO / "plugins" / "module_utils"), str(MODULE), str(path)],
+        [sys.executable, "-c", code, str(MODULE), str(path)],
+        env={**os.environ, "PYTHONPATH": str(REPO / "collections")},
         capture_output=True,
         text=True,
         check=False,

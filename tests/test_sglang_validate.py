@@ -615,20 +615,20 @@ def test_a_parser_that_cannot_run_is_an_error_naming_the_python(tmp_path):
 
 # ---------------------------------------------------------------- the module, as Ansible runs it
 def run_module(tmp_path: Path, args: dict, path_dirs=()) -> dict:
-    """plugins/modules/sglang_validate.py with plugins/module_utils/ as ansible.module_utils' (as Ansible ships it)."""
+    """plugins/modules/sglang_validate.py as Ansible runs it, the package from collections/ (as Ansible ships it)."""
     args_file = tmp_path / "args.json"
     args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    code = (
-        "import sys, runpy, ansible.module_utils as mu; mu.__path__.append(sys.argv[1]); "
-        "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
-    env = {**os.environ, "PATH": os.pathsep.join([*map(str, path_dirs), os.environ["PATH"]])}
+    code = "import sys, runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join([*map(str, path_dirs), os.environ["PATH"]]),
+        "PYTHONPATH": str(REPO / "collections"),
+    }
     proc = subprocess.run(
         [
             sys.executable,
             "-c",
             code,
-            str(REPO / "plugins" / "module_utils"),
             str(REPO / "plugins" / "modules" / "sglang_validate.py"),
             str(args_file),
         ],

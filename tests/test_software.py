@@ -26,7 +26,7 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.softwa
     plan,
     prune,
 )
-from support import MODULE_UTILS, code_lines, env_with_pythonpath
+from support import COLLECTIONS, code_lines, env_with_pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -403,10 +403,7 @@ def test_migration_refuses_a_file_and_ignores_nothing_there(tmp_path, gens):
 
 
 DRIVER = """
-import runpy, sys
-import sglang_deploy, sglang_deploy.software
-sys.modules["ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy"] = sglang_deploy
-sys.modules["ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.software"] = sglang_deploy.software
+import runpy
 runpy.run_path({module!r}, run_name="__main__")
 """
 
@@ -417,7 +414,7 @@ def run_module(tmp_path: Path, check_mode: bool = False, **args) -> dict:
     path = tmp_path / f"args-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
     driver = DRIVER.format(module=str(MODULE))
-    env = env_with_pythonpath(dict(os.environ), MODULE_UTILS)  # sglang_deploy for the driver script
+    env = env_with_pythonpath(dict(os.environ), COLLECTIONS)  # the collection's package for the module
     proc = subprocess.run(
         [sys.executable, "-c", driver, str(path)], env=env, capture_output=True, text=True, check=False
     )

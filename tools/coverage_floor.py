@@ -7,8 +7,8 @@ coverage.py's --fail-under judges the total only; this reads its JSON report and
 
 Prints one line per file below the floor (its percentage and the lines it misses) and exits 1 when there is
 one, or when the report holds no file at all (no data: nothing was measured); exits 0 otherwise.
-The files judged are the report's: .coveragerc's `source` (plugins/module_utils/sglang_deploy, library, driver,
-filter_plugins), a file never imported included at 0 %.
+The files judged are the report's: .coveragerc's `source` (plugins/module_utils/sglang_deploy, plugins/modules,
+driver, plugins/filter, plugins/action), a file never imported included at 0 %.
 """
 
 from __future__ import annotations

@@ -3,20 +3,20 @@
     python tools/sanity.py            # every check below; exit 1 naming each failure
     python tools/sanity.py --keep     # and keep the collection it assembled (its path is printed)
 
-ansible-test only runs inside ansible_collections/<namespace>/<name>/, so this assembles the collection
-sglang.deploy in a temporary directory: plugins/modules (library/*.py), plugins/module_utils/sglang_deploy,
-plugins/action, plugins/filter, a minimal galaxy.yml and meta/runtime.yml, and tests/sanity/ignore-X.Y.txt
-from this repository's tests/sanity/. The one rewrite, in the copies only: the modules' imports of
-ansible.module_utils.sglang_deploy become the collection's (ansible-test refuses the other spelling).
+The repository is the collection sglang.deploy (galaxy.yml). ansible-test only runs inside a real
+ansible_collections/<namespace>/<name>/ directory (not through the checkout's collections/ symlink, which it
+resolves), so this builds the collection as it ships (`ansible-galaxy collection build`: what galaxy.yml's
+build_ignore leaves) and installs the tarball into a temporary directory, then adds tests/sanity/ (build_ignore
+leaves tests/ out) and runs the sanity tests there: what is judged is what a user installs, unchanged.
 ansible-test builds one virtualenv per sanity test under ~/.ansible/test/venv (from PyPI, the first time only).
-Then `ansible-doc -M library -t module NAME` for every module, from the repository as the playbooks use it.
+Then `ansible-doc sglang.deploy.NAME` for every module, from the checkout (ansible.cfg's collections_path) as the
+playbooks use it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -30,8 +30,9 @@ PYTHON = "3.11"
 # The sanity tests run, none needing a container. tests/sanity/ignore-X.Y.txt (ansible-core's X.Y) holds only what
 # ansible-lint's production profile lets a collection ignore (its `sanity` rule), each line with its reason. Left out:
 # pylint, pep8 and no-assert, whose findings are all in module_utils' code (`_` for an unused value, two local lambdas,
-# four asserts), which ruff lints and which a permitted ignore cannot cover; shellcheck, pslint and changelog, which
-# would check nothing (no shell or PowerShell plugin, no changelogs/).
+# four asserts), which ruff lints and which a permitted ignore cannot cover; shellcheck and pslint, which would check
+# nothing (no shell or PowerShell plugin); changelog, whose antsibull-changelog this virtualenv does not pin (issue
+# #33's next step: changelogs/ has its config and fragments).
 TESTS = [
     "validate-modules",
     "ansible-doc",
@@ -52,14 +53,6 @@ TESTS = [
     "use-argspec-type-path",
     "use-compat-six",
 ]
-MODULE_UTILS = f"ansible_collections.{NAMESPACE}.{NAME}.plugins.module_utils"
-IMPORTS = [
-    (re.compile(r"\bansible\.module_utils\.sglang_deploy\b"), f"{MODULE_UTILS}.sglang_deploy"),
-    (
-        re.compile(r"^from ansible\.module_utils import sglang_deploy$", re.M),
-        f"from {MODULE_UTILS} import sglang_deploy",
-    ),
-]
 # ansible-test starts each sanity virtualenv with get-pip.py from its own download host, which this workplace (and
 # CI) cannot reach: where none is cached, a stand-in is, that takes pip from the python's own ensurepip and then
 # installs what ansible-test asked for (pip==X, from the package index as any pip install does).
@@ -72,48 +65,24 @@ subprocess.check_call([sys.executable, "-m", "ensurepip", "--default-pip"])
 args = [a for a in sys.argv[1:] if a not in ("--no-setuptools", "--no-wheel")]  # get-pip.py's own flags
 subprocess.check_call([sys.executable, "-m", "pip", "install", *args])
 """
-GALAXY = f"""\
-namespace: {NAMESPACE}
-name: {NAME}
-version: 0.1.0
-readme: README.md
-authors: [sglang-deploy]
-"""
-
-
-def ansible_version() -> str:
-    """ansible-core's X.Y, as ansible-test names its ignore files."""
-    from ansible.release import __version__
-
-    return ".".join(__version__.split(".")[:2])
-
-
-def rewrite(text: str) -> str:
-    for pattern, spelling in IMPORTS:
-        text = pattern.sub(spelling, text)
-    return text
 
 
 def assemble(top: Path) -> Path:
-    """The collection under top/ansible_collections/sglang/deploy, returned."""
+    """The collection built from the repository and installed under top/ansible_collections/sglang/deploy (with
+    tests/sanity/ added), returned."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
+    env["ANSIBLE_COLLECTIONS_PATH"] = str(top)  # where it is installed (ansible-galaxy warns of any other)
+    galaxy = tool("ansible-galaxy")
+    built = top / "build"
+    run = {"env": env, "check": True, "stdout": subprocess.DEVNULL}
+    subprocess.run([galaxy, "collection", "build", "--output-path", str(built), str(REPO)], cwd=top, **run)
+    (tarball,) = built.glob(f"{NAMESPACE}-{NAME}-*.tar.gz")
+    # from top, no-deps: the checkout (ansible.cfg's collections_path) would count as installed already, and
+    # community.general is ansible's (pip), not needed by the sanity tests
+    argv = [galaxy, "collection", "install", "--no-deps", "--force", "-p", str(top), str(tarball)]
+    subprocess.run(argv, cwd=top, **run)
     root = top / "ansible_collections" / NAMESPACE / NAME
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    (root / "plugins" / "modules").mkdir(parents=True)
-    for src in sorted((REPO / "library").glob("*.py")):
-        (root / "plugins" / "modules" / src.name).write_text(rewrite(src.read_text()))
-    shutil.copytree(
-        REPO / "module_utils" / "sglang_deploy", root / "plugins" / "module_utils" / "sglang_deploy", ignore=skip
-    )
-    shutil.copytree(REPO / "action_plugins", root / "plugins" / "action", ignore=skip)
-    shutil.copytree(REPO / "filter_plugins", root / "plugins" / "filter", ignore=skip)
-    (root / "galaxy.yml").write_text(GALAXY)
-    (root / "README.md").write_text("# sglang.deploy\n\nAssembled by tools/sanity.py for ansible-test.\n")
-    (root / "meta").mkdir()
-    (root / "meta" / "runtime.yml").write_text(f'---\nrequires_ansible: ">={ansible_version()}.0"\n')
-    (root / "tests" / "sanity").mkdir(parents=True)
-    ignore = REPO / "tests" / "sanity" / f"ignore-{ansible_version()}.txt"
-    if ignore.is_file():
-        shutil.copy(ignore, root / "tests" / "sanity" / ignore.name)
+    shutil.copytree(REPO / "tests" / "sanity", root / "tests" / "sanity")
     return root
 
 
@@ -144,7 +113,7 @@ def tool(name: str) -> str:
 
 def sanity(root: Path, tests: list[str]) -> int:
     """ansible-test's exit status; its output goes to ours. No ANSIBLE_* of the repository's (its ansible.cfg
-    names library/ and module_utils/: the collection must be judged on its own)."""
+    names the checkout's collections/: the installed collection must be judged on its own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
     argv = [tool("ansible-test"), "sanity", "--color", "no", "--python", PYTHON]
     argv += [a for t in tests for a in ("--test", t)]
@@ -156,8 +125,8 @@ def docs() -> list[str]:
     """The modules whose `ansible-doc` fails or warns, each with its message."""
     env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
     bad = []
-    for src in sorted((REPO / "library").glob("*.py")):
-        argv = [tool("ansible-doc"), "-M", "library", "-t", "module", src.stem]
+    for src in sorted((REPO / "plugins" / "modules").glob("*.py")):
+        argv = [tool("ansible-doc"), "-t", "module", f"{NAMESPACE}.{NAME}.{src.stem}"]
         proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or proc.stderr.strip():
             bad.append(f"{' '.join(argv[1:])}: exit {proc.returncode}: {proc.stderr.strip() or proc.stdout[-500:]}")
@@ -180,6 +149,8 @@ def main() -> int:
         failures += docs()
     except FileNotFoundError as exc:  # no ansible-test or ansible-doc: the virtualenv is not set up
         failures.append(f"{exc.filename}: not found (make setup installs it)")
+    except subprocess.CalledProcessError as exc:  # the collection did not build or install
+        failures.append(f"{' '.join(exc.cmd[1:3])} exited {exc.returncode}")
     finally:
         if args.keep:
             print(f"the collection: {top / 'ansible_collections' / NAMESPACE / NAME}")

@@ -185,7 +185,7 @@ def test_every_outcome_a_module_fails_with_has_a_code():
 
 
 def test_help_from_the_repo_root_lists_the_locked_code():
-    """`python -m driver` imports ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.outcomes from the repository root, as is."""
+    """`python -m driver` imports the collection's outcomes (ansible_collections.sglang.deploy...) from the repository root, as is."""
     cmd = [sys.executable, "-m", "driver", "--help"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert f"  9  {exitcodes.MEANING[exitcodes.LOCKED]}" in out

@@ -1,7 +1,8 @@
 """Helpers shared by the test modules (not tests themselves): `from support import ...`.
 
-Importable because pytest.ini puts tests/ on the path (`pythonpath`), as it puts plugins/module_utils/
-(sglang_deploy), lab/ (lab.py) and lab/gpu_sim/ (nvsim). Fixtures live in tests/conftest.py
+Importable because pytest.ini puts tests/ on the path (`pythonpath`), as it puts collections/ (the checkout as
+the collection sglang.deploy: ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy), lab/ (lab.py)
+and lab/gpu_sim/ (nvsim). Fixtures live in tests/conftest.py
 and tests/e2e/conftest.py; no test module imports from another test module.
 """
 
@@ -17,6 +18,9 @@ from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE_UTILS = REPO / "plugins" / "module_utils"
+# The checkout as the collection (collections/ansible_collections/sglang/deploy -> ../../..): on a subprocess's
+# PYTHONPATH, the modules' imports of the host package and the collection's plugins resolve to this repository.
+COLLECTIONS = REPO / "collections"
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 import nvsim
-from support import MODULE_UTILS, REPO, env_with_pythonpath
+from support import COLLECTIONS, MODULE_UTILS, REPO, env_with_pythonpath
 
 GPU_SIM = REPO / "lab" / "gpu_sim"
 
@@ -136,18 +136,15 @@ def install_gate(root: Path) -> Path:
 
 GPU_STATE_RUNNER = """\
 import sys
-import ansible.module_utils, sglang_deploy, sglang_deploy.gpu
-sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy'] = sglang_deploy
-sys.modules['ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.gpu'] = sglang_deploy.gpu
 sys.argv = ['gpu_state', {argfile!r}]
 exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': '__main__'}})
 """
 
 
 def run_gpu_state(env: dict, args: dict, workdir: Path | None = None) -> tuple[int, dict]:
-    """plugins/modules/gpu_state.py run as Ansible runs it (arguments as JSON, the package as ansible.module_utils.X).
+    """plugins/modules/gpu_state.py run as Ansible runs it (arguments as JSON, the package from collections/).
 
-    Files go to workdir (default: beside LAB_GPU_STATE); sglang_deploy comes from PYTHONPATH.
+    Files go to workdir (default: beside LAB_GPU_STATE); the package comes from PYTHONPATH (collections/).
     """
     workdir = workdir or Path(env["LAB_GPU_STATE"]).parent
     argfile = workdir / "args.json"
@@ -158,7 +155,7 @@ def run_gpu_state(env: dict, args: dict, workdir: Path | None = None) -> tuple[i
     )
     proc = subprocess.run(
         [sys.executable, str(runner)],
-        env=env_with_pythonpath(env, MODULE_UTILS),
+        env=env_with_pythonpath(env, COLLECTIONS),
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,8 +1,9 @@
 """plugins/modules/NAME.py run as Ansible runs it, and the small loopback fakes its tests need.
 
 `run_module` starts the module file itself (runpy, under its own path, so coverage counts it) with its arguments
-as Ansible passes them ({"ANSIBLE_MODULE_ARGS": ...} in a file) and plugins/module_utils/ as ansible.module_utils' (as
-Ansible ships it); its JSON result is returned with its exit status (0: exit_json, 1: fail_json).
+as Ansible passes them ({"ANSIBLE_MODULE_ARGS": ...} in a file) and collections/ on its PYTHONPATH, so that its
+imports of ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy are this repository's files (as
+Ansible ships them); its JSON result is returned with its exit status (0: exit_json, 1: fail_json).
 """
 
 from __future__ import annotations
@@ -18,15 +19,13 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from support import MODULE_UTILS, REPO
+from support import COLLECTIONS, REPO, env_with_pythonpath
 
 LIBRARY = REPO / "plugins" / "modules"
 
-# ansible.module_utils is a package of the installed Ansible: plugins/module_utils/ joins its path, so
-# ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy is this repository's package, imported from its files.
+# The prelude (argv[1]), then the module (argv[2]) with its argument file; the package comes from PYTHONPATH.
 RUNNER = (
-    "import sys, runpy, ansible.module_utils as mu; mu.__path__.append(sys.argv[1]); "
-    "exec(sys.argv[2]); sys.argv = sys.argv[3:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    "import sys, runpy; exec(sys.argv[1]); sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 
 
@@ -44,8 +43,8 @@ def run_module(
     argfile = workdir / f"args-{name}-{os.urandom(4).hex()}.json"
     argfile.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": payload}))
     proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(MODULE_UTILS), prelude, str(LIBRARY / f"{name}.py"), str(argfile)],
-        env=os.environ if env is None else env,
+        [sys.executable, "-c", RUNNER, prelude, str(LIBRARY / f"{name}.py"), str(argfile)],
+        env=env_with_pythonpath(dict(os.environ if env is None else env), COLLECTIONS),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import (
-    software,  # plugins/module_utils/ is on the path: pytest.ini's pythonpath (the rootdir's)
+    software,  # collections/ is on the path: pytest.ini's pythonpath (the rootdir's)
 )
 
 REPO = Path(__file__).resolve().parents[3]
