@@ -47,6 +47,38 @@ def test_outcome_names_are_spelled_once_in_the_modules_and_the_state_machine():
         assert not hits, f"{path.relative_to(REPO)} spells outcomes as strings: {hits}"
 
 
+PACKAGE = "ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy"
+
+
+def test_the_host_package_has_one_import_name():
+    """Issue #33: the modules, plugins, driver, tests, tools and bench import the host package as the collection
+    sglang.deploy ships it, never as sglang_deploy, module_utils.sglang_deploy or ansible.module_utils.sglang_deploy
+    (the hosts' scripts import their installed copies as sglang_deploy: roles/*/files, and strings that make them)."""
+    offences = []
+    dirs = ["plugins", "driver", "tests", "tools", "bench", "lab", "molecule"]
+    for path in sorted(p for d in dirs for p in (REPO / d).rglob("*.py")):
+        if path.parent == REPO / "plugins" / "module_utils" / "sglang_deploy":
+            continue  # relative imports between its own files
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            wrong = [n for n in names if "sglang_deploy" in n.split(".") and not n.startswith(PACKAGE)]
+            if wrong:
+                offences.append(f"{path.relative_to(REPO)}:{node.lineno}: imports {', '.join(wrong)}")
+    assert offences == []
+
+
+def test_the_plugins_and_modules_change_no_import_path():
+    """The collection loader finds the package for them (from a checkout, collections/ is the collection)."""
+    for kind in ("modules", "filter", "action"):
+        for path in (REPO / "plugins" / kind).glob("*.py"):
+            assert not PATH_CALL.search(path.read_text()), path.relative_to(REPO)
+
+
 # ---------------------------------------------------------------- the tests' own layout (#11)
 
 TEST_FILES = sorted([*(REPO / "tests").rglob("*.py"), *(REPO / "molecule").glob("*/tests/*.py")])

@@ -22,7 +22,9 @@ the names alone:
     discovery  smg's discovery file: the workers declared, edited under a lock
     sentinel   the hung-worker sentinel beside each gateway (run on the gateway's host)
 
-Nothing here imports Ansible: the modules are thin adapters over these, and the
-unit tests import them directly (as ``sglang_deploy.X`` with module_utils on sys.path).
-Imports between these files are relative.
+Nothing here imports Ansible: the modules are thin adapters over these. On the controller everything (the
+modules, the filter and action plugins, the driver, the unit tests) imports them by one name, as the collection
+sglang.deploy ships them: ``ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.X`` (from a
+checkout, collections/ on sys.path). On the hosts, the gate, the launcher and the sentinel import the copies
+installed beside them as ``sglang_deploy.X``. Imports between these files are relative, so both names work.
 """
