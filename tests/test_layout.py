@@ -52,8 +52,8 @@ PACKAGE = "ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy"
 
 def test_the_host_package_has_one_import_name():
     """Issue #33: the modules, plugins, driver, tests, tools and bench import the host package as the collection
-    sglang.deploy ships it, never as sglang_deploy, module_utils.sglang_deploy or ansible.module_utils.sglang_deploy
-    (the hosts' scripts import their installed copies as sglang_deploy: roles/*/files, and strings that make them)."""
+    sglang.deploy ships it: never by its bare name, nor under module_utils or ansible.module_utils as before (the
+    hosts' scripts import their installed copies by the bare name: roles/*/files, and strings that make them)."""
     offences = []
     dirs = ["plugins", "driver", "tests", "tools", "bench", "lab", "molecule"]
     for path in sorted(p for d in dirs for p in (REPO / d).rglob("*.py")):
