@@ -63,7 +63,7 @@ def worker_calls():
     """Every sglang_router_worker task of the roles and playbooks: (file, its arguments)."""
     for path in sorted([*REPO.glob("roles/*/tasks/*.yml"), *REPO.glob("playbooks/*.yml")]):
         for item in walk(yaml.safe_load(path.read_text()) or []):
-            args = item.get("sglang_router_worker")
+            args = item.get("sglang.deploy.sglang_router_worker")
             if isinstance(args, dict):
                 yield path.relative_to(REPO), args
 
