@@ -21,7 +21,7 @@ MOLECULE ?= molecule
 COV := --cov --cov-report=term
 COV_FLOOR := 80
 
-.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint lint-only pytest unit e2e molecule upgrade-check lock lock-sglang mutate mutate-ci clean
+.PHONY: help setup doctor image lab-up lab-down lab-status demo test test-lab test-rest coverage-floor lint lint-only pytest unit e2e molecule upgrade-check lock lock-sglang mutate mutate-ci ee-context clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -118,6 +118,10 @@ mutate: setup ## mutmut over the operations core: killed, survived and the score
 
 mutate-ci: ## make test's subset: the mutants of the core functions changed since docs/bench/mutation.json
 	@$(BIN)/python tools/mutate.py --ci
+
+ee-context: setup ## the execution environment's build context in .ee/context (then: ansible-builder build -c .ee/context)
+	@rm -rf .ee && $(BIN)/ansible-galaxy collection build --output-path .ee/dist . >/dev/null
+	@$(BIN)/ansible-builder create -f execution-environment.yml -c .ee/context
 
 upgrade-check: setup ## does the patch series apply to SGLANG_CANDIDATE? (fetches its wheel, changes nothing)
 	@test -n "$(SGLANG_CANDIDATE)" || { echo "usage: make upgrade-check SGLANG_CANDIDATE=X.Y.Z" >&2; exit 2; }
