@@ -85,7 +85,7 @@ molecule: image ## every molecule scenario (create, converge, idempotence, check
 # done, which would otherwise leave a core idle. Their containers (labels, names), networks and ports never meet.
 # Each line is prefixed with its stream; the coverage of every run is combined, then held to the floors. Each
 # e2e run's every test time is in .lab-tests/{lab,rest}.xml (JUnit XML), to balance the streams by.
-E2E_REST := tests/e2e/test_tune.py tests/e2e/test_rollout_groups.py tests/e2e/test_restart_multinode.py tests/e2e/test_durability.py tests/e2e/test_secrets.py
+E2E_REST := tests/e2e/test_collection.py tests/e2e/test_tune.py tests/e2e/test_rollout_groups.py tests/e2e/test_restart_multinode.py tests/e2e/test_durability.py tests/e2e/test_secrets.py
 test: ## every test: (lint, unit tests, molecule, E2E_REST) beside the other lab tests, then the coverage floors
 	@rm -f .coverage .coverage.lab .coverage.lab-rest .coverage.unit
 	@$(MAKE) --no-print-directory -j2 test-lab test-rest

@@ -1,4 +1,5 @@
-"""python -m driver: deploy, restart, verify, validate, status, rollback, preflight, collect, rollout, tune, history.
+"""python -m driver: deploy, restart, verify, validate, status, rollback, preflight, collect, rollout, tune, history,
+report.
 
 Only argparse is imported at start-up: `--help` answers at once (bench/driver_help.py).
 """
@@ -195,6 +196,17 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--compare", action="store_true", help="profiles side by side from the recorded measurements")
     h.add_argument("-n", "--last", type=int, default=20, help="how many runs to list")
     h.add_argument("--json", action="store_true", help="machine-readable output")
+    from driver import report  # argparse only: the command's own imports wait until it runs
+
+    report.arguments(
+        sub.add_parser(
+            "report",
+            help="the summary, exit code and (--record) ledger row of a run AWX or ansible-navigator played",
+            description="The driver's account of a run it did not start, from its job events (docs/awx.md).",
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     return p
 
 
@@ -445,6 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = argv  # what a run records (redacted): the arguments parsed, not sys.argv when called with others
         if args.command == "history":
             return history(args)
+        if args.command == "report":
+            from driver import report
+
+            return report.main(args, {name: path for name, (path, _) in PLAYBOOKS.items()})
         if args.command == "tune":
             from driver import tune
 

@@ -1,0 +1,89 @@
+"""The collection as a user gets it (issue #33): `ansible-galaxy collection build`, then `ansible-galaxy collection
+install` of the tarball into an empty path, then the deploy playbook by its name from a directory outside the
+checkout, with none of the checkout's settings (no ansible.cfg, no collections/ symlink) — through ansible-playbook
+and through ansible-navigator (--ee false: the image is AWX's to build, execution-environment.yml).
+
+Each run must put back what this test removed from lab-node1 (the GPU gate, its package copied from the collection's
+plugins/module_utils, the launcher), so the deploy's tasks ran from the installed copy, not only parsed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from support import REPO
+from support.e2e import VENV_BIN, controller_env, podman_exec
+
+pytestmark = pytest.mark.lab
+
+NODE = "lab-node1"
+GATE_DIR = "/usr/local/libexec/sglang-deploy"
+PUT_BACK = [f"{GATE_DIR}/sglang-gpu-gate", f"{GATE_DIR}/sglang_deploy/gpu.py", f"{GATE_DIR}/sglang-boot-guard"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The collection built from the checkout and installed into an empty collections path."""
+    top = tmp_path_factory.mktemp("galaxy")
+    run(VENV_BIN / "ansible-galaxy", "collection", "build", "--output-path", top / "dist", REPO, cwd=top)
+    (tarball,) = (top / "dist").iterdir()
+    # --no-deps: community.general comes with the `ansible` package, as on the controller (never Galaxy, offline)
+    run(VENV_BIN / "ansible-galaxy", "collection", "install", "--no-deps", "-p", top / "collections", tarball, cwd=top)
+    return top / "collections"
+
+
+def run(*argv, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, text=True, capture_output=True)
+    assert proc.returncode == 0, f"{argv[0]} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def outside(installed: Path, tmp_path: Path) -> dict[str, str]:
+    """A user's environment: the installed path the only place sglang.deploy is, no checkout settings."""
+    env = {k: v for k, v in controller_env().items() if not k.startswith("ANSIBLE_")}
+    env |= {"ANSIBLE_COLLECTIONS_PATH": str(installed), "ANSIBLE_FORCE_COLOR": "0", "HOME": str(Path.home())}
+    listed = run(VENV_BIN / "ansible-galaxy", "collection", "list", "sglang.deploy", cwd=tmp_path, env=env).stdout
+    assert str(installed) in listed and str(REPO) not in listed, listed
+    return env
+
+
+def remove_the_gate(container: str) -> None:
+    podman_exec(container, "rm", "-rf", GATE_DIR)
+    for path in PUT_BACK:
+        assert podman_exec(container, "sh", "-c", f"test -e {path} || echo gone").strip() == "gone"
+
+
+def assert_put_back(container: str) -> None:
+    for path in PUT_BACK:
+        podman_exec(container, "test", "-s", path)
+
+
+def test_the_installed_collection_deploys_the_lab_through_ansible_playbook(deployed, installed, tmp_path):
+    the_lab, hosts = deployed
+    container = next(h["container"] for h in hosts if h["name"] == NODE)
+    env = outside(installed, tmp_path)
+    remove_the_gate(container)
+    proc = run(
+        VENV_BIN / "ansible-playbook", "sglang.deploy.deploy", "-i", the_lab.inventory, "--limit", NODE,
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert "failed=0" in proc.stdout and f"{NODE}" in proc.stdout, proc.stdout[-3000:]
+    assert_put_back(container)
+
+
+def test_the_installed_collection_deploys_the_lab_through_ansible_navigator(deployed, installed, tmp_path):
+    the_lab, hosts = deployed
+    container = next(h["container"] for h in hosts if h["name"] == NODE)
+    env = outside(installed, tmp_path)
+    remove_the_gate(container)
+    # --pae false: no playbook artefact (AWX keeps its own job events); its log under this test's directory
+    proc = run(
+        VENV_BIN / "ansible-navigator", "run", "sglang.deploy.deploy", "--ee", "false", "-m", "stdout",
+        "--pae", "false", "--lf", tmp_path / "navigator.log", "-i", the_lab.inventory, "--limit", NODE,
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert "failed=0" in proc.stdout, proc.stdout[-3000:]
+    assert_put_back(container)
