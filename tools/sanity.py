@@ -10,7 +10,7 @@ build_ignore leaves) and installs the tarball into a temporary directory, then a
 leaves tests/ out) and runs the sanity tests there: what is judged is what a user installs, unchanged.
 ansible-test builds one virtualenv per sanity test under ~/.ansible/test/venv (from PyPI, the first time only).
 Then `ansible-doc sglang.deploy.NAME` for every module, from the checkout (ansible.cfg's collections_path) as the
-playbooks use it.
+playbooks use it, and `antsibull-changelog lint` on changelogs/.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ PYTHON = "3.11"
 # ansible-lint's production profile lets a collection ignore (its `sanity` rule), each line with its reason. Left out:
 # pylint, pep8 and no-assert, whose findings are all in module_utils' code (`_` for an unused value, two local lambdas,
 # four asserts), which ruff lints and which a permitted ignore cannot cover; shellcheck and pslint, which would check
-# nothing (no shell or PowerShell plugin); changelog, whose antsibull-changelog this virtualenv does not pin (issue
-# #33's next step: changelogs/ has its config and fragments).
+# nothing (no shell or PowerShell plugin); changelog, which wants antsibull-changelog in a virtualenv of its own from
+# the index: the pinned one (requirements.lock) lints the fragments instead (changelog_lint).
 TESTS = [
     "validate-modules",
     "ansible-doc",
@@ -133,6 +133,13 @@ def docs() -> list[str]:
     return bad
 
 
+def changelog_lint() -> list[str]:
+    """antsibull-changelog's findings on changelogs/ (its config, changelog.yaml and every fragment)."""
+    proc = subprocess.run([tool("antsibull-changelog"), "lint"], cwd=REPO, capture_output=True, text=True)
+    out = (proc.stdout + proc.stderr).strip()
+    return [f"antsibull-changelog lint: exit {proc.returncode}: {out}"] if proc.returncode or out else []
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keep", action="store_true", help="keep the assembled collection")
@@ -147,6 +154,7 @@ def main() -> int:
         if rc != 0:
             failures.append(f"ansible-test sanity exited {rc} (its errors above)")
         failures += docs()
+        failures += changelog_lint()
     except FileNotFoundError as exc:  # no ansible-test or ansible-doc: the virtualenv is not set up
         failures.append(f"{exc.filename}: not found (make setup installs it)")
     except subprocess.CalledProcessError as exc:  # the collection did not build or install
