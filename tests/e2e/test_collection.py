@@ -45,6 +45,8 @@ def outside(installed: Path, tmp_path: Path) -> dict[str, str]:
     """A user's environment: the installed path the only place sglang.deploy is, no checkout settings."""
     env = {k: v for k, v in controller_env().items() if not k.startswith("ANSIBLE_")}
     env |= {"ANSIBLE_COLLECTIONS_PATH": str(installed), "ANSIBLE_FORCE_COLOR": "0", "HOME": str(Path.home())}
+    # the controller's virtualenv active, as a user's is (ansible-navigator --ee false runs the ansible on PATH)
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     listed = run(VENV_BIN / "ansible-galaxy", "collection", "list", "sglang.deploy", cwd=tmp_path, env=env).stdout
     assert str(installed) in listed and str(REPO) not in listed, listed
     return env
