@@ -1,6 +1,7 @@
 """python -m driver: deploy, restart, verify, validate, status, rollback, preflight, collect, rollout, tune, history,
 report.
 
+Installed (pip install .), the same CLI is the console script sglang-deploy (console() below, pyproject.toml).
 Only argparse is imported at start-up: `--help` answers at once (bench/driver_help.py).
 """
 
@@ -10,8 +11,13 @@ import argparse
 import pathlib
 import sys
 
-from driver import exitcodes
+from driver import exitcodes, paths
 
+# How the operator called the driver: in its help, its refusals, and what the hosts are told ran them.
+PROG = "python -m driver"
+CONSOLE_SCRIPT = "sglang-deploy"
+
+# Each command's playbook, a path from the collection's root (the checkout, or the installed collection).
 PLAYBOOKS = {
     "deploy": (
         "playbooks/deploy.yml",
@@ -94,14 +100,20 @@ def tune_arguments(sp: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m driver",
+        prog=PROG,
         description="Deploy and operate SGLang servers (sglang-deploy).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-i", "--inventory", help="inventory (default: the local lab, inventory/lab/hosts.yml)")
+    common.add_argument(
+        "-i",
+        "--inventory",
+        help="inventory (default: the local lab, inventory/lab/hosts.yml)"
+        if paths.CHECKOUT
+        else "inventory (required: the installed driver has no default; or set $ANSIBLE_INVENTORY)",
+    )
     common.add_argument("--limit", help="hosts or groups to act on (Ansible's --limit)")
     common.add_argument("--profile", help="the named profile to run (sets sglang_profile)")
     common.add_argument(
@@ -233,7 +245,7 @@ def extravars(args: argparse.Namespace) -> list[str]:
 
 def usage_error(args: argparse.Namespace, message: str) -> int:
     """Exit 2 before anything ran: the message on stderr; with --json, also the one result document on stdout."""
-    print(f"python -m driver {args.command}: {message}", file=sys.stderr)
+    print(f"{PROG} {args.command}: {message}", file=sys.stderr)
     if getattr(args, "json", False):
         import json
 
@@ -291,7 +303,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
         verbosity=args.verbose,
         env={
             "SGLANG_DEPLOY_CANCEL_FILE": str(run_dir / "cancel"),
-            "SGLANG_DEPLOY_COMMAND": f"python -m driver {args.command}",
+            "SGLANG_DEPLOY_COMMAND": f"{PROG} {args.command}",
             evidence.ENV: str(evidence.directory(run_dir)),
         },
         scrub=redactor.scrub if redactor.secrets else None,
@@ -448,6 +460,13 @@ def history(args: argparse.Namespace) -> int:
             )
     display.console().print(table)
     return exitcodes.OK
+
+
+def console() -> None:
+    """The console script sglang-deploy (an installed driver): python -m driver under its own name."""
+    global PROG
+    PROG = CONSOLE_SCRIPT
+    sys.exit(main())
 
 
 def main(argv: list[str] | None = None) -> int:

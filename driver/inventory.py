@@ -20,8 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT = REPO / "inventory" / "lab" / "hosts.yml"
+from driver import paths
+
+# The lab's inventory: a checkout's default; installed, there is none (driver/paths.py) and -i is required.
+DEFAULT = paths.default_inventory()
 
 
 class InventoryError(Exception):
@@ -36,13 +38,18 @@ class Checked:
 
 
 def source_of(inventory: str | None) -> str:
-    """The inventory a run uses: -i, else $ANSIBLE_INVENTORY (as Ansible reads it), else the local lab's."""
+    """The inventory a run uses: -i, else $ANSIBLE_INVENTORY (as Ansible reads it), else the local lab's (from a
+    checkout only: the installed driver has no default)."""
     if inventory is not None:
         if not inventory.strip():
             raise InventoryError("no inventory: -i was given an empty value")
         return inventory
     if os.environ.get("ANSIBLE_INVENTORY"):
         return os.environ["ANSIBLE_INVENTORY"]
+    if DEFAULT is None:
+        raise InventoryError(
+            "no inventory: pass -i/--inventory (or set $ANSIBLE_INVENTORY): the installed driver has no default one"
+        )
     if not DEFAULT.exists():
         raise InventoryError(f"no inventory: the lab is not up (make lab-up) or pass -i ({DEFAULT} does not exist)")
     return str(DEFAULT)
@@ -104,13 +111,13 @@ def check(
     extravars: Sequence[str] = (),
 ) -> Checked:
     """Parse the inventory as ansible-playbook will, and match --limit part by part; given the playbook (a path
-    from the repository's root, as cli.PLAYBOOKS names it), also the selection against its plays' hosts and
+    from the collection's root, as cli.PLAYBOOKS names it), also the selection against its plays' hosts and
     each --instance against the selected hosts' sglang_instances, with -e (extravars, as ansible-playbook takes
     them). InventoryError if unusable."""
     source = source_of(inventory)
     if "," not in source and not Path(source).exists():
         raise InventoryError(f"inventory {source}: no such file or directory")
-    os.environ.setdefault("ANSIBLE_CONFIG", str(REPO / "ansible.cfg"))  # as runner.py gives ansible-playbook
+    os.environ.setdefault("ANSIBLE_CONFIG", str(paths.ansible_cfg()))  # as runner.py gives ansible-playbook
     # Heavy (about a second): imported only when a command runs, never for --help.
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager, split_host_pattern
@@ -227,7 +234,7 @@ def _selection(inv, loader, source: str, limit, playbook: str, instances, extrav
         extra = _extra_vars(loader, extravars)
     except AnsibleError:
         return hosts  # ansible-playbook says what is wrong with the -e
-    path = Path(playbook) if Path(playbook).is_absolute() else REPO / playbook
+    path = Path(playbook) if Path(playbook).is_absolute() else paths.collection() / playbook
 
     # The hosts each play runs on, its `hosts:` rendered as ansible-playbook renders it (the play's vars, -e,
     # the magic variables a play's hosts can use before it runs: groups, playbook_dir; another is undefined

@@ -14,11 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import shlex
-from pathlib import Path
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
+from driver import paths
 
-REPO = Path(__file__).resolve().parent.parent
 # Short values (true, 1, "") are not worth hiding in the event stream, and would blank out ordinary words.
 MIN_SCRUB_LEN = 4
 
@@ -29,7 +28,7 @@ def declared() -> frozenset[str]:
     import yaml
 
     names = set()
-    for spec in sorted(REPO.glob("roles/*/meta/argument_specs.yml")):
+    for spec in sorted(paths.collection().glob("roles/*/meta/argument_specs.yml")):
         data = yaml.safe_load(spec.read_text(encoding="utf-8")) or {}
         for entry in (data.get("argument_specs") or {}).values():
             for name, option in ((entry or {}).get("options") or {}).items():

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.progress import PROGRESS_DIR_ENV
-
-REPO = Path(__file__).resolve().parent.parent
+from driver import paths
 
 # Event fields the driver never needs; dropped before events are handed on or recorded.
 _BULKY = ("stdout",)
@@ -122,28 +121,32 @@ def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_e
     # ansible-runner reads its settings from this file only (a settings= argument is dropped without it).
     (private / "env").mkdir(mode=0o700)
     (private / "env" / "settings").write_text(json.dumps({"pexpect_timeout": POLL_S}), encoding="utf-8")
+    collection = paths.collection()  # the checkout, or the installed collection (driver/paths.py)
     envvars = {
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        # The checkout's ansible.cfg; installed, the copy of it the wheel carries.
+        "ANSIBLE_CONFIG": str(paths.ansible_cfg()),
         "ANSIBLE_FORCE_COLOR": "0",
         "ANSIBLE_NOCOLOR": "1",
         # ansible-runner runs from its private dir: name the project's plugin paths outright.
-        "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
-        # The checkout is the collection sglang.deploy (collections/ansible_collections/sglang/deploy: a
-        # symlink onto it), ahead of any installed copy.
+        "ANSIBLE_ROLES_PATH": str(collection / "roles"),
+        # The collection sglang.deploy the driver belongs to (a checkout's collections/, whose
+        # ansible_collections/sglang/deploy is a symlink onto it; or the site-packages it is installed in), ahead of
+        # any other copy.
         "ANSIBLE_COLLECTIONS_PATH": os.pathsep.join(
-            [str(REPO / "collections"), "~/.ansible/collections", "/usr/share/ansible/collections"]
+            [str(paths.collections_path()), "~/.ansible/collections", "/usr/share/ansible/collections"]
         ),
         # The ansible-playbook of this Python's environment (.venv), whether on PATH or not.
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         **(job.env or {}),
         **({PROGRESS_DIR_ENV: str(job.progress_dir)} if job.progress_dir else {}),
     }
-    if not job.inventory:
-        envvars["ANSIBLE_INVENTORY"] = str(REPO / "inventory" / "lab" / "hosts.yml")
+    default = paths.default_inventory()
+    if not job.inventory and default:
+        envvars["ANSIBLE_INVENTORY"] = str(default)
     r = ansible_runner.run(
         private_data_dir=str(private),
-        project_dir=str(REPO),
-        playbook=str(REPO / job.playbook),
+        project_dir=str(collection),
+        playbook=str(collection / job.playbook),
         inventory=inventory_arg(job.inventory),
         limit=job.limit,
         cmdline=shlex.join(cmdline) or None,

@@ -140,7 +140,7 @@ class Sweep:
             verbosity=self.args.verbose,
             env={
                 "SGLANG_DEPLOY_CANCEL_FILE": str(step_dir / "cancel"),
-                "SGLANG_DEPLOY_COMMAND": "python -m driver tune",
+                "SGLANG_DEPLOY_COMMAND": f"{cli.PROG} tune",
                 evidence.ENV: str(evidence.directory(step_dir)),
             },
             scrub=self.redactor.scrub if self.redactor.secrets else None,

@@ -106,6 +106,11 @@ PATH_RULES: list[tuple[re.Pattern[str], str]] = [
 ]
 
 # Exact edits of one file each: (path, old, new). Applied when old is there; a note when neither is.
+# Edits whose result a later hand-made commit replaced: in these files, the text given here (the hand fix's) stands
+# for the edit's result, so that --check stays quiet on them. driver/runner.py: the installed driver (issue #33's
+# pyproject.toml) names its collections path through driver/paths.py, a checkout's collections/ or site-packages.
+SUPERSEDED = {"driver/runner.py": "str(paths.collections_path())"}
+
 EDITS: list[tuple[str, str, str]] = [
     (
         "ansible.cfg",
@@ -308,7 +313,7 @@ def rewrite(dry: bool, changes: list[str]) -> list[str]:
                 continue
             if old in new:
                 new = new.replace(old, repl)
-            else:
+            elif SUPERSEDED.get(rel, "\0") not in new:
                 print(f"collectionize: {rel}: an edit found neither its text nor its result (look by hand)")
         steps: list[Callable[[str], str]] = []
         if rel.endswith(".py"):
