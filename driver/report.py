@@ -80,14 +80,14 @@ def flatten(doc) -> list:
 
 
 def command_of(events: list[dict], playbooks: dict[str, str]) -> str | None:
-    """The driver command whose playbook the run played: playbook_on_start's `playbook`, a path (playbooks/X.yml, an
-    AWX project's) or the collection's name (sglang.deploy.X)."""
+    """The driver command whose playbook the run played: playbook_on_start's `playbook`, a path (the checkout's, an
+    AWX project's: the same file name) or the collection's name (sglang.deploy.NAME)."""
     for e in events:
         if e.get("event") == "playbook_on_start":
             played = str((e.get("event_data") or {}).get("playbook") or "")
-            stem = played.rsplit(".", 1)[-1] if not played.endswith((".yml", ".yaml")) else Path(played).stem
             for command, path in playbooks.items():
-                if Path(path).stem == stem:
+                name = Path(path).name
+                if played in (name, f"sglang.deploy.{Path(path).stem}") or played.endswith(f"/{name}"):
                     return command
     return None
 
@@ -153,7 +153,9 @@ def main(args: argparse.Namespace, playbooks: dict[str, str]) -> int:
 def usage(args: argparse.Namespace, message: str) -> int:
     import sys
 
-    print(f"python -m driver report: {message}", file=sys.stderr)
+    from driver.cli import PROG  # python -m driver, or sglang-deploy
+
+    print(f"{PROG} report: {message}", file=sys.stderr)
     if args.json:
         print(json.dumps({"command": "report", "exit_code": exitcodes.USAGE, "error": message, "run_id": None}))
     return exitcodes.USAGE

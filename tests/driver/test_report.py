@@ -116,3 +116,20 @@ def test_a_directory_without_runner_events_and_a_missing_file_are_usage_errors(t
     assert "without job_events/*.json" in capsys.readouterr().err
     assert report(str(tmp_path / "nope.json")) == exitcodes.USAGE
     assert "nope.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("played", "command"),
+    [
+        ("sglang.deploy.verify", "verify"),  # ansible-navigator run sglang.deploy.verify
+        ("/runner/project/playbooks/verify.yml", "verify"),  # an AWX project's checkout
+        ("verify.yml", "verify"),
+        ("sglang.deploy.unverify", None),
+        ("/x/playbooks/averify.yml", None),
+    ],
+)
+def test_the_command_is_the_playbook_the_events_name_by_path_or_collection_name(played, command):
+    from driver.report import command_of
+
+    events = [{"event": "playbook_on_start", "event_data": {"playbook": played}}]
+    assert command_of(events, {name: path for name, (path, _) in cli.PLAYBOOKS.items()}) == command

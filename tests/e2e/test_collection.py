@@ -1,7 +1,8 @@
 """The collection as a user gets it (issue #33): `ansible-galaxy collection build`, then `ansible-galaxy collection
 install` of the tarball into an empty path, then the deploy playbook by its name from a directory outside the
 checkout, with none of the checkout's settings (no ansible.cfg, no collections/ symlink) — through ansible-playbook
-and through ansible-navigator (--ee false: the image is AWX's to build, execution-environment.yml).
+and through ansible-navigator (--ee false: the image is AWX's to build, execution-environment.yml); and the driver
+as `pip install .` gives it (sglang-deploy), its playbooks from the collection installed with it.
 
 Each run must put back what this test removed from lab-node1 (the GPU gate, its package copied from the collection's
 plugins/module_utils, the launcher), so the deploy's tasks ran from the installed copy, not only parsed.
@@ -9,6 +10,7 @@ plugins/module_utils, the launcher), so the deploy's tasks ran from the installe
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from support import REPO
 from support.e2e import VENV_BIN, controller_env, podman_exec
+from support.package import clean_env, installed_driver
 
 pytestmark = pytest.mark.lab
 
@@ -89,3 +92,21 @@ def test_the_installed_collection_deploys_the_lab_through_ansible_navigator(depl
     )  # fmt: skip
     assert "failed=0" in proc.stdout, proc.stdout[-3000:]
     assert_put_back(container)
+
+
+def test_the_pip_installed_driver_reports_the_lab_status_from_outside_the_checkout(deployed, tmp_path):
+    """`pip install .` into a fresh virtualenv: its sglang-deploy runs status.yml from the installed collection
+    against the lab, with nothing of the checkout in its environment (no ANSIBLE_*, no PYTHONPATH, no .venv)."""
+    the_lab, hosts = deployed
+    script = installed_driver(tmp_path / "venv")
+    env = clean_env(tmp_path / "home")
+    proc = subprocess.run(
+        [str(script), "status", "-i", str(the_lab.inventory), "--json"],
+        cwd=tmp_path, env=env, text=True, capture_output=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["command"] == "status" and doc["exit_code"] == 0
+    assert set(doc["hosts"]) == {h["name"] for h in hosts}, doc["hosts"]
+    ledger = tmp_path / "home" / ".local" / "state" / "sglang-deploy"
+    assert ledger.is_dir(), "the installed driver keeps its ledger under the user's HOME, not the checkout"
