@@ -11,7 +11,9 @@ plugins/module_utils, the launcher), so the deploy's tasks ran from the installe
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,7 +101,17 @@ def test_the_pip_installed_driver_reports_the_lab_status_from_outside_the_checko
     against the lab, with nothing of the checkout in its environment (no ANSIBLE_*, no PYTHONPATH, no .venv)."""
     the_lab, hosts = deployed
     script = installed_driver(tmp_path / "venv")
-    env = clean_env(tmp_path / "home")
+    # a HOME as short as a user's: ssh's ControlPath (~/.ansible/cp/...) must fit a Unix socket's 108 bytes
+    home = Path(tempfile.mkdtemp(prefix="sgd-home-", dir="/tmp"))
+    try:
+        status(the_lab, hosts, script, clean_env(home), tmp_path)
+        ledger = home / ".local" / "state" / "sglang-deploy"
+        assert ledger.is_dir(), "the installed driver keeps its ledger under the user's HOME, not the checkout"
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def status(the_lab, hosts, script: Path, env: dict, tmp_path: Path) -> None:
     proc = subprocess.run(
         [str(script), "status", "-i", str(the_lab.inventory), "--json"],
         cwd=tmp_path, env=env, text=True, capture_output=True,
@@ -108,5 +120,3 @@ def test_the_pip_installed_driver_reports_the_lab_status_from_outside_the_checko
     doc = json.loads(proc.stdout)
     assert doc["command"] == "status" and doc["exit_code"] == 0
     assert set(doc["hosts"]) == {h["name"] for h in hosts}, doc["hosts"]
-    ledger = tmp_path / "home" / ".local" / "state" / "sglang-deploy"
-    assert ledger.is_dir(), "the installed driver keeps its ledger under the user's HOME, not the checkout"
