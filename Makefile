@@ -54,7 +54,7 @@ lint: setup lint-only ## ruff (lint and format), yamllint, ansible-lint (product
 
 # The linters alone, on the virtualenv as it is (make test's rest stream: no setup's self-check beside a lab).
 # tools/sanity.py: ansible-test's sanity tests on plugins/modules/ as the collection sglang.deploy, and ansible-doc of each
-# module (issue #33; about 15 s, its first run about a minute: it builds ansible-test's virtualenvs).
+# module and each filter (issue #33; about 15 s, its first run about a minute: it builds ansible-test's virtualenvs).
 lint-only:
 	@ruff check .
 	@ruff format --check .

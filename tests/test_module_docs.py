@@ -1,5 +1,7 @@
 """Each module's DOCUMENTATION, EXAMPLES and RETURN (issue #33): YAML that parses, and every option of its argument
-spec documented as the spec has it (type, elements, default, choices, required, suboptions), nothing more.
+spec documented as the spec has it (type, elements, default, choices, required, suboptions), nothing more. The same
+for each filter: its sidecar plugins/filter/NAME.yml documents `_input` and every argument of the function
+FilterModule().filters() maps it to (positional order, required, default), nothing more.
 
 The quick half of tools/sanity.py (ansible-test's validate-modules and ansible-doc, in make lint-only), run with the
 unit tests: a description dropped or a default changed on one side only fails here first.
@@ -8,6 +10,8 @@ unit tests: a description dropped or a default changed on one side only fails he
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -157,4 +161,98 @@ def test_the_comparison_finds_each_kind_of_difference():
     assert undescribed({"k": {"description": "K.", "type": "dict", "contains": {"y": {"type": "str"}}}}) == [
         "k: no returned",
         "k.y: no description",
+    ]
+
+
+# ------------------------------------------------------------------ the filters' sidecar documentation
+
+# Every filter of every filter plugin (plugins/filter/*.py), by name, as Ansible loads them.
+FILTERS = {
+    name: fn
+    for src in sorted((REPO / "plugins" / "filter").glob("*.py"))
+    for name, fn in importlib.import_module(f"ansible_collections.sglang.deploy.plugins.filter.{src.stem}")
+    .FilterModule()
+    .filters()
+    .items()
+}
+SIDECARS = sorted((REPO / "plugins" / "filter").glob("*.yml"))
+
+
+def function_of(fn):
+    """The function a filter calls: the one a (*args, **kwargs) wrapper (sglang_config's _filter_error) closes over."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        (inner,) = [v for v in inspect.getclosurevars(fn).nonlocals.values() if inspect.isfunction(v)]
+        return function_of(inner)
+    return fn
+
+
+def filter_mismatches(doc: dict, fn) -> list[str]:
+    """Every difference between a filter's documented `positional` and options and its function's parameters: the
+    first parameter is `_input`, the rest are named as in Python, in order; required when Python has no default,
+    else the default documented (none for a None default)."""
+    params = list(inspect.signature(function_of(fn)).parameters.values())
+    names = ["_input", *(p.name for p in params[1:])]
+    options = doc.get("options") or {}
+    positional = [n.strip() for n in str(doc.get("positional") or "").split(",") if n.strip()]
+    out = [] if positional == names else [f"positional {positional} documented, {names} in the function"]
+    out += [f"{n}: a parameter, not documented" for n in names if n not in options]
+    out += [f"{n}: documented, not a parameter" for n in options if n not in names]
+    for name, param in zip(names, params, strict=True):
+        d = options.get(name) or {}
+        if name not in options:
+            continue
+        if not d.get("description") or not d.get("type"):
+            out.append(f"{name}: no description or no type")
+        required = param.default is inspect.Parameter.empty
+        if bool(d.get("required", False)) != required:
+            out.append(f"{name}: required {required} in the function, {d.get('required', False)!r} documented")
+        default = None if required else param.default
+        if not same(default, d.get("default")):
+            out.append(f"{name}: default {default!r} in the function, {d.get('default')!r} documented")
+    return out
+
+
+def test_every_filter_has_its_sidecar_documentation_and_every_sidecar_a_filter():
+    assert sorted(p.stem for p in SIDECARS) == sorted(FILTERS)
+
+
+@pytest.mark.parametrize("name", sorted(FILTERS))
+def test_the_filters_documentation_names_it_and_documents_its_functions_parameters_exactly(name):
+    doc = yaml.safe_load((REPO / "plugins" / "filter" / f"{name}.yml").read_text())
+    assert set(doc) == {"DOCUMENTATION", "EXAMPLES", "RETURN"}
+    d = doc["DOCUMENTATION"]
+    assert d["name"] == name and str(d["version_added"]) == "0.1.0"
+    assert d.get("short_description") and d.get("description") and d.get("author")
+    assert filter_mismatches(d, FILTERS[name]) == []
+    returns = doc["RETURN"]
+    assert set(returns) == {"_value"} and returns["_value"].get("description") and returns["_value"].get("type")
+    assert undescribed(returns["_value"].get("contains") or {}, False) == []
+    assert f"sglang.deploy.{name}" in doc["EXAMPLES"], f"no example calls sglang.deploy.{name}"
+
+
+def test_the_filter_comparison_finds_each_kind_of_difference():
+    def f(instance, a, b=None, c="x", d=0):
+        pass
+
+    def wrapped(*args, **kwargs):
+        return f(*args, **kwargs)
+
+    doc = {
+        "positional": "_input, a, c, b",
+        "options": {
+            "_input": {"description": "I.", "type": "dict", "required": True},
+            "a": {"description": "A.", "type": "str"},
+            "b": {"description": "B.", "type": "dict", "default": {}},
+            "c": {"type": "str", "default": "x"},
+            "e": {"description": "E.", "type": "str"},
+        },
+    }
+    assert filter_mismatches(doc, wrapped) == [
+        "positional ['_input', 'a', 'c', 'b'] documented, ['_input', 'a', 'b', 'c', 'd'] in the function",
+        "d: a parameter, not documented",
+        "e: documented, not a parameter",
+        "a: required True in the function, False documented",
+        "b: default None in the function, {} documented",
+        "c: no description or no type",
     ]

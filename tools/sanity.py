@@ -9,13 +9,18 @@ resolves), so this builds the collection as it ships (`ansible-galaxy collection
 build_ignore leaves) and installs the tarball into a temporary directory, then adds tests/sanity/ (build_ignore
 leaves tests/ out) and runs the sanity tests there: what is judged is what a user installs, unchanged.
 ansible-test builds one virtualenv per sanity test under ~/.ansible/test/venv (from PyPI, the first time only).
-Then `ansible-doc sglang.deploy.NAME` for every module, from the checkout (ansible.cfg's collections_path) as the
-playbooks use it, and `antsibull-changelog lint` on changelogs/.
+Then `ansible-doc sglang.deploy.NAME` for every module, and `ansible-doc -t filter sglang.deploy.NAME` for every filter
+the filter plugins' FilterModule().filters() return (each documented by its sidecar plugins/filter/NAME.yml), from the
+checkout (ansible.cfg's collections_path) as the playbooks use it, and `antsibull-changelog lint` on changelogs/.
+ansible-test's validate-modules leaves filter plugins out (a plugin file of several filters: its MULTI_FILE_PLUGINS), and
+its ansible-doc test skips an UNDOCUMENTED filter: a missing or unparsable sidecar fails here, the sidecars' content
+against each filter's Python signature fails tests/test_module_docs.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import subprocess
@@ -121,12 +126,32 @@ def sanity(root: Path, tests: list[str]) -> int:
     return subprocess.run(argv, cwd=root, env=env).returncode
 
 
+def filters() -> list[str]:
+    """Every filter the collection's filter plugins provide: the names each plugins/filter/*.py's
+    FilterModule().filters() returns (imported from the checkout's collections/, as the playbooks load them), so
+    that a filter added without its sidecar documentation (plugins/filter/NAME.yml) fails docs()."""
+    sys.path.insert(0, str(REPO / "collections"))
+    try:
+        names = set()
+        for src in sorted((REPO / "plugins" / "filter").glob("*.py")):
+            plugin = importlib.import_module(f"ansible_collections.{NAMESPACE}.{NAME}.plugins.filter.{src.stem}")
+            names |= set(plugin.FilterModule().filters())
+        return sorted(names)
+    finally:
+        sys.path.remove(str(REPO / "collections"))
+
+
 def docs() -> list[str]:
-    """The modules whose `ansible-doc` fails or warns, each with its message."""
+    """The modules and filters whose `ansible-doc` fails or warns, each with its message."""
     env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    plugins = [("module", src.stem) for src in sorted((REPO / "plugins" / "modules").glob("*.py"))]
     bad = []
-    for src in sorted((REPO / "plugins" / "modules").glob("*.py")):
-        argv = [tool("ansible-doc"), "-t", "module", f"{NAMESPACE}.{NAME}.{src.stem}"]
+    try:
+        plugins += [("filter", name) for name in filters()]
+    except Exception as exc:  # a filter plugin that does not import: a failure to name, not a crash
+        bad.append(f"plugins/filter: the filter plugins do not import: {exc!r}")
+    for kind, name in plugins:
+        argv = [tool("ansible-doc"), "-t", kind, f"{NAMESPACE}.{NAME}.{name}"]
         proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or proc.stderr.strip():
             bad.append(f"{' '.join(argv[1:])}: exit {proc.returncode}: {proc.stderr.strip() or proc.stdout[-500:]}")
