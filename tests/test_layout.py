@@ -88,6 +88,22 @@ PATH_CHANGERS = {f"sys.path.{verb}" for verb in ("insert", "append")}
 PATH_CALL = re.compile(r"\bsys\.path\.(?:insert|append)\(")
 
 
+def test_a_role_named_in_yaml_is_named_by_its_fqcn_where_ansible_compares_names():
+    """ansible_play_role_names and its kin hold a collection role's FQCN (sglang.deploy.sglang): a short name there
+    is never found (ml_env made a generation of its own beside sglang's, the link flipping between the two)."""
+    short = re.compile(
+        r"['\"]([a-z_]+)['\"]\s+(?:not\s+)?in\s+ansible_(?:play_role_names|role_names|parent_role_names)"
+    )
+    roles = {p.name for p in (REPO / "roles").iterdir()}
+    found = [
+        f"{path.relative_to(REPO)}: {m.group(0)}"
+        for path in sorted([*REPO.glob("roles/**/*.yml"), *REPO.glob("playbooks/**/*.yml")])
+        for m in short.finditer(path.read_text())
+        if m.group(1) in roles
+    ]
+    assert not found, found
+
+
 def test_no_test_changes_sys_path_itself():
     """The import path is pytest.ini's `pythonpath`; a subprocess gets PYTHONPATH in its environment."""
     offences = []
