@@ -4,15 +4,19 @@ their mutants. mutmut itself is not run here (the subprocess is replaced); its h
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from mutmut import configuration
 
 from tools import mutate
 
-CORE = "sglang_deploy/known_good.py"
+CORE = "sglang_deploy/known_good.py"  # the short name (the record's key); mutmut's path and module are the collection's
+STAGED = f"ansible_collections/sglang/deploy/plugins/module_utils/{CORE}"
+MODULE = "ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good"
 SOURCE = '''
 def pick(records, live):
     """The newest that is not live."""
@@ -26,22 +30,27 @@ def keep(n):
 
 @pytest.fixture
 def stage(tmp_path, monkeypatch):
-    """A stage with one core file, its record measured on SOURCE; mutmut's config read from the stage."""
-    (tmp_path / "sglang_deploy").mkdir()
-    (tmp_path / "sglang_deploy" / "known_good.py").write_text(SOURCE)
-    (tmp_path / "setup.cfg").write_text("[mutmut]\nsource_paths =\n    sglang_deploy/\n")
+    """A stage with one core file, its record measured on SOURCE; mutmut's config read from the stage. The checkout is
+    the collection, by the links the stage makes."""
+    (tmp_path / "plugins" / "module_utils" / "sglang_deploy").mkdir(parents=True)
+    (tmp_path / "plugins" / "module_utils" / CORE).write_text(SOURCE)
+    (tmp_path / "collections" / "ansible_collections" / "sglang").mkdir(parents=True)
+    (tmp_path / "collections" / "ansible_collections" / "sglang" / "deploy").symlink_to("../../..")
+    mutate.link_collection(tmp_path)
+    cfg = f"[mutmut]\nsource_paths =\n    {Path(STAGED).parent}/\n"
+    (tmp_path / "setup.cfg").write_text(cfg)
     out = tmp_path / "mutation.json"
     monkeypatch.setattr(mutate, "STAGE", tmp_path)
     monkeypatch.setattr(mutate, "OUT", out)
     monkeypatch.setattr(mutate, "REPO", tmp_path)
     monkeypatch.setattr(mutate, "CORE", [CORE])
     monkeypatch.setattr(mutate, "stage_tree", lambda: None)
-    monkeypatch.setattr(mutate, "config", lambda files: "[mutmut]\nsource_paths =\n    sglang_deploy/\n")
+    monkeypatch.setattr(mutate, "config", lambda files: cfg)
     monkeypatch.chdir(tmp_path)
     configuration.reset_config()
     from mutmut.mutation.file_mutation import mutate_file_contents
 
-    functions = dict(mutate_file_contents(CORE, SOURCE).hash_by_function_name)
+    functions = dict(mutate_file_contents(STAGED, SOURCE).hash_by_function_name)
     record = {"functions": functions, "tree": mutate.tree_hash(CORE), "survivors": []}
     out.write_text(json.dumps({"files": {CORE: record}}))
     yield tmp_path
@@ -49,7 +58,7 @@ def stage(tmp_path, monkeypatch):
 
 
 def edit(stage, old: str, new: str) -> None:
-    path = stage / CORE
+    path = stage / STAGED
     path.write_text(path.read_text().replace(old, new))
 
 
@@ -90,12 +99,12 @@ class FakeMutmut:
 
     def __call__(self, argv, **kw):
         self.argv = argv
-        meta = self.stage / "mutants" / f"{CORE}.meta"
+        meta = self.stage / "mutants" / f"{STAGED}.meta"
         meta.parent.mkdir(parents=True, exist_ok=True)
-        keys = {f"sglang_deploy.known_good.{name}": code for name, code in self.codes.items()}
+        keys = {f"{MODULE}.{name}": code for name, code in self.codes.items()}
         from mutmut.mutation.file_mutation import mutate_file_contents  # the mutated copy, as mutmut writes it
 
-        meta.with_suffix("").write_text(mutate_file_contents(CORE, (self.stage / CORE).read_text()).code)
+        meta.with_suffix("").write_text(mutate_file_contents(STAGED, (self.stage / STAGED).read_text()).code)
         meta.write_text(json.dumps({"exit_code_by_key": keys, "hash_by_function_name": {}}))
         return self
 
@@ -135,7 +144,7 @@ def test_only_the_changed_functions_mutants_are_run_and_judged_against_the_recor
     fake = FakeMutmut(stage, codes)
     monkeypatch.setattr(subprocess, "Popen", fake)
     assert mutate.ci(600, 2) == verdict
-    assert fake.argv[-1:] == ["sglang_deploy.known_good.x_keep__mutmut_*"]
+    assert fake.argv[-1:] == [f"{MODULE}.x_keep__mutmut_*"]  # the name the tests import the module by
     assert fake.argv[1:4] == ["run", "--max-children", "2"]
 
 
@@ -147,13 +156,14 @@ def mutated_copy(tmp_path, monkeypatch, module: str, source: str):
     """mutmut's mutated copy of `source` as sglang_deploy/<module>.py in a stage at tmp_path; its functions."""
     from mutmut.mutation.file_mutation import mutate_file_contents
 
-    (tmp_path / "mutants" / "sglang_deploy").mkdir(parents=True)
-    (tmp_path / "setup.cfg").write_text("[mutmut]\nsource_paths =\n    sglang_deploy/\n")
+    staged = Path(mutate.staged(f"sglang_deploy/{module}.py"))
+    (tmp_path / "mutants" / staged.parent).mkdir(parents=True)
+    (tmp_path / "setup.cfg").write_text(f"[mutmut]\nsource_paths =\n    {staged.parent}/\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(mutate, "STAGE", tmp_path)
     configuration.reset_config()
-    mutated = mutate_file_contents(f"sglang_deploy/{module}.py", source)
-    (tmp_path / "mutants" / "sglang_deploy" / f"{module}.py").write_text(mutated.code)
+    mutated = mutate_file_contents(str(staged), source)
+    (tmp_path / "mutants" / staged).write_text(mutated.code)
     configuration.reset_config()
     return mutated, mutate._functions(f"sglang_deploy/{module}.py")
 
@@ -191,12 +201,12 @@ def test_mutmut_failing_fails_the_build_whatever_its_meta_says(stage, monkeypatc
 
 
 def test_a_core_file_gone_fails_the_build_naming_it(stage, capsys):
-    (stage / CORE).unlink()
+    (stage / "plugins" / "module_utils" / CORE).unlink()
     assert mutate.ci(600, 2) == 1 and f"core file(s) gone: {CORE}" in capsys.readouterr().err
 
 
 def test_a_run_removes_the_copies_mutmut_would_take_for_already_mutated(stage):
-    copy = stage / "mutants" / CORE
+    copy = stage / "mutants" / STAGED
     copy.parent.mkdir(parents=True)
     copy.write_text(SOURCE)  # left unmutated by a run that did not mutate this file, newer than its source
     mutate.fresh_copies([CORE])
@@ -251,3 +261,31 @@ def test_a_rewording_of_one_part_of_an_implicitly_concatenated_message_is_wordin
 )
 def test_reworded_is_one_part_wrapped_in_xx_or_its_case_changed(was, now, wording):
     assert mutate.reworded(was, now) is wording
+
+
+def test_each_file_is_mutated_under_the_name_the_tests_import_it_by():
+    """mutmut names a mutant after its file's path and runs it only in the module of that name: the collection's."""
+    assert mutate.staged(CORE) == STAGED and mutate.module(CORE) == MODULE
+    filter_module = "ansible_collections.sglang.deploy.plugins.filter.sglang_config"
+    assert mutate.module("plugins/filter/sglang_config.py") == filter_module
+    assert mutate.module("driver/ledger.py") == "driver.ledger"
+    assert mutate.stage_name("sglang_deploy.known_good.x_keep__mutmut_*") == f"{MODULE}.x_keep__mutmut_*"
+    assert mutate.stage_name("driver.ledger.x_a__mutmut_1") == "driver.ledger.x_a__mutmut_1"
+    for rel in mutate.SCOPE:
+        imported = importlib.import_module(mutate.module(rel))
+        assert Path(imported.__file__).resolve() == (mutate.REPO / mutate.source(rel)).resolve(), rel
+
+
+def test_mutmut_copies_no_link_and_no_source_file(monkeypatch):
+    """mutmut's copies follow links: collections/'s onto the checkout would copy the stage into itself."""
+    links = ["collections/ansible_collections/sglang/deploy", "playbooks/group_vars", ".venv"]
+    files = [
+        *links, "README.md", "driver/cli.py", "plugins/action/a.py", "plugins/filter/sglang_config.py",
+        "plugins/module_utils/sglang_deploy/stage.py", "plugins/modules/m.py", "playbooks/deploy.yml",
+        "playbooks/vars/x.yml", "tests/test_a.py",
+    ]  # fmt: skip
+    monkeypatch.setattr(mutate, "tracked", lambda: files)
+    monkeypatch.setattr(mutate, "links", lambda: links)
+    assert mutate.copied() == [
+        "README.md", "playbooks/deploy.yml", "playbooks/vars", "plugins/action", "plugins/modules", "tests"
+    ]  # fmt: skip

@@ -1,11 +1,11 @@
 """`make mutate`: mutation testing of the operations core with mutmut (issue #31); docs/testing.md says why mutmut.
 
-mutmut copies the code under test into mutants/ and names each mutant after its file's path. The run happens in a
-copy of the tracked tree (.mutate/, kept between runs: mutmut re-tests only the functions that changed) where
-sglang_deploy/ is the package at the top. NOT YET ADAPTED to issue #33's collection layout: the tests import the
-host package as ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy (pytest.ini's pythonpath:
-collections), so they no longer reach the mutants of sglang_deploy/ (each counts as "no tests"); the stage must
-name them so (docs/testing.md).
+mutmut copies the code under test into mutants/ and names each mutant after its file's path; its trampoline runs a
+mutant only where that name is the importing module's. The run happens in a copy of the tracked tree (.mutate/, kept
+between runs: mutmut re-tests only the functions that changed) with an ansible_collections/ link at the top onto
+collections/'s, so that the package is mutated under the name the tests import it by
+(ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy; the filter's likewise). Files keep their
+short names (sglang_deploy/restart.py, plugins/filter/sglang_config.py) on the command line and in the record.
 
     python tools/mutate.py [--files sglang_deploy/known_good.py ...] [--jobs N]
     python tools/mutate.py --ci [--budget SECONDS]
@@ -41,7 +41,7 @@ STAGE = REPO / ".mutate"
 OUT = REPO / "docs" / "bench" / "mutation.json"
 MUTMUT = Path(sys.executable).parent / "mutmut"  # this virtualenv's (requirements.in)
 
-# The files the issue scopes, as mutmut sees them in the stage (sglang_deploy/ at the top).
+# The files the issue scopes, by their short names (the record's keys; staged() gives mutmut's path).
 SCOPE = [
     *(
         f"sglang_deploy/{name}.py"
@@ -59,7 +59,32 @@ CORE = ["sglang_deploy/restart.py", "sglang_deploy/known_good.py", "sglang_deplo
 PROSE = "the wording of a message to a person (a string with a space, wrapped in XX or its case changed)"
 # The survivors argued equivalent, each with why (tools/mutation_equivalents.py).
 EQUIVALENT = runpy.run_path(str(Path(__file__).with_name("mutation_equivalents.py")))["EQUIVALENT"]
-SOURCE_DIRS = ["sglang_deploy", "driver", "plugins/filter"]
+# The collection in the stage (and in mutants/): a link onto collections/ansible_collections, whose sglang/deploy is
+# the checkout. mutmut names a mutant after its file's path, and its trampoline runs it only in a module imported
+# by that name: the collection's files are mutated by this path, as the tests import them.
+COLLECTION = "ansible_collections/sglang/deploy"
+SOURCE_DIRS = [f"{COLLECTION}/plugins/module_utils/sglang_deploy", "driver", f"{COLLECTION}/plugins/filter"]
+
+
+def source(rel: str) -> str:
+    """Where the file of short name `rel` is in the checkout (sglang_deploy/x.py: the collection's module_utils)."""
+    return f"plugins/module_utils/{rel}" if rel.startswith("sglang_deploy/") else rel
+
+
+def staged(rel: str) -> str:
+    """The path by which mutmut mutates `rel` in the stage: a collection file's through COLLECTION."""
+    return f"{COLLECTION}/{source(rel)}" if source(rel).startswith("plugins/") else rel
+
+
+def module(rel: str) -> str:
+    """The module name mutmut gives the mutants of `rel` (ansible_collections.sglang.deploy.plugins...)."""
+    return staged(rel).removesuffix(".py").replace("/", ".")
+
+
+def stage_name(name: str) -> str:
+    """A mutant's name or glob as mutmut knows it, from one by a short name (sglang_deploy.stage.x_f__mutmut_*)."""
+    head = next((rel for rel in SCOPE if name.startswith(rel.removesuffix(".py").replace("/", ".") + ".")), None)
+    return name if head is None else module(head) + name[len(head) - 3 :]
 
 
 def tracked() -> list[str]:
@@ -70,8 +95,12 @@ def tracked() -> list[str]:
 
 
 def stage_tree() -> None:
-    """The tracked tree copied into STAGE (mutants/ and mutmut's cache kept), sglang_deploy/ at the top."""
+    """The tracked tree copied into STAGE (mutants/ and mutmut's cache kept), ansible_collections/ at the top."""
     STAGE.mkdir(exist_ok=True)
+    old = STAGE / "sglang_deploy"  # a stage from before the collection: its mutants and stats are named after it
+    if old.is_symlink():  # (mutmut would keep the stats, and find no test for the new names)
+        old.unlink()
+        shutil.rmtree(STAGE / "mutants", ignore_errors=True)
     for rel in tracked():
         src, dst = REPO / rel, STAGE / rel
         if src.is_symlink():  # playbooks/group_vars
@@ -81,9 +110,66 @@ def stage_tree() -> None:
         elif src.is_file() and (not dst.exists() or dst.read_bytes() != src.read_bytes()):
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
-    link = STAGE / "sglang_deploy"
+    link_collection(STAGE)
+    # mutants/ as the stage: its links made here, since mutmut's copies follow them (collections/ would copy the
+    # stage into itself); a link out of the tree (a checkout's .venv) left out.
+    mutants = STAGE / "mutants"
+    for rel in links():
+        target, dst = os.readlink(REPO / rel), mutants / rel
+        points = os.path.normpath(os.path.join(os.path.dirname(rel), target))
+        if not os.path.isabs(target) and not points.startswith("..") and not dst.is_symlink():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.symlink_to(target)
+    link_collection(mutants)
+    for rel in copied():  # mutmut copies a file into its folder, and makes none
+        (mutants / rel).parent.mkdir(parents=True, exist_ok=True)
+    (STAGE / HOOK).parent.mkdir(parents=True, exist_ok=True)
+    (STAGE / HOOK).write_text(HOOK_CODE)
+
+
+# A subprocess the tests start (a module run as Ansible runs it, collections/ on its PYTHONPATH) runs the mutated
+# package too. While mutmut maps the tests ("stats"), its trampoline there reads mutmut's setup.cfg from the current
+# directory, a test's tmp_path, and raises: this sitecustomize.py, on that PYTHONPATH and on mutmut's, has such a
+# process run the original code (what it reached is not recorded from another process anyway).
+HOOK = Path("mutants", "collections", "sitecustomize.py")  # in STAGE
+HOOK_CODE = """import os
+
+if os.environ.get("MUTANT_UNDER_TEST") == "stats":  # tools/mutate.py: mutmut's stats are the tests' process's
+    os.environ["MUTANT_UNDER_TEST"] = ""
+"""
+
+
+def mutmut_env() -> dict[str, str]:
+    """mutmut's environment: HOOK's folder first on PYTHONPATH (for the subprocesses of its tests)."""
+    path = [str(STAGE / HOOK.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def link_collection(root: Path) -> None:
+    """root/ansible_collections -> collections/ansible_collections: the collection (the checkout) by its name."""
+    link = root / "ansible_collections"
     if not link.is_symlink():
-        link.symlink_to("plugins/module_utils/sglang_deploy")
+        link.symlink_to("collections/ansible_collections")
+
+
+def links() -> list[str]:
+    """The tracked links (collections/ansible_collections/sglang/deploy -> ../../.., playbooks/group_vars)."""
+    return [rel for rel in tracked() if (REPO / rel).is_symlink()]
+
+
+def copied() -> list[str]:
+    """What mutmut copies into mutants/ beside the source folders (also_copy): each tracked path outside them as its
+    highest folder that holds neither one of them nor a link (shutil.copytree follows links)."""
+    held = [source(d.removeprefix(f"{COLLECTION}/")) for d in SOURCE_DIRS]
+    avoid = [*held, *links()]
+    out = set()
+    for rel in tracked():
+        if rel in avoid or any(rel.startswith(f"{h}/") for h in held):
+            continue
+        parts = rel.split("/")
+        heads = ("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+        out.add(next(h for h in heads if not any(a == h or a.startswith(f"{h}/") for a in avoid)))
+    return sorted(out)
 
 
 def fresh_copies(files: list[str]) -> None:
@@ -91,22 +177,22 @@ def fresh_copies(files: list[str]) -> None:
     source's older time: a copy another run left unmutated (its file was not in that run) would be taken for these
     files' mutants. Removed, mutmut makes them again and compares each function's hash with its .meta."""
     for rel in files:
-        (STAGE / "mutants" / rel).unlink(missing_ok=True)
+        (STAGE / "mutants" / staged(rel)).unlink(missing_ok=True)
 
 
 def config(files: list[str]) -> str:
     """mutmut's setup.cfg: every source file outside `files` left unmutated; the unit tests (not the lab's)."""
+    mutated = {staged(rel) for rel in files}
     others = sorted(
         str(p.relative_to(STAGE))
         for d in SOURCE_DIRS
         for p in (STAGE / d).glob("*.py")
-        if str(p.relative_to(STAGE)) not in files
+        if str(p.relative_to(STAGE)) not in mutated
     )
     lines = ["[mutmut]", "source_paths =", *(f"    {d}/" for d in SOURCE_DIRS)]
     lines += ["do_not_mutate =", *(f"    {p}" for p in others)]
     # Everything else tracked, as it is: the tests run playbooks, read docs, roles and the lab's files.
-    tops = sorted({p.split("/", 1)[0] for p in tracked()} - set(SOURCE_DIRS))
-    lines += ["also_copy =", *(f"    {p}" for p in tops)]
+    lines += ["also_copy =", *(f"    {p}" for p in copied())]
     # pytest-randomly off (each mutant's tests in file order); the lab's tests are e2e, never run per mutant.
     # Left out: the tests of this checkout's own .venv (the doctor's, and py-spy found in it), which the copy has not.
     away = ["--ignore=tests/test_doctor.py", "--deselect=tests/test_evidence.py::test_real_py_spy_dumps_every_rank"]
@@ -118,7 +204,7 @@ def config(files: list[str]) -> str:
 
 def _functions(rel: str) -> dict[str, ast.FunctionDef]:
     """Every function of mutmut's mutated copy of `rel` (each mutant is one, beside its __mutmut_orig), by name."""
-    tree = ast.parse((STAGE / "mutants" / rel).read_text())
+    tree = ast.parse((STAGE / "mutants" / staged(rel)).read_text())
     return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
 
 
@@ -198,7 +284,7 @@ def results(files: list[str]) -> dict[str, dict]:
 
     out = {}
     for rel in files:
-        meta = STAGE / "mutants" / f"{rel}.meta"
+        meta = STAGE / "mutants" / f"{staged(rel)}.meta"
         codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
         by: dict[str, list[str]] = {}
         for key, code in codes.items():
@@ -235,7 +321,7 @@ def results(files: list[str]) -> dict[str, dict]:
 
 def tree_hash(rel: str) -> str:
     """The hash of a staged file's syntax tree: a comment or a blank line changes no mutant."""
-    return hashlib.sha256(ast.dump(ast.parse((STAGE / rel).read_text())).encode()).hexdigest()[:16]
+    return hashlib.sha256(ast.dump(ast.parse((STAGE / staged(rel)).read_text())).encode()).hexdigest()[:16]
 
 
 def changed_functions(rel: str, recorded: dict) -> list[str]:
@@ -244,20 +330,20 @@ def changed_functions(rel: str, recorded: dict) -> list[str]:
         return []
     from mutmut.mutation.file_mutation import mutate_file_contents  # libcst: seconds a file, only a changed one
 
-    now = mutate_file_contents(rel, (STAGE / rel).read_text()).hash_by_function_name
+    now = mutate_file_contents(staged(rel), (STAGE / staged(rel)).read_text()).hash_by_function_name
     was = recorded.get("functions", {})
     return sorted(f for f, h in now.items() if was.get(f) != h)
 
 
 def mutant_glob(rel: str, function: str) -> str:
-    return f"{rel.removesuffix('.py').replace('/', '.')}.{function}__mutmut_*"
+    return f"{module(rel)}.{function}__mutmut_*"
 
 
 def not_killed(files: list[str]) -> list[str]:
     """The mutants of `files` that survived, that no test reached, or that no run has tested yet."""
     names = []
     for rel in files:
-        meta = STAGE / "mutants" / f"{rel}.meta"
+        meta = STAGE / "mutants" / f"{staged(rel)}.meta"
         codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
         names += [key for key, code in codes.items() if code in (0, 33, None)]
     return names
@@ -269,13 +355,13 @@ def from_record(files: list[str], record: dict, also: list[str]) -> tuple[list[s
     Returns mutmut's names and globs to run, and the module-qualified functions run whole."""
     names, whole = [], set()
     for rel in files:
-        entry, module = record.get(rel, {}), rel.removesuffix(".py").replace("/", ".")
+        entry, name = record.get(rel, {}), module(rel)
         changed = set(changed_functions(rel, entry))
         kept = [*entry.get("survivors", []), *entry.get("equivalents", {}), *entry.get("no_test_names", [])]
         kept += entry.get("wordings", [])
-        names += [f"{module}.{n}" for n in kept if function_of(n) not in changed]
+        names += [f"{name}.{n}" for n in kept if function_of(n) not in changed]
         names += [mutant_glob(rel, f) for f in sorted(changed)]
-        whole |= {f"{module}.{f}" for f in changed}
+        whole |= {f"{name}.{f}" for f in changed}
     return names + also, whole | {g.split("__mutmut_")[0] for g in also}
 
 
@@ -287,7 +373,7 @@ def carry_killed(got: dict[str, dict], named: list[str], whole: set[str]) -> Non
 
     wanted = set(named)
     for rel, entry in got.items():
-        codes = json.loads((STAGE / "mutants" / f"{rel}.meta").read_text())["exit_code_by_key"]
+        codes = json.loads((STAGE / "mutants" / f"{staged(rel)}.meta").read_text())["exit_code_by_key"]
         carried = [
             key for key, code in codes.items()
             if status_by_exit_code[code] == "not checked" and key not in wanted and key.split("__mutmut_")[0] not in whole
@@ -343,7 +429,7 @@ def ci(budget: float, jobs: int) -> int:
     (mutmut failed, or the budget ran out), or when a core file is gone; a core file never measured is said, not run
     (make mutate measures it)."""
     record = json.loads(OUT.read_text())["files"] if OUT.exists() else {}
-    gone = [rel for rel in CORE if not (REPO / "plugins" / "module_utils" / rel).exists() and not (REPO / rel).exists()]
+    gone = [rel for rel in CORE if not (REPO / source(rel)).exists()]
     if gone:
         print(
             f"mutation (CI): core file(s) gone: {', '.join(gone)} (tools/mutate.py's CORE names them)", file=sys.stderr
@@ -374,6 +460,7 @@ def ci(budget: float, jobs: int) -> int:
     proc = subprocess.Popen(
         argv,
         cwd=STAGE,
+        env=mutmut_env(),
         stdout=subprocess.DEVNULL,
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -396,7 +483,7 @@ def ci(budget: float, jobs: int) -> int:
     got = results(files)
     worse, untested = [], 0
     for rel, fs in changed.items():
-        meta = STAGE / "mutants" / f"{rel}.meta"
+        meta = STAGE / "mutants" / f"{staged(rel)}.meta"
         codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
         untested += sum(c is None for k, c in codes.items() if function_of(k) in fs)
         now, was = not_killed_by_function(got[rel], fs), not_killed_by_function(record[rel], fs)
@@ -430,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "--retest", action="store_true", help="test again only the mutants not killed yet (after new tests: quicker)"
     )
     ap.add_argument(
-        "--also", nargs="*", default=[], help="--retest: mutants to test as well (mutmut globs, a.b.x_f__mutmut_*)"
+        "--also", nargs="*", default=[], help="--retest: mutants to test as well (globs, sglang_deploy.x.x_f__mutmut_*)"
     )
     ap.add_argument(
         "--rescore",
@@ -441,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ci", action="store_true", help="only the core's functions changed since the record (make test)")
     ap.add_argument("--budget", type=float, default=600.0, help="--ci: seconds for the mutants (the rest not run)")
     args = ap.parse_args(argv)
+    args.also = [stage_name(g) for g in args.also]
     if args.ci:
         return ci(args.budget, args.jobs)
     unknown = [f for f in args.files if f not in SCOPE]
@@ -453,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh:  # mutmut re-tests only what changed: its results for these files forgotten
         (STAGE / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)  # which test reaches what, anew
         for rel in args.files:
-            for stale in (rel, f"{rel}.meta"):  # the mutated copy too: mutmut makes both again
+            for stale in (staged(rel), f"{staged(rel)}.meta"):  # the mutated copy too: mutmut makes both again
                 (STAGE / "mutants" / stale).unlink(missing_ok=True)
     fresh_copies(args.files)
     t0 = time.monotonic()
@@ -462,13 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.retest:  # named, mutmut tests them again; unnamed, only new ones
         # From the record: a file mutmut has no results for here, or one whose last run was from the record (its
         # untested mutants were carried as killed: mutmut's own list would test them all again).
-        fresh = [f for f in args.files if not (STAGE / "mutants" / f"{f}.meta").exists() or record.get(f, {}).get("carried")]  # fmt: skip
+        fresh = [f for f in args.files if not (STAGE / "mutants" / f"{staged(f)}.meta").exists() or record.get(f, {}).get("carried")]  # fmt: skip
         names = not_killed([f for f in args.files if f not in fresh])
         if fresh:
             os.chdir(STAGE)  # mutmut reads its setup.cfg on import
             more, whole = from_record(fresh, record, args.also)
             names += more
-    run = subprocess.run([str(MUTMUT), "run", "--max-children", str(args.jobs), *names], cwd=STAGE, check=False)
+    argv = [str(MUTMUT), "run", "--max-children", str(args.jobs), *names]
+    run = subprocess.run(argv, cwd=STAGE, env=mutmut_env(), check=False)
     seconds = round(time.monotonic() - t0, 1)
     got = results(args.files)
     if fresh:
