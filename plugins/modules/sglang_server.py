@@ -223,6 +223,13 @@ options:
         description: Seconds each request may take.
         type: float
         default: 120.0
+  metrics_dir:
+    description:
+      - node_exporter's textfile collector directory. Where it exists, a restart, rollback or verify (not status,
+        not check mode, not one phase of a multi-node group) ends by writing its outcome, duration, downtime,
+        measurements and known-good generation to C(sglang_deploy_<instance>.prom) there, atomically
+        (sglang_deploy.metrics; docs/monitoring.md). Unset, or absent on the host, nothing is written.
+    type: path
 notes:
   - The action plugin of the same name takes one option of its own, C(reconnect_s) (default 120), never passed to
     the module - how long a detached job's progress is asked for again after the connection failed (0, no retry).
@@ -354,6 +361,14 @@ steps:
   type: list
   elements: dict
   returned: detach
+metrics:
+  description: The textfile the operation's metrics were written to; null where none was (no I(metrics_dir)).
+  type: str
+  returned: restart, rollback and verify, not in check mode
+metrics_error:
+  description: Why the metrics could not be written (the operation's own outcome stands).
+  type: str
+  returned: when writing the metrics failed
 bench:
   description: With I(bench), sglang_deploy.bench.run's result; null when it could not run (bench_error).
   type: dict
@@ -424,7 +439,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.parameters import remove_values
 
 from ansible_collections.sglang.deploy.plugins.module_utils import sglang_deploy
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench, outcomes
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench, metrics, outcomes
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import job as jobs
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.checks import Thresholds
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import (
@@ -455,6 +470,22 @@ def with_stopped(action):
 
 
 ACTIONS = {"restart": with_stopped(restart), "rollback": with_stopped(rollback), "verify": verify, "status": status}
+
+
+def with_metrics(name, action, directory, thresholds):
+    """The action, its end written as node_exporter textfile metrics on this host (metrics.py): never for status or
+    check mode, and a failure to write is said in the result, never the action's failure."""
+
+    def run(machine):
+        res = action(machine)
+        if name == "status" or machine.settings.check_mode:
+            return res
+        try:
+            return res | {"metrics": metrics.write(directory, machine.inst.name, name, res, thresholds)}
+        except OSError as exc:
+            return res | {"metrics": None, "metrics_error": f"the metrics were not written: {exc}"}
+
+    return run
 
 
 def main() -> None:
@@ -500,6 +531,7 @@ def main() -> None:
             detach=dict(type="bool", default=False),
             progress_every=dict(type="float", default=2.0),
             bench=dict(type="dict", options=bench.OPTIONS),
+            metrics_dir=dict(type="path"),
         ),
         supports_check_mode=True,
     )
@@ -536,12 +568,15 @@ def main() -> None:
         **{k: p[k] for k in SETTINGS},
     )
     machine = Machine(inst, settings)
+    # A multi-node group's phases each see part of its restart: only a whole one is written (phase all).
+    directory = p["metrics_dir"] if p["phase"] == "all" else None
+    action = with_metrics(p["action"], ACTIONS[p["action"]], directory, {k: p[k] for k in THRESHOLDS})
     if p["detach"] and p["action"] in ("restart", "rollback") and not module.check_mode:
         # The worker outlives this call's module files: every sglang_deploy module imported first.
         jobs.preload(sglang_deploy)
         said = jobs.start(
             machine,
-            lambda: ACTIONS[p["action"]](machine),
+            lambda: action(machine),
             lambda res: outcomes.succeeded(p["action"], res["outcome"]),
             mask=lambda doc: remove_values(redact.scrub(doc), module.no_log_values),
             every=p["progress_every"],
@@ -550,7 +585,7 @@ def main() -> None:
         jobs.answer(module, said)
     if p["action"] in ("restart", "rollback"):
         install_signal_handlers()
-    res = ACTIONS[p["action"]](machine)
+    res = action(machine)
     jobs.answer(module, {"done": True, "ok": outcomes.succeeded(p["action"], res["outcome"]), "res": redact.scrub(res)})
 
 

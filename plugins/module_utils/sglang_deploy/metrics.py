@@ -1,0 +1,218 @@
+"""An instance's operations as Prometheus metrics, through node_exporter's textfile collector (issue #34).
+
+Each restart, rollback and verify ends by writing what it measured into ``<dir>/sglang_deploy_<instance>.prom``
+on the host (dir: node_exporter's --collector.textfile.directory, Debian's /var/lib/prometheus/node-exporter),
+atomically (durable.write_atomic: node_exporter reads the old file or the new one, never half; the temporary
+name does not end in .prom, which the collector would read). Written on the host by the module, they outlive the
+controller: a run whose controller died still shows how it ended.
+
+The instance is the label ``sglang_instance``: Prometheus' own ``instance`` is the scrape target's (node_exporter's
+host:port) and would overwrite it. Counters are kept in the file itself: each write reads the previous one's.
+docs/monitoring.md lists every metric (METRICS is its one source: tests/test_metrics.py holds the two equal).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, outcomes
+
+PREFIX = "sglang_deploy_"
+# name: (type, labels beyond sglang_instance, help)
+METRICS = {
+    "sglang_deploy_operation_timestamp_seconds": (
+        "gauge",
+        ("operation",),
+        "When the instance's last operation of this kind (restart, rollback, verify) ended, in Unix time.",
+    ),
+    "sglang_deploy_operation_outcome": (
+        "gauge",
+        ("operation", "outcome"),
+        "1 for the outcome the instance's last operation of this kind ended with (restarted, rolled_back, "
+        "not_recovered, verified, verify_failed, ...), the only series of that operation.",
+    ),
+    "sglang_deploy_operation_duration_seconds": (
+        "gauge",
+        ("operation",),
+        "How long the instance's last operation of this kind took, from its lock to its end.",
+    ),
+    "sglang_deploy_restart_downtime_seconds": (
+        "gauge",
+        (),
+        "How long the last restart or rollback left the instance not serving (its stop to its verified start).",
+    ),
+    "sglang_deploy_rollbacks_total": (
+        "counter",
+        (),
+        "Restarts that failed and put the last-known-good configuration back, serving (outcome rolled_back).",
+    ),
+    "sglang_deploy_not_recovered_total": (
+        "counter",
+        (),
+        "Restarts or rollbacks that left the instance not serving (outcome not_recovered).",
+    ),
+    "sglang_deploy_verified_tokens_per_second": (
+        "gauge",
+        ("profile",),
+        "Output tokens per second the last verification measured under load, and the profile it ran.",
+    ),
+    "sglang_deploy_verified_accept_length": (
+        "gauge",
+        ("profile",),
+        "Average speculative accept length the last verification measured (1.0: no draft token accepted).",
+    ),
+    "sglang_deploy_accept_length_floor": (
+        "gauge",
+        (),
+        "The accept length below which verification fails (sglang_service_verify_accept_length_min).",
+    ),
+    "sglang_deploy_baseline_tokens_per_second": (
+        "gauge",
+        ("profile",),
+        "The profile's baseline tokens per second (its `baseline`), which verification compares against.",
+    ),
+    "sglang_deploy_regression_threshold_ratio": (
+        "gauge",
+        (),
+        "The fraction below the baseline that counts as a regression (sglang_service_verify_regression_threshold).",
+    ),
+    "sglang_deploy_known_good_info": (
+        "gauge",
+        ("generation", "config_hash", "profile"),
+        "1 for the instance's newest known-good generation: what a failed restart or a boot puts back.",
+    ),
+}
+COUNTERS = {name for name, (kind, _, _) in METRICS.items() if kind == "counter"}
+OPERATIONS = ("restart", "rollback", "verify")
+SAMPLE = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>.*)\} (?P<value>\S+)$")
+LABEL = re.compile(r'(?P<key>[a-z_]+)="(?P<value>(?:[^"\\]|\\.)*)"')
+
+
+def path(directory: str, instance: str) -> str:
+    return os.path.join(directory, f"sglang_deploy_{instance}.prom")
+
+
+def escape(value: object) -> str:
+    """A label value as the exposition format quotes it: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def unescape(value: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
+
+
+Key = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted labels)
+
+
+def parse(text: str) -> dict[Key, float]:
+    """The samples of a file this module wrote (comments and anything else skipped)."""
+    samples: dict[Key, float] = {}
+    for line in text.splitlines():
+        m = SAMPLE.match(line)
+        if not m or m["name"] not in METRICS:
+            continue
+        labels = tuple(sorted((k, unescape(v)) for k, v in LABEL.findall(m["labels"])))
+        try:
+            samples[(m["name"], labels)] = float(m["value"])
+        except ValueError:
+            continue
+    return samples
+
+
+def render(samples: dict[Key, float]) -> str:
+    """The exposition format: each metric's HELP and TYPE once, its samples sorted (a stable file)."""
+    lines = []
+    for name, (kind, _, text) in METRICS.items():
+        mine = sorted((labels, v) for (n, labels), v in samples.items() if n == name)
+        if not mine:
+            continue
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        for labels, value in mine:
+            body = ",".join(f'{k}="{escape(v)}"' for k, v in labels)
+            lines.append(f"{name}{{{body}}} {number(value)}")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 2**53 else repr(float(value))
+
+
+def samples_of(instance: str, operation: str, res: dict, thresholds: dict, now: float) -> dict[Key, float]:
+    """What one operation's result says, as samples (each labelled with the instance)."""
+    out: dict[Key, float] = {}
+
+    def put(name: str, value, **labels) -> None:
+        if value is None:
+            return
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return
+        if value != value:  # NaN: nothing measured
+            return
+        out[(name, tuple(sorted({"sglang_instance": instance, **{k: str(v) for k, v in labels.items()}}.items())))] = (
+            value
+        )
+
+    put("sglang_deploy_operation_timestamp_seconds", now, operation=operation)
+    put("sglang_deploy_operation_outcome", 1, operation=operation, outcome=res.get("outcome") or "unknown")
+    phases = res.get("phases") or []
+    put("sglang_deploy_operation_duration_seconds", sum(p.get("seconds") or 0 for p in phases) if phases else None,
+        operation=operation)  # fmt: skip
+    if operation != "verify":
+        put("sglang_deploy_restart_downtime_seconds", res.get("downtime_s"))
+    verify = res.get("verify") or {}
+    profile = verify.get("running_profile") or res.get("profile") or ""
+    put("sglang_deploy_verified_tokens_per_second", verify.get("tokens_per_s"), profile=profile)
+    put("sglang_deploy_verified_accept_length", verify.get("accept_length"), profile=profile)
+    put("sglang_deploy_accept_length_floor", thresholds.get("accept_length_min"))
+    put("sglang_deploy_baseline_tokens_per_second", thresholds.get("baseline_tokens_per_s"), profile=profile)
+    put("sglang_deploy_regression_threshold_ratio", thresholds.get("regression_threshold"))
+    good = res.get("known_good") or {}
+    if good.get("generation"):
+        put("sglang_deploy_known_good_info", 1, generation=good["generation"],
+            config_hash=good.get("config_hash") or "", profile=good.get("profile") or "")  # fmt: skip
+    return out
+
+
+def update(before: dict[Key, float], instance: str, operation: str, res: dict, thresholds: dict, now: float):
+    """The file's samples after one operation: its own series replaced (one outcome per operation, one known-good
+    generation, one verified profile), the counters carried on and counted up."""
+    new = samples_of(instance, operation, res, thresholds, now)
+    replaced = {name for name, _ in new} | ({"sglang_deploy_operation_outcome"} if operation else set())
+
+    def stale(key: Key) -> bool:
+        name, labels = key
+        if name in COUNTERS or name not in replaced:
+            return False
+        op = dict(labels).get("operation")
+        return op is None or op == operation
+
+    after = {k: v for k, v in before.items() if not stale(k)}
+    after.update(new)
+    outcome = res.get("outcome")
+    for name, counted in (
+        ("sglang_deploy_rollbacks_total", outcome == outcomes.ROLLED_BACK),
+        ("sglang_deploy_not_recovered_total", outcome == outcomes.NOT_RECOVERED),
+    ):
+        key = (name, (("sglang_instance", instance),))
+        after[key] = before.get(key, 0.0) + (1.0 if counted else 0.0)
+    return after
+
+
+def write(directory: str | None, instance: str, operation: str, res: dict, thresholds: dict) -> str | None:
+    """Record one operation in the instance's file; what was written (its path), or None where there is no
+    textfile collector (no directory). An OSError is the caller's to report: metrics never fail an operation."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    target = path(directory, instance)
+    try:
+        with open(target, encoding="utf-8") as fh:
+            before = parse(fh.read())
+    except FileNotFoundError:
+        before = {}
+    after = update(before, instance, operation, res, thresholds, time.time())
+    durable.write_atomic(target, render(after), mode=0o644)  # node_exporter reads it as its own user
+    return target
