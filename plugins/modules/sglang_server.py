@@ -478,7 +478,7 @@ def with_metrics(name, action, directory, thresholds):
 
     def run(machine):
         res = action(machine)
-        if name == "status" or machine.settings.check_mode:
+        if name not in metrics.OPERATIONS or machine.settings.check_mode:
             return res
         try:
             return res | {"metrics": metrics.write(directory, machine.inst.name, name, res, thresholds)}
