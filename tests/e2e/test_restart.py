@@ -123,11 +123,23 @@ def assert_rolled_back(node: str, result: dict) -> None:
     assert generate(node, A["port"])["meta_info"]["completion_tokens"] == 8
 
 
+TEXTFILES = "/var/lib/prometheus/node-exporter"  # node_exporter's textfile collector (sglang_service_metrics_dir)
+
+
 def test_restart_phases_and_known_good_record(serving, bystander):
     the_lab, node = serving
-    rc, res, msg = restart(the_lab)
+    podman_exec(node, "mkdir", "-p", TEXTFILES)  # as Debian's prometheus-node-exporter leaves it
+    try:
+        rc, res, msg = restart(the_lab)
+        prom = podman_exec(node, "cat", f"{TEXTFILES}/sglang_deploy_a.prom")
+    finally:
+        podman_exec(node, "rm", "-rf", TEXTFILES)
     assert rc == 0, msg
     a = res["a"]
+    # its end, as metrics on the node (docs/monitoring.md)
+    assert a["metrics"] == f"{TEXTFILES}/sglang_deploy_a.prom"
+    assert 'sglang_deploy_operation_outcome{operation="restart",outcome="restarted",sglang_instance="a"} 1' in prom
+    assert f'generation="{a["known_good"]["generation"]}"' in prom
     assert [p["phase"] for p in a["phases"]] == [
         "lock",
         "validate",
