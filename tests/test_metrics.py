@@ -151,9 +151,7 @@ def test_docs_monitoring_lists_every_metric_with_its_type_and_labels():
 
 
 class FakeMachine:
-    def __init__(self, check_mode=False):
-        self.inst = type("Inst", (), {"name": "main"})()
-        self.settings = type("Settings", (), {"check_mode": check_mode})()
+    inst = type("Inst", (), {"name": "main"})()
 
 
 def module():
@@ -169,12 +167,11 @@ def test_the_module_writes_a_restarts_end_and_says_where(tmp_path):
     assert value(samples(tmp_path), "sglang_deploy_restart_downtime_seconds") == 4.225
 
 
-@pytest.mark.parametrize(("name", "check_mode"), [("status", False), ("restart", True)])
-def test_status_and_check_mode_write_nothing(tmp_path, name, check_mode):
-    res = module().with_metrics(name, lambda m: {"outcome": "status"}, str(tmp_path), THRESHOLDS)(
-        FakeMachine(check_mode)
-    )
-    assert "metrics" not in res and list(tmp_path.iterdir()) == []
+@pytest.mark.parametrize(("name", "directory"), [("status", True), ("restart", False)])
+def test_status_and_no_directory_write_nothing(tmp_path, name, directory):
+    """Status reads; no directory: check mode, one phase of a multi-node group, or metrics_dir unset."""
+    run = module().with_metrics(name, lambda m: {"outcome": "x"}, str(tmp_path) if directory else None, THRESHOLDS)
+    assert "metrics" not in run(FakeMachine()) and list(tmp_path.iterdir()) == []
 
 
 def test_a_failed_write_is_said_and_the_operations_outcome_stands(tmp_path):

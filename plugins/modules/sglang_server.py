@@ -226,7 +226,7 @@ options:
   metrics_dir:
     description:
       - node_exporter's textfile collector directory. Where it exists, a restart, rollback or verify (not status,
-        not check mode, not one phase of a multi-node group) ends by writing its outcome, duration, downtime,
+        not in check mode, not one phase of a multi-node group) ends by writing its outcome, duration, downtime,
         measurements and known-good generation to C(sglang_deploy_<instance>.prom) there, atomically
         (sglang_deploy.metrics; docs/monitoring.md). Unset, or absent on the host, nothing is written.
     type: path
@@ -473,12 +473,12 @@ ACTIONS = {"restart": with_stopped(restart), "rollback": with_stopped(rollback),
 
 
 def with_metrics(name, action, directory, thresholds):
-    """The action, its end written as node_exporter textfile metrics on this host (metrics.py): never for status or
-    check mode, and a failure to write is said in the result, never the action's failure."""
+    """The action, its end written as node_exporter textfile metrics on this host (metrics.py), for restart,
+    rollback and verify with a directory; a failure to write is said in the result, never the action's failure."""
 
     def run(machine):
         res = action(machine)
-        if name not in metrics.OPERATIONS or machine.settings.check_mode:
+        if name not in metrics.OPERATIONS or directory is None:
             return res
         try:
             return res | {"metrics": metrics.write(directory, machine.inst.name, name, res, thresholds)}
@@ -569,7 +569,7 @@ def main() -> None:
     )
     machine = Machine(inst, settings)
     # A multi-node group's phases each see part of its restart: only a whole one is written (phase all).
-    directory = p["metrics_dir"] if p["phase"] == "all" else None
+    directory = p["metrics_dir"] if p["phase"] == "all" and not module.check_mode else None
     action = with_metrics(p["action"], ACTIONS[p["action"]], directory, {k: p[k] for k in THRESHOLDS})
     if p["detach"] and p["action"] in ("restart", "rollback") and not module.check_mode:
         # The worker outlives this call's module files: every sglang_deploy module imported first.
