@@ -81,8 +81,10 @@ def extravars_args(extravars: list[str], directory: Path) -> list[str]:
     for i, ev in enumerate(extravars):
         if not ev:
             continue  # Ansible skips an empty -e
-        if ev.startswith("@"):
-            out += ["-e", ev]
+        if ev.startswith(
+            "@"
+        ):  # ansible-playbook runs in its own directory: the operator's relative path, made absolute
+            out += ["-e", "@" + str(Path(ev[1:]).expanduser().resolve())]
             continue
         # YAML/JSON as written; '/' or '.' too, which Ansible refuses (a file needs '@') and still refuses from it.
         content = ev if ev[0] in "[{/." else json.dumps(parse_kv(ev))
@@ -150,7 +152,7 @@ def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_e
         inventory=inventory_arg(job.inventory),
         limit=job.limit,
         cmdline=shlex.join(cmdline) or None,
-        envvars={**envvars, **{k: v for k, v in os.environ.items() if k.startswith("ANSIBLE_")}},
+        envvars={**envvars, **operators_ansible_env(envvars["ANSIBLE_COLLECTIONS_PATH"])},
         verbosity=job.verbosity or None,
         event_handler=handler,
         cancel_callback=cancel,
@@ -209,6 +211,25 @@ class Pump:
     def names(file_name: str) -> tuple[str, str]:
         host, _, instance = file_name[: -len(".json")].rpartition(".")
         return host, instance
+
+
+def operators_ansible_env(ours: str) -> dict[str, str]:
+    """The operator's ANSIBLE_* for ansible-playbook, which runs in the collection's directory, not theirs: relative
+    paths (ANSIBLE_INVENTORY's sources, ANSIBLE_CONFIG) made absolute as the driver's own check read them; their
+    collections path after the driver's, never instead of it (their copy of sglang.deploy would run the hosts' side
+    while the driver reads the results as its own copy writes them)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("ANSIBLE_")}
+    if env.get("ANSIBLE_INVENTORY"):
+        env["ANSIBLE_INVENTORY"] = ",".join(
+            str(Path(s).expanduser().resolve()) if s and os.path.exists(os.path.expanduser(s)) else s
+            for s in env["ANSIBLE_INVENTORY"].split(",")
+        )
+    if env.get("ANSIBLE_CONFIG"):
+        env["ANSIBLE_CONFIG"] = str(Path(env["ANSIBLE_CONFIG"]).expanduser().resolve())
+    for key in ("ANSIBLE_COLLECTIONS_PATH", "ANSIBLE_COLLECTIONS_PATHS"):
+        if env.get(key):
+            env[key] = ours + os.pathsep + env[key]
+    return env
 
 
 def inventory_arg(inventory: str | None) -> str | None:

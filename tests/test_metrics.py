@@ -128,7 +128,10 @@ def test_the_file_is_valid_exposition_format(tmp_path):
 def test_a_write_replaces_the_file_whole_and_leaves_no_temporary_file(tmp_path):
     metrics.write(str(tmp_path), "main", "restart", restart_result(), THRESHOLDS)
     metrics.write(str(tmp_path), "other", "restart", restart_result(), THRESHOLDS)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sglang_deploy_main.prom", "sglang_deploy_other.prom"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # the .prom files node_exporter reads, and each instance's writers' lock (a name it never reads)
+    assert [n for n in names if not n.startswith(".")] == ["sglang_deploy_main.prom", "sglang_deploy_other.prom"]
+    assert [n for n in names if n.startswith(".")] == [".sglang_deploy_main.lock", ".sglang_deploy_other.lock"]
 
 
 def test_nan_and_missing_measurements_are_left_out(tmp_path):
@@ -174,8 +177,44 @@ def test_status_and_no_directory_write_nothing(tmp_path, name, directory):
     assert "metrics" not in run(FakeMachine()) and list(tmp_path.iterdir()) == []
 
 
-def test_a_failed_write_is_said_and_the_operations_outcome_stands(tmp_path):
-    (tmp_path / "sglang_deploy_main.prom").mkdir()  # the file cannot be replaced: rename onto a directory fails
-    res = module().with_metrics("restart", lambda m: restart_result(), str(tmp_path), THRESHOLDS)(FakeMachine())
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda p: p.mkdir(),  # a directory: not a regular file
+        lambda p: os.mkfifo(p),  # a FIFO: opened non-blocking, refused, never hangs the worker
+        lambda p: p.symlink_to("/dev/zero"),  # a link: never followed
+    ],
+)
+def test_a_failed_write_is_a_warning_and_the_operations_outcome_stands(tmp_path, plant):
+    target = tmp_path / "d" / "sglang_deploy_main.prom"
+    target.parent.mkdir()
+    plant(target)
+    try:
+        res = module().with_metrics("restart", lambda m: restart_result(), str(target.parent), THRESHOLDS)(
+            FakeMachine()
+        )
+    finally:
+        os.chmod(target.parent, 0o700)
+    if os.geteuid() == 0 and plant.__code__.co_consts and "chmod" in str(plant.__code__.co_names):
+        return  # root writes into a 0500 directory: nothing to refuse here
     assert res["outcome"] == "restarted" and res["metrics"] is None
     assert res["metrics_error"].startswith("the metrics were not written: ")
+    assert res["warnings"] == [res["metrics_error"]]
+
+
+def test_a_file_with_bytes_not_utf8_is_read_past_not_raised(tmp_path):
+    (tmp_path / "sglang_deploy_main.prom").write_bytes(b"# \xe9dited by hand\n" + b"\xff\xfe\n")
+    res = module().with_metrics("restart", lambda m: restart_result(), str(tmp_path), THRESHOLDS)(FakeMachine())
+    assert res["metrics"] and "metrics_error" not in res
+
+
+def test_an_operators_rollback_is_not_counted_as_a_failed_restart(tmp_path):
+    metrics.write(str(tmp_path), "main", "rollback", restart_result(outcomes.ROLLED_BACK), THRESHOLDS)
+    assert value(samples(tmp_path), "sglang_deploy_rollbacks_total") == 0
+
+
+def test_a_label_value_with_a_unicode_line_separator_survives_the_next_write(tmp_path):
+    odd = "prof\u2028ile\x85x"
+    metrics.write(str(tmp_path), "main", "restart", restart_result(profile=odd), THRESHOLDS)
+    metrics.write(str(tmp_path), "main", "verify", {"outcome": outcomes.VERIFIED}, THRESHOLDS)
+    assert value(samples(tmp_path), "sglang_deploy_verified_tokens_per_second", profile=odd) == 394.2

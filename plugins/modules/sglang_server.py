@@ -482,8 +482,9 @@ def with_metrics(name, action, directory, thresholds):
             return res
         try:
             return res | {"metrics": metrics.write(directory, machine.inst.name, name, res, thresholds)}
-        except OSError as exc:
-            return res | {"metrics": None, "metrics_error": f"the metrics were not written: {exc}"}
+        except Exception as exc:  # whatever it is, the operation ended as it did: said (a warning), never raised
+            why = f"the metrics were not written: {type(exc).__name__}: {exc}"
+            return res | {"metrics": None, "metrics_error": why, "warnings": [*(res.get("warnings") or []), why]}
 
     return run
 

@@ -13,8 +13,11 @@ docs/monitoring.md lists every metric (METRICS is its one source: tests/test_met
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
+import stat
 import time
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, outcomes
@@ -109,7 +112,7 @@ Key = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted labels)
 def parse(text: str) -> dict[Key, float]:
     """The samples of a file this module wrote (comments and anything else skipped)."""
     samples: dict[Key, float] = {}
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines(): it also splits at \x85 or \u2028, which a label value may hold
         m = SAMPLE.match(line)
         if not m or m["name"] not in METRICS:
             continue
@@ -194,7 +197,8 @@ def update(before: dict[Key, float], instance: str, operation: str, res: dict, t
     after.update(new)
     outcome = res.get("outcome")
     for name, counted in (
-        ("sglang_deploy_rollbacks_total", outcome == outcomes.ROLLED_BACK),
+        # a restart that failed and put the known-good back; an operator's rollback ends rolled_back too, by design
+        ("sglang_deploy_rollbacks_total", outcome == outcomes.ROLLED_BACK and operation == "restart"),
         ("sglang_deploy_not_recovered_total", outcome == outcomes.NOT_RECOVERED),
     ):
         key = (name, (("sglang_instance", instance),))
@@ -208,11 +212,32 @@ def write(directory: str | None, instance: str, operation: str, res: dict, thres
     if not directory or not os.path.isdir(directory):
         return None
     target = path(directory, instance)
-    try:
-        with open(target, encoding="utf-8") as fh:
-            before = parse(fh.read())
-    except FileNotFoundError:
-        before = {}
-    after = update(before, instance, operation, res, thresholds, time.time())
-    durable.write_atomic(target, render(after), mode=0o644)  # node_exporter reads it as its own user
+    # One writer at a time per instance (a verify from another controller as a restart ends: the instance's own
+    # lock is let go before this write); the lock file's name is no .prom, which node_exporter would read.
+    with _locked(os.path.join(directory, f".sglang_deploy_{instance}.lock")):
+        after = update(read(target), instance, operation, res, thresholds, time.time())
+        durable.write_atomic(target, render(after), mode=0o644)  # node_exporter reads it as its own user
     return target
+
+
+def read(target: str) -> dict[Key, float]:
+    """The previous write's samples: nothing where there is none; a FIFO, a device or a link there is never opened
+    (O_NONBLOCK, O_NOFOLLOW: an open that would hang or follow fails), and bytes not UTF-8 are replaced."""
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {}
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{target} is not a regular file")
+        return parse(fh.read(1 << 20).decode("utf-8", errors="replace"))
+
+
+@contextlib.contextmanager
+def _locked(lock_path: str):
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
