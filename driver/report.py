@@ -27,22 +27,39 @@ class ReportError(Exception):
 
 
 def load(path: Path) -> list[dict]:
-    """The events in `path`, ordered by their counter where they have one (AWX pages and runner files may not be)."""
+    """The events in `path`, each once (AWX's pages may overlap), in their counter's order; an AWX job's events
+    only when every one of its pages is there (`count`), never a verdict on part of a run."""
     if path.is_dir():
-        files = sorted((path / "job_events").glob("*.json")) if (path / "job_events").is_dir() else []
+        events_dir = path / "job_events"
+        # -partial.json: a dying ansible-runner's, without a counter; the whole event is in its numbered file
+        files = sorted(f for f in events_dir.glob("*.json") if not f.name.endswith("-partial.json"))
         if not files:
             raise ReportError(f"{path}: a directory without job_events/*.json (ansible-runner's artifacts)")
-        events = [read_json(f) for f in files]
+        docs = [read_json(f) for f in files]
     else:
         text = read_text(path)
         try:
-            events = flatten(json.loads(text))
-        except json.JSONDecodeError:
-            events = [parse_line(path, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    events = [e for e in events if isinstance(e, dict) and "event" in e]
-    if not events:
+            docs = [json.loads(text)]
+        except (json.JSONDecodeError, RecursionError):
+            docs = [parse_line(path, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    pages = [d for d in docs for d in (d if isinstance(d, list) else [d]) if isinstance(d, dict) and "results" in d]
+    events = [e for d in docs for e in flatten(d) if isinstance(e, dict) and "event" in e]
+    unique = list({key(e): e for e in events}.values())
+    counts = {p["count"] for p in pages if isinstance(p.get("count"), int)}
+    if counts and len(unique) < max(counts):
+        raise ReportError(
+            f"{path}: {len(unique)} of the job's {max(counts)} events: every page is needed (AWX's `next` link, "
+            "or page_size up to 200 and a page at a time)"
+        )
+    if not unique:
         raise ReportError(f"{path}: no event in it (each has an 'event' and its 'event_data')")
-    return sorted(events, key=lambda e: e.get("counter") if isinstance(e.get("counter"), int) else 0)
+    # counter-less events last, in the order they came: never ahead of the play's own
+    return sorted(unique, key=lambda e: (not isinstance(e.get("counter"), int), e.get("counter") or 0))
+
+
+def key(event: dict):
+    """An event's identity across overlapping pages: its uuid, else its counter, else itself."""
+    return event.get("uuid") or event.get("counter") or json.dumps(event, sort_keys=True, default=str)
 
 
 def read_text(path: Path) -> str:
@@ -69,7 +86,9 @@ def parse_line(path: Path, n: int, line: str) -> dict:
 def flatten(doc) -> list:
     """AWX's page ({"results": [...]}), a list of pages, or a list of events."""
     if isinstance(doc, dict):
-        return list(doc.get("results") or []) if "results" in doc else [doc]
+        if "results" in doc:
+            return list(doc["results"]) if isinstance(doc["results"], list) else []
+        return [doc]
     if isinstance(doc, list):
         return (
             [e for item in doc for e in flatten(item)]
@@ -119,7 +138,7 @@ def arguments(sp: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, playbooks: dict[str, str]) -> int:
     """The summary and exit code of the run EVENTS hold; a usage error (2) when they cannot be read."""
-    from driver import display, events, ledger
+    from driver import display, events
 
     try:
         stream = load(args.events)
@@ -130,24 +149,44 @@ def main(args: argparse.Namespace, playbooks: dict[str, str]) -> int:
         known = ", ".join(sorted(playbooks))
         return usage(args, f"--command: {command!r} is no driver command ({known}), and the events name none")
     tracker = events.Tracker(command)
-    for event in stream:
-        tracker.handle(event)
+    for n, event in enumerate(stream, 1):
+        try:
+            tracker.handle(event)
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of another shape than runner's
+            return usage(args, f"{args.events}: event {n} ({event.get('event')!r}) is not ansible-runner's: {exc!r}")
     code = tracker.exit_code(*ending_of(stream, args.status))
     run_id = None
     if args.record:
-        book = ledger.Ledger()
-        try:
-            run_id = book.start(command, ["report", str(args.events)], None, None)
-            seconds = round(max(tracker.last - tracker.first, 0.0), 1)
-            meaning = exitcodes.MEANING.get(code, "?")
-            book.finish(run_id, code, meaning, seconds, list(tracker.hosts), tracker.measurements(), str(args.events))
-        finally:
-            book.close()
+        run_id = record(command, code, tracker, args.events.resolve())
     if args.json:
         display.as_json(tracker, code, run_id)
     else:
         display.summary(tracker, code, run_id)
     return code
+
+
+def record(command: str, code: int, tracker, events_path: Path) -> int | None:
+    """The run's ledger row; None (said on stderr) when the ledger cannot take it: the verdict stands either way."""
+    import sys
+
+    from driver import ledger
+
+    try:
+        book = ledger.Ledger()
+    except Exception as exc:  # the ledger's directory or database: the exit code is the run's, not the ledger's
+        print(f"report: not recorded in the ledger: {exc}", file=sys.stderr)
+        return None
+    try:
+        run_id = book.start(command, ["report", str(events_path)], None, None)
+        seconds = round(max(tracker.last - tracker.first, 0.0), 1)
+        meaning = exitcodes.MEANING.get(code, "?")
+        book.finish(run_id, code, meaning, seconds, list(tracker.hosts), tracker.measurements(), str(events_path))
+        return run_id
+    except Exception as exc:
+        print(f"report: not recorded in the ledger: {exc}", file=sys.stderr)
+        return None
+    finally:
+        book.close()
 
 
 def usage(args: argparse.Namespace, message: str) -> int:

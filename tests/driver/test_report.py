@@ -133,3 +133,62 @@ def test_the_command_is_the_playbook_the_events_name_by_path_or_collection_name(
 
     events = [{"event": "playbook_on_start", "event_data": {"playbook": played}}]
     assert command_of(events, {name: path for name, (path, _) in cli.PLAYBOOKS.items()}) == command
+
+
+def pages_of(doc: dict, size: int) -> list[dict]:
+    results = doc["results"]
+    return [{**doc, "results": results[i : i + size]} for i in range(0, len(results), size)]
+
+
+def test_a_job_whose_pages_are_not_all_there_is_refused_not_judged(tmp_path, ledger_path, capsys):
+    stream, ending = recorded("restart-rolled-back")
+    first, *rest = pages_of(as_awx(stream), 40)
+    path = tmp_path / "page1.json"
+    path.write_text(json.dumps(first))
+    assert report(str(path), "--status", "failed") == exitcodes.USAGE
+    assert f"40 of the job's {len(stream)} events: every page is needed" in capsys.readouterr().err
+    # every page, one per line as `cat page*.json` leaves them, overlapping: each event once, the recorded verdict
+    overlapping = [first, *rest, rest[0]]
+    path.write_text("".join(json.dumps(p, separators=(",", ":")) + "\n" for p in overlapping))
+    assert report(str(path), "--status", "failed") == ending["exit_code"] == exitcodes.ROLLED_BACK
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"event": "runner_on_ok", "event_data": "x", "counter": 1},
+        {"event": "runner_on_ok", "event_data": {"host": ["h"]}, "counter": 1},
+        {"event": "verbose", "stdout": None, "counter": 1},
+        {"event": "runner_on_start", "created": "yesterday", "event_data": {"host": "h"}, "counter": 1},
+    ],
+)
+def test_an_event_of_another_shape_is_a_usage_error_not_a_traceback(tmp_path, ledger_path, capsys, bad):
+    path = tmp_path / "events.json"
+    path.write_text(json.dumps([{"event": "playbook_on_start", "event_data": {"playbook": "verify.yml"}}, bad]))
+    assert report(str(path)) == exitcodes.USAGE
+    assert "is not ansible-runner's" in capsys.readouterr().err
+
+
+def test_a_dying_runners_partial_files_are_skipped_and_counterless_events_come_last(tmp_path, ledger_path):
+    events = tmp_path / "artifacts" / "job_events"
+    events.mkdir(parents=True)
+    start = {"event": "playbook_on_start", "counter": 1, "uuid": "a", "event_data": {"playbook": "verify.yml"}}
+    task = {"event": "runner_on_start", "counter": 2, "uuid": "b", "event_data": {"host": "h", "task": "t"}}
+    stats = {"event": "playbook_on_stats", "uuid": "c", "event_data": {}}  # what a partial file holds: no counter
+    for name, e in (("1-a.json", start), ("2-b.json", task), ("c-partial.json", stats)):
+        (events / name).write_text(json.dumps(e))
+    assert report(str(tmp_path / "artifacts")) == exitcodes.FAILED, "the play never reached its end"
+    from driver.report import load
+
+    (events / "c-partial.json").rename(events / "c.json")  # a counter-less event of another kind: last, not first
+    assert [e["event"] for e in load(tmp_path / "artifacts")][-1] == "playbook_on_stats"
+
+
+def test_a_ledger_that_cannot_take_the_row_leaves_the_verdict(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SGLANG_DEPLOY_LEDGER", str(tmp_path / "file" / "ledger.sqlite3"))  # under a file: no dir
+    stream, ending = recorded("restart-rolled-back")
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in [*stream, ending]))
+    assert report(str(path), "--record") == exitcodes.ROLLED_BACK
+    assert "not recorded in the ledger" in capsys.readouterr().err
