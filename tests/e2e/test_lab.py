@@ -137,7 +137,7 @@ def test_a_wrong_variable_type_is_refused_by_the_argument_spec(lab):
     # The role's argument spec (roles/gpu_node/meta/argument_specs.yml) refuses it before any task of the role runs,
     # naming the variable, what it holds and the type it must be (ansible-core 2.19's words).
     assert (
-        "TASK [gpu_node : Validating arguments against arg spec 'main' - Base of a GPU node for SGLang servers]"
+        "TASK [sglang.deploy.gpu_node : Validating arguments against arg spec 'main' - Base of a GPU node for SGLang servers]"
         in proc.flat
     )
     assert (

@@ -63,7 +63,9 @@ def test_a_changed_flag_changes_exactly_its_files_and_never_restarts(node1):
         '{"sglang_server_flags": {"trust_remote_code": true, "mem_fraction_static": 0.85, "enable_metrics": true}}',
     ]
     proc = ansible("ansible-playbook", "playbooks/deploy.yml", *extra, inventory=the_lab.inventory)
-    assert changed_tasks(proc.stdout) == ["sglang_service : Stage each instance's configuration"], proc.stdout[-4000:]
+    assert changed_tasks(proc.stdout) == ["sglang.deploy.sglang_service : Stage each instance's configuration"], (
+        proc.stdout[-4000:]
+    )
     assert "--mem-fraction-static 0.85" in podman_exec(node, "cat", "/etc/systemd/system/sglang-main.service")
     assert podman_exec(node, "sh", "-c", "ls /etc/sglang/pending 2>/dev/null | wc -l").strip() == "0"
     after = podman_exec(node, "systemctl", "show", "-p", "InactiveEnterTimestamp", "sglang-main.service")
