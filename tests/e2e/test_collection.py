@@ -31,12 +31,17 @@ PUT_BACK = [f"{GATE_DIR}/sglang-gpu-gate", f"{GATE_DIR}/sglang_deploy/gpu.py", f
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """The collection built from the checkout and installed into an empty collections path."""
+    """The collection built from the checkout and installed into an empty collections path, as a user does it: none
+    of the checkout's ANSIBLE_* (under make, ANSIBLE_CONFIG names the checkout's collections/, where ansible-galaxy
+    finds sglang.deploy 0.1.0 "already installed" and installs nothing)."""
     top = tmp_path_factory.mktemp("galaxy")
-    run(VENV_BIN / "ansible-galaxy", "collection", "build", "--output-path", top / "dist", REPO, cwd=top)
+    env = {k: v for k, v in controller_env().items() if not k.startswith("ANSIBLE_")}
+    run(VENV_BIN / "ansible-galaxy", "collection", "build", "--output-path", top / "dist", REPO, cwd=top, env=env)
     (tarball,) = (top / "dist").iterdir()
     # --no-deps: community.general comes with the `ansible` package, as on the controller (never Galaxy, offline)
-    run(VENV_BIN / "ansible-galaxy", "collection", "install", "--no-deps", "-p", top / "collections", tarball, cwd=top)
+    argv = [VENV_BIN / "ansible-galaxy", "collection", "install", "--no-deps", "-p", top / "collections", tarball]
+    run(*argv, cwd=top, env=env | {"ANSIBLE_COLLECTIONS_PATH": str(top / "collections")})
+    assert (top / "collections" / "ansible_collections" / "sglang" / "deploy" / "MANIFEST.json").is_file()
     return top / "collections"
 
 
