@@ -157,14 +157,8 @@ class FakeMachine:
     inst = type("Inst", (), {"name": "main"})()
 
 
-def module():
-    from ansible_collections.sglang.deploy.plugins.modules import sglang_server
-
-    return sglang_server
-
-
 def test_the_module_writes_a_restarts_end_and_says_where(tmp_path):
-    run = module().with_metrics("restart", lambda m: restart_result(), str(tmp_path), THRESHOLDS)
+    run = metrics.recorded("restart", lambda m: restart_result(), str(tmp_path), THRESHOLDS)
     res = run(FakeMachine())
     assert res["outcome"] == "restarted" and res["metrics"] == str(tmp_path / "sglang_deploy_main.prom")
     assert value(samples(tmp_path), "sglang_deploy_restart_downtime_seconds") == 4.225
@@ -173,7 +167,7 @@ def test_the_module_writes_a_restarts_end_and_says_where(tmp_path):
 @pytest.mark.parametrize(("name", "directory"), [("status", True), ("restart", False)])
 def test_status_and_no_directory_write_nothing(tmp_path, name, directory):
     """Status reads; no directory: check mode, one phase of a multi-node group, or metrics_dir unset."""
-    run = module().with_metrics(name, lambda m: {"outcome": "x"}, str(tmp_path) if directory else None, THRESHOLDS)
+    run = metrics.recorded(name, lambda m: {"outcome": "x"}, str(tmp_path) if directory else None, THRESHOLDS)
     assert "metrics" not in run(FakeMachine()) and list(tmp_path.iterdir()) == []
 
 
@@ -190,9 +184,7 @@ def test_a_failed_write_is_a_warning_and_the_operations_outcome_stands(tmp_path,
     target.parent.mkdir()
     plant(target)
     try:
-        res = module().with_metrics("restart", lambda m: restart_result(), str(target.parent), THRESHOLDS)(
-            FakeMachine()
-        )
+        res = metrics.recorded("restart", lambda m: restart_result(), str(target.parent), THRESHOLDS)(FakeMachine())
     finally:
         os.chmod(target.parent, 0o700)
     if os.geteuid() == 0 and plant.__code__.co_consts and "chmod" in str(plant.__code__.co_names):
@@ -204,7 +196,7 @@ def test_a_failed_write_is_a_warning_and_the_operations_outcome_stands(tmp_path,
 
 def test_a_file_with_bytes_not_utf8_is_read_past_not_raised(tmp_path):
     (tmp_path / "sglang_deploy_main.prom").write_bytes(b"# \xe9dited by hand\n" + b"\xff\xfe\n")
-    res = module().with_metrics("restart", lambda m: restart_result(), str(tmp_path), THRESHOLDS)(FakeMachine())
+    res = metrics.recorded("restart", lambda m: restart_result(), str(tmp_path), THRESHOLDS)(FakeMachine())
     assert res["metrics"] and "metrics_error" not in res
 
 

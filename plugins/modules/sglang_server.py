@@ -472,23 +472,6 @@ def with_stopped(action):
 ACTIONS = {"restart": with_stopped(restart), "rollback": with_stopped(rollback), "verify": verify, "status": status}
 
 
-def with_metrics(name, action, directory, thresholds):
-    """The action, its end written as node_exporter textfile metrics on this host (metrics.py), for restart,
-    rollback and verify with a directory; a failure to write is said in the result, never the action's failure."""
-
-    def run(machine):
-        res = action(machine)
-        if name not in metrics.OPERATIONS or directory is None:
-            return res
-        try:
-            return res | {"metrics": metrics.write(directory, machine.inst.name, name, res, thresholds)}
-        except Exception as exc:  # whatever it is, the operation ended as it did: said (a warning), never raised
-            why = f"the metrics were not written: {type(exc).__name__}: {exc}"
-            return res | {"metrics": None, "metrics_error": why, "warnings": [*(res.get("warnings") or []), why]}
-
-    return run
-
-
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
@@ -571,7 +554,7 @@ def main() -> None:
     machine = Machine(inst, settings)
     # A multi-node group's phases each see part of its restart: only a whole one is written (phase all).
     directory = p["metrics_dir"] if p["phase"] == "all" and not module.check_mode else None
-    action = with_metrics(p["action"], ACTIONS[p["action"]], directory, {k: p[k] for k in THRESHOLDS})
+    action = metrics.recorded(p["action"], ACTIONS[p["action"]], directory, {k: p[k] for k in THRESHOLDS})
     if p["detach"] and p["action"] in ("restart", "rollback") and not module.check_mode:
         # The worker outlives this call's module files: every sglang_deploy module imported first.
         jobs.preload(sglang_deploy)

@@ -241,3 +241,21 @@ def _locked(lock_path: str):
         yield
     finally:
         os.close(fd)
+
+
+def recorded(name: str, action, directory: str | None, thresholds: dict):
+    """sglang_server's action (machine -> result), its end written here for restart, rollback and verify with a
+    directory (None: check mode, one phase of a multi-node group, or none set); a failure to write is said in the
+    result (metrics_error, and a warning), never the action's failure: the operation ended as it did."""
+
+    def run(machine):
+        res = action(machine)
+        if name not in OPERATIONS or directory is None:
+            return res
+        try:
+            return res | {"metrics": write(directory, machine.inst.name, name, res, thresholds)}
+        except Exception as exc:  # whatever it is: said, never raised
+            why = f"the metrics were not written: {type(exc).__name__}: {exc}"
+            return res | {"metrics": None, "metrics_error": why, "warnings": [*(res.get("warnings") or []), why]}
+
+    return run
