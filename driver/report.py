@@ -42,7 +42,8 @@ def load(path: Path) -> list[dict]:
             docs = [json.loads(text)]
         except (json.JSONDecodeError, RecursionError):
             docs = [parse_line(path, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    pages = [d for d in docs for d in (d if isinstance(d, list) else [d]) if isinstance(d, dict) and "results" in d]
+    tops = [item for doc in docs for item in (doc if isinstance(doc, list) else [doc])]  # a list of pages, unrolled
+    pages = [p for p in tops if isinstance(p, dict) and "results" in p]
     events = [e for d in docs for e in flatten(d) if isinstance(e, dict) and "event" in e]
     unique = list({key(e): e for e in events}.values())
     counts = {p["count"] for p in pages if isinstance(p.get("count"), int)}

@@ -73,31 +73,26 @@ def assert_put_back(container: str) -> None:
         podman_exec(container, "test", "-s", path)
 
 
-def test_the_installed_collection_deploys_the_lab_through_ansible_playbook(deployed, installed, tmp_path):
+# How a user runs the installed collection's deploy: the playbook by its name, through each tool. navigator:
+# --ee false runs the ansible on PATH; --pae false, no playbook artefact (AWX keeps its own job events).
+THROUGH = {
+    "ansible-playbook": ["ansible-playbook", "sglang.deploy.deploy"],
+    "ansible-navigator": ["ansible-navigator", "run", "sglang.deploy.deploy", "--ee", "false", "-m", "stdout",
+                          "--pae", "false"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool", sorted(THROUGH))
+def test_the_installed_collection_deploys_the_lab(deployed, installed, tmp_path, tool):
     the_lab, hosts = deployed
     container = next(h["container"] for h in hosts if h["name"] == NODE)
     env = outside(installed, tmp_path)
     remove_the_gate(container)
-    proc = run(
-        VENV_BIN / "ansible-playbook", "sglang.deploy.deploy", "-i", the_lab.inventory, "--limit", NODE,
-        cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert "failed=0" in proc.stdout and f"{NODE}" in proc.stdout, proc.stdout[-3000:]
-    assert_put_back(container)
-
-
-def test_the_installed_collection_deploys_the_lab_through_ansible_navigator(deployed, installed, tmp_path):
-    the_lab, hosts = deployed
-    container = next(h["container"] for h in hosts if h["name"] == NODE)
-    env = outside(installed, tmp_path)
-    remove_the_gate(container)
-    # --pae false: no playbook artefact (AWX keeps its own job events); its log under this test's directory
-    proc = run(
-        VENV_BIN / "ansible-navigator", "run", "sglang.deploy.deploy", "--ee", "false", "-m", "stdout",
-        "--pae", "false", "--lf", tmp_path / "navigator.log", "-i", the_lab.inventory, "--limit", NODE,
-        cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert "failed=0" in proc.stdout, proc.stdout[-3000:]
+    program, *args = THROUGH[tool]
+    if tool == "ansible-navigator":
+        args += ["--lf", str(tmp_path / "navigator.log")]  # its log under this test's directory
+    proc = run(VENV_BIN / program, *args, "-i", the_lab.inventory, "--limit", NODE, cwd=tmp_path, env=env)
+    assert "failed=0" in proc.stdout and NODE in proc.stdout, proc.stdout[-3000:]
     assert_put_back(container)
 
 
