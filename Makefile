@@ -50,9 +50,11 @@ demo: lab-up ## the main job on the local lab: deploy, safe restart and verify, 
 	@$(BIN)/python -m driver restart
 	@$(BIN)/python -m driver verify
 
-lint: setup lint-only ## ruff (lint and format), yamllint, ansible-lint (production profile), the modules' sanity
+lint: setup lint-only ## ruff (lint and format), yamllint, ansible-lint (production profile), promtool on the alert rules, the modules' sanity
 
 # The linters alone, on the virtualenv as it is (make test's rest stream: no setup's self-check beside a lab).
+# promtool (Debian 12's, in .venv/bin): the monitoring role's rules and their unit tests (issue #34); the
+# configuration it writes is checked by tests/test_monitoring.py, which renders it for the example inventory.
 # tools/sanity.py: ansible-test's sanity tests on plugins/modules/ as the collection sglang.deploy, and ansible-doc of each
 # module and each filter (issue #33; about 15 s, its first run about a minute: it builds ansible-test's virtualenvs).
 lint-only:
@@ -60,6 +62,8 @@ lint-only:
 	@ruff format --check .
 	@yamllint --strict .
 	@ansible-lint --profile production
+	@promtool check rules --lint-fatal roles/sglang_monitoring/files/sglang-deploy.rules.yml
+	@promtool test rules tests/promtool/sglang-deploy.rules.test.yml
 	@$(BIN)/python tools/sanity.py
 
 unit: setup ## pytest without the lab

@@ -255,6 +255,8 @@ def write_inventory(lab: Lab, hosts: list[dict[str, object]], key: Path) -> None
             f"          lab_gpus: {h['gpus']}",
         ]
         lines += [f"          {k}: {json.dumps(v)}" for k, v in LAB_HOST_VARS.items()]
+    # Prometheus on the first node (playbooks/monitoring.yml), where the lab's router runs too.
+    lines += ["    sglang_monitoring:", "      hosts:", f"        {hosts[0]['name']}:"]
     lab.inventory.parent.mkdir(parents=True, exist_ok=True)
     lab.inventory.write_text("\n".join(lines) + "\n", encoding="utf-8")
 

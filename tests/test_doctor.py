@@ -174,6 +174,7 @@ def test_this_machine_passes_every_check_but_the_container_one():
         "molecule",
         "ruff",
         "py-spy",
+        "promtool",
         "podman run",
     ]
     assert all(ln.startswith("ok ") for ln in lines[:-2]), proc.stdout

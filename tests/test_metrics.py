@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import metrics, outcomes
+from support.modules import run_module
 
 REPO = Path(__file__).resolve().parents[1]
 THRESHOLDS = {"accept_length_min": 1.5, "baseline_tokens_per_s": 380.0, "regression_threshold": 0.1}
@@ -194,6 +195,27 @@ def test_a_failed_write_is_a_warning_and_the_operations_outcome_stands(tmp_path,
     assert res["warnings"] == [res["metrics_error"]]
 
 
+def test_a_multi_node_groups_end_writes_its_outcome_and_known_good_and_keeps_the_measurements(tmp_path):
+    """The group's end on a node (record, or the rollback's confirmation) is one phase of several: its outcome and
+    known-good generation are written, no duration or downtime (that call saw one phase), and the verification
+    measured before stays."""
+    metrics.write(str(tmp_path), "main", "restart", restart_result(), THRESHOLDS)
+    end = {"outcome": outcomes.NOT_RECOVERED, "phases": [{"phase": "verify", "seconds": 0.5}], "downtime_s": 0.1}
+    res = metrics.recorded("restart", lambda m: end, str(tmp_path), THRESHOLDS, whole=False)(FakeMachine())
+    assert res["metrics"]
+    found = samples(tmp_path)
+    assert value(found, "sglang_deploy_operation_outcome", operation="restart", outcome="not_recovered") == 1
+    assert ("sglang_deploy_operation_outcome", (("operation", "restart"), ("outcome", "restarted"),
+            ("sglang_instance", "main"))) not in found  # fmt: skip
+    assert value(found, "sglang_deploy_not_recovered_total") == 1
+    # no duration or downtime: this phase's would pass for the group's, the earlier restart's for this one
+    assert not {n for n, _ in found} & {
+        "sglang_deploy_operation_duration_seconds",
+        "sglang_deploy_restart_downtime_seconds",
+    }
+    assert value(found, "sglang_deploy_verified_tokens_per_second", profile="eagle3_topk1") == 394.2
+
+
 def test_a_file_with_bytes_not_utf8_is_read_past_not_raised(tmp_path):
     (tmp_path / "sglang_deploy_main.prom").write_bytes(b"# \xe9dited by hand\n" + b"\xff\xfe\n")
     res = metrics.recorded("restart", lambda m: restart_result(), str(tmp_path), THRESHOLDS)(FakeMachine())
@@ -210,3 +232,51 @@ def test_a_label_value_with_a_unicode_line_separator_survives_the_next_write(tmp
     metrics.write(str(tmp_path), "main", "restart", restart_result(profile=odd), THRESHOLDS)
     metrics.write(str(tmp_path), "main", "verify", {"outcome": outcomes.VERIFIED}, THRESHOLDS)
     assert value(samples(tmp_path), "sglang_deploy_verified_tokens_per_second", profile=odd) == 394.2
+
+
+def test_a_rollouts_end_is_written_beside_the_restarts_and_counts_nothing_again(tmp_path):
+    metrics.write(str(tmp_path), "main", "restart", restart_result(outcomes.NOT_RECOVERED), THRESHOLDS)
+    said = metrics.record_outcome(str(tmp_path), "main", "rollout", outcomes.NOT_RECOVERED, 0)
+    assert said == {"metrics": str(tmp_path / "sglang_deploy_main.prom")}
+    found = samples(tmp_path)
+    assert value(found, "sglang_deploy_operation_outcome", operation="rollout", outcome="not_recovered") == 1
+    assert value(found, "sglang_deploy_operation_outcome", operation="restart", outcome="not_recovered") == 1
+    assert value(found, "sglang_deploy_rollout_gateways_healthy") == 0
+    assert value(found, "sglang_deploy_not_recovered_total") == 1  # the restart's, not counted again
+    assert (
+        "sglang_deploy_operation_duration_seconds",
+        (("operation", "rollout"), ("sglang_instance", "main")),
+    ) not in found
+    # the next rollout replaces its outcome; unknown gateways leave the gauge out
+    metrics.record_outcome(str(tmp_path), "main", "rollout", "restarted", None)
+    found = samples(tmp_path)
+    assert [dict(k[1])["outcome"] for k in found if k[0] == "sglang_deploy_operation_outcome"
+            and dict(k[1])["operation"] == "rollout"] == ["restarted"]  # fmt: skip
+    assert "sglang_deploy_rollout_gateways_healthy" not in {n for n, _ in found}  # unknown now: not the last one
+
+
+def test_a_rollouts_write_that_fails_is_said_never_raised_and_other_operations_are_refused(tmp_path):
+    (tmp_path / "sglang_deploy_main.prom").mkdir()
+    said = metrics.record_outcome(str(tmp_path), "main", "rollout", "restarted", 1)
+    assert said["metrics"] is None and said["metrics_error"].startswith("the metrics were not written: ")
+    assert metrics.record_outcome(str(tmp_path / "absent"), "main", "rollout", "restarted", 1) == {"metrics": None}
+    with pytest.raises(ValueError, match="'restart' is not one the playbooks record"):
+        metrics.record_outcome(str(tmp_path), "main", "restart", "restarted", 1)
+
+
+def test_the_sglang_metrics_module_writes_a_rollouts_end_and_nothing_in_check_mode(tmp_path):
+    (tmp_path / "work").mkdir()
+    args = {"instance": "main", "operation": "rollout", "outcome": "rolled_back", "gateways_healthy": 2,
+            "directory": str(tmp_path)}  # fmt: skip
+    code, res = run_module("sglang_metrics", args, tmp_path / "work", check_mode=True)
+    assert (
+        code == 0 and res["metrics"] is None and not res["changed"] and list(tmp_path.iterdir()) == [tmp_path / "work"]
+    )
+    code, res = run_module("sglang_metrics", args, tmp_path / "work")
+    assert code == 0 and res["changed"] and res["metrics"] == str(tmp_path / "sglang_deploy_main.prom")
+    assert value(samples(tmp_path), "sglang_deploy_rollout_gateways_healthy") == 2
+    (tmp_path / "sglang_deploy_main.prom").unlink()
+    (tmp_path / "sglang_deploy_main.prom").mkdir()  # a write that fails: a warning, the task not failed
+    code, res = run_module("sglang_metrics", args, tmp_path / "work")
+    assert code == 0 and not res["changed"] and res["metrics_error"].startswith("the metrics were not written")
+    assert res["metrics_error"] in str(res["warnings"])

@@ -263,6 +263,48 @@ def test_metrics_reports_running_and_queued_requests_with_enable_metrics(standin
     assert gauges() == {"sglang:num_running_reqs": 0, "sglang:num_queue_reqs": 0}
 
 
+def histogram(text: str, name: str, **labels: str) -> dict[str, float]:
+    """One label set's series of a histogram: {le: cumulative count} plus _sum and _count."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.startswith(f"{name}_bucket{{{want},le="):
+            out[key.split('le="')[1].rstrip('"}')] = float(value)
+        elif key in (f"{name}_sum{{{want}}}", f"{name}_count{{{want}}}"):
+            out[key.split("{")[0].rsplit("_", 1)[1]] = float(value)
+    return out
+
+
+def test_metrics_has_sglangs_latency_histograms_with_its_buckets(standin):
+    """TTFT per request (is_streaming), inter-token latency per token after the first chunk: SGLang 0.5.23's names,
+    labels and buckets (metrics_collector.py), which the dashboard's quantiles read."""
+    s = standin("--enable-metrics")
+    model = "/srv/models/lab-target"
+
+    def now():
+        text = s.get("/metrics")[1].decode()
+        return (
+            histogram(text, "sglang:time_to_first_token_seconds", model_name=model, is_streaming="true"),
+            histogram(text, "sglang:inter_token_latency_seconds", model_name=model),
+        )
+
+    ttft0, itl0 = now()
+    stream = Stream(s.port, 20)
+    stream.start()
+    stream.join(30)
+    assert stream.done and stream.completion_tokens == 20
+    ttft, itl = now()
+    assert list(ttft)[:-3] == [str(float(b)) for b in lab_standin().TTFT_BUCKETS]
+    assert list(itl)[:-3] == [str(float(b)) for b in lab_standin().ITL_BUCKETS]
+    assert ttft["count"] - ttft0["count"] == 1 and ttft["+Inf"] == ttft["count"]
+    first_chunk = stream.events[0]["meta_info"]["completion_tokens"]
+    assert itl["count"] - itl0["count"] == 20 - first_chunk > 0
+    buckets = [v for k, v in itl.items() if k not in ("sum", "count")]
+    assert buckets == sorted(buckets)  # cumulative
+    assert 0 < itl["sum"] - itl0["sum"] < 20 * 1.0  # 20 tok/s: 0.05 s a token
+
+
 def served_state(knobs: dict[str, str]):
     """The stand-in's State and Handler on a loopback port, without its processes (metrics on)."""
     s = lab_standin()

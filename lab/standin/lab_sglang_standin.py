@@ -13,7 +13,8 @@ What it does like SGLang 0.5.23:
 - serves /health, /health_generate, /generate, /v1/completions,
   /v1/chat/completions, /v1/models, /v1/loads (smg's load feed), /model_info, /server_info (and the
   deprecated /get_* names), and, with --enable-metrics, /metrics with
-  sglang:spec_accept_length, sglang:gen_throughput, the load gauges and the token counters;
+  sglang:spec_accept_length, sglang:gen_throughput, the load gauges, the token counters and the
+  TTFT and inter-token latency histograms (SGLang's names, labels and buckets);
 - reports per-request speculative stats in meta_info (spec_verify_ct,
   spec_accept_length) as SGLang's tokenizer manager does;
 - streams (SSE, `"stream": true`) on /generate, /v1/completions and
@@ -110,6 +111,38 @@ LOAD_CORE_KEYS = (
     "total_prefill_uncached_tokens", "total_prefill_busy_us", "decode_moments",
 )  # fmt: skip
 NOT_FOUND = b'{"detail":"Not Found"}'  # FastAPI's 404 body (starlette's JSONResponse: no spaces)
+# SGLang 0.5.23's latency histograms' buckets (sglang/srt/observability/metrics_collector.py, TokenizerMetricsCollector:
+# bucket_time_to_first_token, bucket_inter_token_latency), so that a dashboard's quantiles read the same buckets.
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100, 0.200, 0.400,
+    0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000,
+)  # fmt: skip
+
+
+class Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count) of one label set."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        for i, le in enumerate(self.buckets):
+            if value <= le:
+                self.counts[i] += times
+        self.sum += value * times
+        self.count += times
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out = [
+            f'{name}_bucket{{{labels},le="{float(le)}"}} {float(c)}'
+            for le, c in zip(self.buckets, self.counts, strict=True)
+        ]
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(self.count)}')
+        return [*out, f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {float(self.count)}"]
 
 
 def log(msg: str) -> None:
@@ -404,6 +437,10 @@ class State:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.verify_ct = 0
+        # SGLang observes TTFT per request (labelled is_streaming) and the inter-token latency per decoded chunk, its
+        # interval spread over the chunk's tokens (observe_inter_token_latency); a health check is a request too.
+        self.ttft = {"true": Histogram(TTFT_BUCKETS), "false": Histogram(TTFT_BUCKETS)}
+        self.itl = Histogram(ITL_BUCKETS)
         # /v1/loads' progress counters (SGLang 0.5.23 scheduler.py _accumulate_decode_moment, load_inquirer.py): per
         # decode step [steps, sum batch, sum step_us, sum batch^2, sum batch*step_us, tokens]; a hung worker's stop.
         self.decode_moments = [0.0] * 6
@@ -461,6 +498,11 @@ class State:
                     for i, v in enumerate((1.0, b, t, b * b, b * t, float(k))):
                         m[i] += v
                 elapsed = time.monotonic() - started
+                with self.lock:
+                    if done == k:
+                        self.ttft["true" if every > 0 else "false"].observe(elapsed)
+                    else:
+                        self.itl.observe(step_s / k, k)
                 text = " ".join(words[i % len(words)] for i in range(done))
                 verify_ct = max(1, round(done / self.knobs.accept_length))
                 meta = {
@@ -539,6 +581,16 @@ class State:
             "# TYPE sglang:generation_tokens_total counter",
             f"sglang:generation_tokens_total{{{labels}}} {float(self.generation_tokens)}",
         ]
+        with self.lock:
+            lines += [
+                "# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.",
+                "# TYPE sglang:time_to_first_token_seconds histogram",
+                *self.ttft["false"].lines("sglang:time_to_first_token_seconds", f'{labels},is_streaming="false"'),
+                *self.ttft["true"].lines("sglang:time_to_first_token_seconds", f'{labels},is_streaming="true"'),
+                "# HELP sglang:inter_token_latency_seconds Histogram of inter-token latency in seconds.",
+                "# TYPE sglang:inter_token_latency_seconds histogram",
+                *self.itl.lines("sglang:inter_token_latency_seconds", labels),
+            ]
         if self.knobs.spec:
             lines += [
                 "# HELP sglang:spec_accept_length Mean acceptance length of speculative decoding.",

@@ -226,9 +226,11 @@ options:
   metrics_dir:
     description:
       - node_exporter's textfile collector directory. Where it exists, a restart, rollback or verify (not status,
-        not in check mode, not one phase of a multi-node group) ends by writing its outcome, duration, downtime,
-        measurements and known-good generation to C(sglang_deploy_<instance>.prom) there, atomically
-        (sglang_deploy.metrics; docs/monitoring.md). Unset, or absent on the host, nothing is written.
+        not in check mode) ends by writing its outcome, duration, downtime, measurements and known-good generation
+        to C(sglang_deploy_<instance>.prom) there, atomically (sglang_deploy.metrics; docs/monitoring.md). Unset,
+        or absent on the host, nothing is written.
+      - Of a multi-node group's phases only its end on each node writes (C(record), C(rollback_confirm)), the
+        outcome and known-good generation, without a duration or downtime, which no single phase sees.
     type: path
 notes:
   - The action plugin of the same name takes one option of its own, C(reconnect_s) (default 120), never passed to
@@ -448,6 +450,7 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instan
     parse_env,
 )
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import (
+    GROUP_ENDS,
     MULTINODE_PHASES,
     Machine,
     Settings,
@@ -552,9 +555,13 @@ def main() -> None:
         **{k: p[k] for k in SETTINGS},
     )
     machine = Machine(inst, settings)
-    # A multi-node group's phases each see part of its restart: only a whole one is written (phase all).
-    directory = p["metrics_dir"] if p["phase"] == "all" and not module.check_mode else None
-    action = metrics.recorded(p["action"], ACTIONS[p["action"]], directory, {k: p[k] for k in THRESHOLDS})
+    # A multi-node group's phases each see part of its restart: a whole one is written (phase all), and a group's
+    # end on each node (its outcome and known-good generation; its duration and downtime no phase saw whole).
+    ends = p["phase"] == "all" or p["phase"] in GROUP_ENDS
+    directory = p["metrics_dir"] if ends and not module.check_mode else None
+    action = metrics.recorded(
+        p["action"], ACTIONS[p["action"]], directory, {k: p[k] for k in THRESHOLDS}, whole=p["phase"] == "all"
+    )
     if p["detach"] and p["action"] in ("restart", "rollback") and not module.check_mode:
         # The worker outlives this call's module files: every sglang_deploy module imported first.
         jobs.preload(sglang_deploy)

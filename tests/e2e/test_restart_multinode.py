@@ -111,6 +111,9 @@ def test_every_rank_stops_before_any_starts_and_both_are_recorded(nodes, tmp_pat
         assert json.loads(podman_exec(container, "sh", "-c", newest))["profile"] == "eagle3_topk1"
 
 
+TEXTFILES = "/var/lib/prometheus/node-exporter"  # node_exporter's textfile collector (sglang_service_metrics_dir)
+
+
 def unit_state(container: str) -> tuple[str, str]:
     out = podman_exec(container, "systemctl", "show", "-p", "ActiveState,MainPID", "sglang-mn.service")
     props = dict(line.split("=", 1) for line in out.split())
@@ -123,7 +126,14 @@ def test_a_rank_failing_its_start_rolls_the_group_back_on_both_nodes_in_step(nod
     the_lab, containers = nodes
     good = restart(the_lab, inventory_with_multinode(the_lab, tmp_path))  # a known-good generation on both nodes
     assert good.returncode == 0, good.stdout[-3000:]
-    proc = restart(the_lab, inventory_with_multinode(the_lab, tmp_path, {"LAB_STANDIN_FAULT": "crash-startup"}))
+    for container in containers.values():
+        podman_exec(container, "mkdir", "-p", TEXTFILES)  # as Debian's prometheus-node-exporter leaves it
+    try:
+        proc = restart(the_lab, inventory_with_multinode(the_lab, tmp_path, {"LAB_STANDIN_FAULT": "crash-startup"}))
+        prom = {h: podman_exec(c, "cat", f"{TEXTFILES}/sglang_deploy_mn.prom") for h, c in containers.items()}
+    finally:
+        for container in containers.values():
+            podman_exec(container, "rm", "-rf", TEXTFILES)
     assert proc.returncode != 0
     res = results(proc.stdout)
     said = {h: [(r["outcome"], (r.get("failure") or {}).get("phase")) for r in rs] for h, rs in res.items()}
@@ -145,6 +155,14 @@ def test_a_rank_failing_its_start_rolls_the_group_back_on_both_nodes_in_step(nod
     for container in containers.values():
         assert unit_state(container)[0] == "active"
         assert "LAB_STANDIN_FAULT" not in podman_exec(container, "cat", "/etc/sglang/mn.env")
+    # Each node's metrics: the group's end there (its rollback's confirmation), counted as a rollback; no duration or
+    # downtime, which no single phase saw (docs/monitoring.md).
+    for host, text in prom.items():
+        assert (
+            'sglang_deploy_operation_outcome{operation="restart",outcome="rolled_back",sglang_instance="mn"} 1' in text
+        )
+        assert 'sglang_deploy_rollbacks_total{sglang_instance="mn"} 1' in text, host
+        assert "sglang_deploy_operation_duration_seconds" not in text and "downtime" not in text, host
 
 
 def test_a_limit_that_leaves_out_a_rank_is_refused_before_any_rank_stops(nodes, tmp_path):

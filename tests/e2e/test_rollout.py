@@ -61,6 +61,9 @@ def fleet(deployed, tmp_path_factory):
             remove_instances(containers[n], "ro")
 
 
+TEXTFILES = "/var/lib/prometheus/node-exporter"  # node_exporter's textfile collector (sglang_service_metrics_dir)
+
+
 def rows_by_host(doc: dict) -> dict[str, dict]:
     return {r["host"]: r for r in doc["rows"] if r["instance"] == "ro"}
 
@@ -70,12 +73,17 @@ def test_a_clean_rollout_under_load_loses_no_request(fleet):
     router = containers[ROUTER]
     pids = {n: main_pid(containers[n]) for n in NODES}
     new = json.dumps({"sglang_instances": [{**RO, "env": {"LAB_ROLLOUT": str(time.time_ns())}}]})
+    for n in NODES:
+        podman_exec(containers[n], "mkdir", "-p", TEXTFILES)  # as Debian's prometheus-node-exporter leaves it
     load = Load(router)
     t0 = time.monotonic()
     try:
         code, doc, proc = run("rollout", "-e", new, "-e", GATE, inventory=inventory)
+        prom = {n: podman_exec(containers[n], "cat", f"{TEXTFILES}/sglang_deploy_ro.prom") for n in NODES}
     finally:
         stats = load.stop()
+        for n in NODES:
+            podman_exec(containers[n], "rm", "-rf", TEXTFILES)
     took = time.monotonic() - t0
     out = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert code == 0, out
@@ -83,6 +91,15 @@ def test_a_clean_rollout_under_load_loses_no_request(fleet):
     assert {n: rows[n]["result"] for n in NODES} == {n: "restarted" for n in NODES}, out
     assert all(main_pid(containers[n]) != pids[n] for n in NODES)  # every replica restarted
     assert router_workers(router) == {f"http://{n}:{RO['port']}": True for n in NODES}
+    # Each replica's metrics: its restart, and where the rollout left it, behind the one gateway (docs/monitoring.md).
+    for n in NODES:
+        assert (
+            'sglang_deploy_operation_outcome{operation="rollout",outcome="restarted",sglang_instance="ro"} 1' in prom[n]
+        )
+        assert (
+            'sglang_deploy_operation_outcome{operation="restart",outcome="restarted",sglang_instance="ro"} 1' in prom[n]
+        )
+        assert 'sglang_deploy_rollout_gateways_healthy{sglang_instance="ro"} 1' in prom[n], prom[n]
     assert stats["lost"] == 0, stats["failures"]
     assert stats["sent"] >= 20, stats
     # Streamed answers were streamed, through the router, whole ([DONE]); not a whole JSON passed off as one.

@@ -81,6 +81,11 @@ METRICS = {
         (),
         "The fraction below the baseline that counts as a regression (sglang_service_verify_regression_threshold).",
     ),
+    "sglang_deploy_rollout_gateways_healthy": (
+        "gauge",
+        (),
+        "How many gateways listed the instance healthy when the last rollout that reached it ended (0: out of all).",
+    ),
     "sglang_deploy_known_good_info": (
         "gauge",
         ("generation", "config_hash", "profile"),
@@ -88,7 +93,9 @@ METRICS = {
     ),
 }
 COUNTERS = {name for name, (kind, _, _) in METRICS.items() if kind == "counter"}
-OPERATIONS = ("restart", "rollback", "verify")
+OPERATIONS = ("restart", "rollback", "verify")  # sglang_server's, written by recorded()
+# Operations the playbooks run around sglang_server, written by record_outcome() (the sglang_metrics module).
+PLAYBOOK_OPERATIONS = ("rollout",)
 SAMPLE = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>.*)\} (?P<value>\S+)$")
 LABEL = re.compile(r'(?P<key>[a-z_]+)="(?P<value>(?:[^"\\]|\\.)*)"')
 
@@ -142,8 +149,11 @@ def number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() and abs(value) < 2**53 else repr(float(value))
 
 
-def samples_of(instance: str, operation: str, res: dict, thresholds: dict, now: float) -> dict[Key, float]:
-    """What one operation's result says, as samples (each labelled with the instance)."""
+def samples_of(
+    instance: str, operation: str, res: dict, thresholds: dict, now: float, whole: bool = True
+) -> dict[Key, float]:
+    """What one operation's result says, as samples (each labelled with the instance). whole=False: the result is
+    the last phase of a multi-node group's restart, whose duration and downtime this call did not see (left out)."""
     out: dict[Key, float] = {}
 
     def put(name: str, value, **labels) -> None:
@@ -161,10 +171,10 @@ def samples_of(instance: str, operation: str, res: dict, thresholds: dict, now: 
 
     put("sglang_deploy_operation_timestamp_seconds", now, operation=operation)
     put("sglang_deploy_operation_outcome", 1, operation=operation, outcome=res.get("outcome") or "unknown")
-    phases = res.get("phases") or []
+    phases = (res.get("phases") or []) if whole else []
     put("sglang_deploy_operation_duration_seconds", sum(p.get("seconds") or 0 for p in phases) if phases else None,
         operation=operation)  # fmt: skip
-    if operation != "verify":
+    if operation != "verify" and whole:
         put("sglang_deploy_restart_downtime_seconds", res.get("downtime_s"))
     verify = res.get("verify") or {}
     profile = verify.get("running_profile") or res.get("profile") or ""
@@ -173,6 +183,8 @@ def samples_of(instance: str, operation: str, res: dict, thresholds: dict, now: 
     put("sglang_deploy_accept_length_floor", thresholds.get("accept_length_min"))
     put("sglang_deploy_baseline_tokens_per_second", thresholds.get("baseline_tokens_per_s"), profile=profile)
     put("sglang_deploy_regression_threshold_ratio", thresholds.get("regression_threshold"))
+    if operation == "rollout":
+        put("sglang_deploy_rollout_gateways_healthy", res.get("gateways_healthy"))
     good = res.get("known_good") or {}
     if good.get("generation"):
         put("sglang_deploy_known_good_info", 1, generation=good["generation"],
@@ -180,11 +192,17 @@ def samples_of(instance: str, operation: str, res: dict, thresholds: dict, now: 
     return out
 
 
-def update(before: dict[Key, float], instance: str, operation: str, res: dict, thresholds: dict, now: float):
+def update(
+    before: dict[Key, float], instance: str, operation: str, res: dict, thresholds: dict, now: float, whole: bool = True
+):
     """The file's samples after one operation: its own series replaced (one outcome per operation, one known-good
     generation, one verified profile), the counters carried on and counted up."""
-    new = samples_of(instance, operation, res, thresholds, now)
+    new = samples_of(instance, operation, res, thresholds, now, whole)
     replaced = {name for name, _ in new} | ({"sglang_deploy_operation_outcome"} if operation else set())
+    if not whole:  # an earlier restart's duration and downtime would pass for this one's
+        replaced |= {"sglang_deploy_operation_duration_seconds", "sglang_deploy_restart_downtime_seconds"}
+    if operation == "rollout":  # an earlier rollout's count of gateways would pass for this one's
+        replaced.add("sglang_deploy_rollout_gateways_healthy")
 
     def stale(key: Key) -> bool:
         name, labels = key
@@ -195,7 +213,7 @@ def update(before: dict[Key, float], instance: str, operation: str, res: dict, t
 
     after = {k: v for k, v in before.items() if not stale(k)}
     after.update(new)
-    outcome = res.get("outcome")
+    outcome = res.get("outcome") if operation in OPERATIONS else None  # a rollout's restart counted itself
     for name, counted in (
         # a restart that failed and put the known-good back; an operator's rollback ends rolled_back too, by design
         ("sglang_deploy_rollbacks_total", outcome == outcomes.ROLLED_BACK and operation == "restart"),
@@ -206,7 +224,9 @@ def update(before: dict[Key, float], instance: str, operation: str, res: dict, t
     return after
 
 
-def write(directory: str | None, instance: str, operation: str, res: dict, thresholds: dict) -> str | None:
+def write(
+    directory: str | None, instance: str, operation: str, res: dict, thresholds: dict, whole: bool = True
+) -> str | None:
     """Record one operation in the instance's file; what was written (its path), or None where there is no
     textfile collector (no directory). An OSError is the caller's to report: metrics never fail an operation."""
     if not directory or not os.path.isdir(directory):
@@ -215,7 +235,7 @@ def write(directory: str | None, instance: str, operation: str, res: dict, thres
     # One writer at a time per instance (a verify from another controller as a restart ends: the instance's own
     # lock is let go before this write); the lock file's name is no .prom, which node_exporter would read.
     with _locked(os.path.join(directory, f".sglang_deploy_{instance}.lock")):
-        after = update(read(target), instance, operation, res, thresholds, time.time())
+        after = update(read(target), instance, operation, res, thresholds, time.time(), whole)
         durable.write_atomic(target, render(after), mode=0o644)  # node_exporter reads it as its own user
     return target
 
@@ -243,19 +263,32 @@ def _locked(lock_path: str):
         os.close(fd)
 
 
-def recorded(name: str, action, directory: str | None, thresholds: dict):
+def recorded(name: str, action, directory: str | None, thresholds: dict, whole: bool = True):
     """sglang_server's action (machine -> result), its end written here for restart, rollback and verify with a
-    directory (None: check mode, one phase of a multi-node group, or none set); a failure to write is said in the
-    result (metrics_error, and a warning), never the action's failure: the operation ended as it did."""
+    directory (None: check mode, a multi-node phase that is not the group's end, or none set; whole=False: the
+    group's end, see samples_of); a failure to write is said in the result (metrics_error, and a warning), never
+    the action's failure: the operation ended as it did."""
 
     def run(machine):
         res = action(machine)
         if name not in OPERATIONS or directory is None:
             return res
         try:
-            return res | {"metrics": write(directory, machine.inst.name, name, res, thresholds)}
+            return res | {"metrics": write(directory, machine.inst.name, name, res, thresholds, whole)}
         except Exception as exc:  # whatever it is: said, never raised
             why = f"the metrics were not written: {type(exc).__name__}: {exc}"
             return res | {"metrics": None, "metrics_error": why, "warnings": [*(res.get("warnings") or []), why]}
 
     return run
+
+
+def record_outcome(directory: str, instance: str, operation: str, outcome: str, gateways_healthy: int | None) -> dict:
+    """Where an operation of the playbooks (PLAYBOOK_OPERATIONS: a rollout) left the instance, written as recorded()
+    writes sglang_server's: {"metrics": path or None} and, where the write failed, metrics_error (never raised)."""
+    if operation not in PLAYBOOK_OPERATIONS:
+        raise ValueError(f"operation {operation!r} is not one the playbooks record ({', '.join(PLAYBOOK_OPERATIONS)})")
+    res = {"outcome": outcome, "gateways_healthy": gateways_healthy}
+    try:
+        return {"metrics": write(directory, instance, operation, res, {})}
+    except Exception as exc:  # whatever it is: said, never raised
+        return {"metrics": None, "metrics_error": f"the metrics were not written: {type(exc).__name__}: {exc}"}

@@ -1,0 +1,139 @@
+"""Prometheus' scrape jobs for the fleet, from the inventory (issue #34; roles/sglang_monitoring).
+
+The role's template reads the inventory (hostvars, groups) into three plain lists and this module turns them into
+``scrape_configs``: the SGLang servers (each instance's /metrics on its own port), the gateways (their Prometheus
+port) and node_exporter on every GPU node (its textfile collector carries the operations' metrics, metrics.py).
+
+Every series gets the labels the rules join on: ``host`` (the inventory name) everywhere and, on a server's series,
+``sglang_instance`` (as the textfile metrics name it) and ``worker`` (the URL a gateway lists it under, as
+``smg_worker_health{worker=...}`` names it: router.worker_url, the one spelling).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router import worker_url
+
+# The jobs' names: the rules and the dashboard select by them (docs/monitoring.md).
+JOBS = {"server": "sglang", "gateway": "sglang_gateway", "node": "node", "self": "prometheus"}
+
+
+def _address(host: str, port: Any, what: str) -> str:
+    """host:port as Prometheus wants a target (an IPv6 address in brackets); ValueError naming `what`."""
+    try:
+        number = int(port)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: port {port!r} is not a whole number") from None
+    if not 0 < number < 65536:
+        raise ValueError(f"{what}: port {number} is out of range (1-65535)")
+    if not str(host).strip():
+        raise ValueError(f"{what}: no address")
+    return worker_url(host, number, "x").split("://", 1)[1]
+
+
+def _field(item: Mapping, key: str, what: str) -> Any:
+    if not isinstance(item, Mapping) or key not in item:
+        raise ValueError(f"{what}: no {key!r} in {item!r}")
+    return item[key]
+
+
+def scrape_configs(
+    servers: Iterable[Mapping],
+    gateways: Iterable[Mapping],
+    nodes: Iterable[Mapping],
+    scheme: str = "http",
+    node_exporter_port: int = 9100,
+    self_address: str = "localhost:9090",
+) -> list[dict]:
+    """Prometheus' scrape_configs for the fleet.
+
+    servers: {host, address, instance, port[, node_rank, gateway_worker]} per SGLang instance; only node rank 0 serves
+    HTTP in a multi-node instance (the other ranks run schedulers only), so only it is scraped.
+    gateways: {host, address, port} per gateway, port its Prometheus port (sglang_router_prometheus_port).
+    nodes: {host, address} per GPU node, scraped on node_exporter_port.
+    ValueError naming the host and instance for a bad port, a missing field or two targets at one address.
+    """
+    seen: dict[str, str] = {}
+
+    def target(address: str, who: str) -> str:
+        if address in seen:
+            raise ValueError(f"{who}: {address} is also {seen[address]}'s target: two jobs would scrape one port")
+        seen[address] = who
+        return address
+
+    server_groups = []
+    for item in servers:
+        host = str(_field(item, "host", "a server"))
+        name = str(_field(item, "instance", f"a server on {host}"))
+        who = f"instance {name} on {host}"
+        if int(item.get("node_rank", 0) or 0) > 0:
+            continue
+        address = str(item.get("address") or host)
+        port = _field(item, "port", who)
+        server_groups.append(
+            {
+                "targets": [target(_address(address, port, who), who)],
+                "labels": {
+                    "host": host,
+                    "sglang_instance": name,
+                    "worker": worker_url(address, int(port), scheme),
+                    "gateway_worker": "true" if item.get("gateway_worker") else "false",
+                },
+            }
+        )
+    gateway_groups = []
+    for item in gateways:
+        host = str(_field(item, "host", "a gateway"))
+        who = f"the gateway on {host}"
+        address = _address(item.get("address") or host, _field(item, "port", who), who)
+        gateway_groups.append({"targets": [target(address, who)], "labels": {"host": host}})
+    node_groups = []
+    for item in nodes:
+        host = str(_field(item, "host", "a node"))
+        who = f"node_exporter on {host}"
+        address = _address(item.get("address") or host, node_exporter_port, who)
+        node_groups.append({"targets": [target(address, who)], "labels": {"host": host}})
+
+    jobs = [{"job_name": JOBS["self"], "static_configs": [{"targets": [self_address]}]}]
+    if server_groups:
+        jobs.append({"job_name": JOBS["server"], "scheme": scheme, "static_configs": server_groups})
+    if gateway_groups:
+        jobs.append({"job_name": JOBS["gateway"], "static_configs": gateway_groups})
+    if node_groups:
+        jobs.append({"job_name": JOBS["node"], "static_configs": node_groups})
+    return jobs
+
+
+DURATION = re.compile(r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$")  # Prometheus' duration syntax
+
+
+def alert_rules(doc: Mapping, alert_for: Mapping | None = None) -> dict:
+    """The rules file (roles/sglang_monitoring/files/sglang-deploy.rules.yml, loaded) with each alert named in
+    `alert_for` given that `for:`. ValueError for an alert the file does not have or a duration Prometheus would
+    refuse, naming the variable: a typo must not leave an alert at its default in silence."""
+    overrides = dict(alert_for or {})
+    out = copy.deepcopy(dict(doc))
+    names = set()
+    for group in out.get("groups", []):
+        for rule in group.get("rules", []):
+            name = rule.get("alert")
+            if name is None:
+                continue
+            names.add(name)
+            if name in overrides:
+                value = str(overrides[name]).strip()
+                if not DURATION.match(value):
+                    raise ValueError(
+                        f"sglang_monitoring_alert_for.{name}: {overrides[name]!r} is not a Prometheus duration (5m, 30s, 1h30m)"
+                    )
+                rule["for"] = value
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(
+            f"sglang_monitoring_alert_for names no alert of the rules: {', '.join(unknown)} (they are: {', '.join(sorted(names))})"
+        )
+    return out
