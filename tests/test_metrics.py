@@ -144,13 +144,14 @@ def test_nan_and_missing_measurements_are_left_out(tmp_path):
     assert "sglang_deploy_baseline_tokens_per_second" not in names
 
 
-def test_docs_monitoring_lists_every_metric_with_its_type_and_labels():
+@pytest.mark.parametrize(("table", "common"), [(metrics.METRICS, ("sglang_instance",)), (metrics.GPU_METRICS, ())])
+def test_docs_monitoring_lists_every_metric_with_its_type_and_labels(table, common):
     doc = (REPO / "docs" / "monitoring.md").read_text()
-    for name, (kind, labels, _) in metrics.METRICS.items():
+    for name, (kind, labels, _) in table.items():
         row = next((line for line in doc.splitlines() if line.startswith(f"| `{name}` |")), None)
         assert row is not None, f"docs/monitoring.md has no row for {name}"
         assert f"| {kind} |" in row, row
-        for label in ("sglang_instance", *labels):
+        for label in (*common, *labels):
             assert f"`{label}`" in row, (name, label)
 
 

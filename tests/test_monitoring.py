@@ -154,6 +154,9 @@ def test_the_rules_pass_promtool_check_and_their_unit_tests():
         ('and on () (count(up{job="sglang_gateway"} == 1) > 0)', ""),
         ("(smg_worker_cb_state) == 1", "(smg_worker_cb_state) >= 1"),
         ("(1 - max by", "(1.5 - max by"),
+        ('{unit!~"sglang-.+\\\\.service"}', ""),  # the instances' own memory alerts too
+        ("sglang_deploy_gpu_read_ok == 0 or", "sglang_deploy_gpu_read_ok == 2 or"),
+        ("> 120", "> 600"),
     ],
 )
 def test_a_broken_rule_fails_the_promtool_unit_tests(tmp_path, old, new):
@@ -233,13 +236,13 @@ def metric_names(expr: str) -> set[str]:
 
 
 def known_metrics() -> set[str]:
-    """What exists: the textfile metrics (metrics.METRICS), the rules' records, the stand-in's /metrics (SGLang's
+    """What exists: the textfile metrics (metrics.METRICS, GPU_METRICS), the rules' records, the stand-in's /metrics (SGLang's
     names), smg's per-worker series (docs/router.md), Prometheus' own."""
     records = {r["record"] for g in rules_doc()["groups"] for r in g["rules"] if "record" in r}
     sglang = set(re.findall(r"(sglang:[a-z_]+)", (REPO / "lab" / "standin" / "lab_sglang_standin.py").read_text()))
     sglang |= {f"{n}_bucket" for n in sglang}
     smg = {"smg_worker_health", "smg_worker_cb_state", "smg_worker_requests_active"}
-    return set(metrics.METRICS) | records | sglang | smg | {"up", "ALERTS"}
+    return set(metrics.METRICS) | set(metrics.GPU_METRICS) | records | sglang | smg | {"up", "ALERTS"}
 
 
 def test_every_dashboard_expression_reads_metrics_that_exist():
@@ -275,3 +278,18 @@ def test_the_docs_name_every_alert_and_recording_rule_and_the_dashboards_rows():
         assert f"`{name}`" in text, name
     for row in ("Fleet", "Per replica", "Operations", "Gateways"):
         assert f"**{row}**" in text, row
+
+
+def test_the_filters_pass_their_arguments_through_and_say_a_refusal_as_ansibles_filter_error():
+    from ansible.errors import AnsibleFilterError
+
+    from ansible_collections.sglang.deploy.plugins.filter.sglang_monitoring import FilterModule
+
+    filters = FilterModule().filters()
+    jobs = filters["sglang_scrape_configs"]([server("a")], [], [{"host": "a"}], "https", 9200, "localhost:9091")
+    assert jobs == monitoring.scrape_configs([server("a")], [], [{"host": "a"}], "https", 9200, "localhost:9091")
+    assert filters["sglang_alert_rules"](rules_doc()) == rules_doc()
+    with pytest.raises(AnsibleFilterError, match="sglang_scrape_configs: instance main on a: port 0 is out of range"):
+        filters["sglang_scrape_configs"]([server("a", port=0)], [], [])
+    with pytest.raises(AnsibleFilterError, match="sglang_alert_rules: sglang_monitoring_alert_for names no alert"):
+        filters["sglang_alert_rules"](rules_doc(), {"Nope": "1m"})

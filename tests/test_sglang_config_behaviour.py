@@ -25,6 +25,7 @@ from ansible_collections.sglang.deploy.plugins.filter.sglang_config import (
     tune_plan,
     with_tuned,
 )
+from ansible_collections.sglang.deploy.plugins.filter.sglang_monitoring import FilterModule as MonitoringFilters
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router import worker_url
 
 REPO = Path(__file__).resolve().parents[1]
@@ -402,10 +403,14 @@ def test_every_filter_the_roles_call_is_provided_under_its_name():
         "sglang_worker_url",
         "systemd_quote",
         "env_file_line",
+        "sglang_scrape_configs",  # plugins/filter/sglang_monitoring.py's
+        "sglang_alert_rules",
     }
     # and the one docs/layout.md names for rendering an instance's argv and environment by hand
     assert "`sglang_server_config`" in (REPO / "docs" / "layout.md").read_text()
-    assert set(filters) == used_filters() | {"sglang_server_config"}
+    monitoring = set(MonitoringFilters().filters())
+    assert set(filters) == (used_filters() - monitoring) | {"sglang_server_config"}
+    assert monitoring <= used_filters()
     assert filters["systemd_quote"] is systemd_quote and filters["sglang_worker_url"] is worker_url
     assert (
         filters["env_file_line"](("NAME", 'a "b" $c')) == env_file_line("NAME", 'a "b" $c') == 'NAME="a \\"b\\" \\$c"'

@@ -3,7 +3,7 @@
 inventory names; the operations' metrics within one scrape; the accept-length alert on a replica started by hand
 with the stand-in's wrong-accept fault; every panel of the dashboard against this Prometheus.
 
-Lab-sized intervals (scrape and evaluation every 2 s, the accept-length alert's `for:` 10 s) through -e: the rules
+Lab-sized intervals (scrape, evaluation and the GPU reader every 2 s, the accept-length alert's `for:` 10 s) through -e: the rules
 and the dashboard are the role's own. At the end both packages are purged and `main` is as deploy.yml left it.
 """
 
@@ -14,6 +14,7 @@ import re
 import subprocess
 import time
 import urllib.parse
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ SETTINGS = json.dumps(
     {
         "sglang_monitoring_scrape_interval": f"{SCRAPE_S}s",
         "sglang_monitoring_evaluation_interval": f"{SCRAPE_S}s",
+        "sglang_monitoring_gpu_metrics_interval": SCRAPE_S,
         "sglang_monitoring_alert_for": {ALERT: f"{ALERT_FOR_S}s"},
     }
 )
@@ -76,7 +78,9 @@ def monitored(deployed, tmp_path_factory):
             back_to_deployed(the_lab, container, name)
             podman_exec(
                 container, "sh", "-c",
-                "DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq prometheus prometheus-node-exporter >/dev/null"
+                "{ systemctl disable --now sglang-gpu-metrics.timer || true; } && rm -f /etc/systemd/system/sglang-gpu-metrics.*"
+                " && systemctl daemon-reload && rm -rf /usr/local/libexec/sglang-deploy-metrics"
+                " && DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq prometheus prometheus-node-exporter >/dev/null"
                 " && rm -rf /var/lib/prometheus /etc/prometheus /var/lib/sglang-deploy/grafana",
             )  # fmt: skip
 
@@ -108,6 +112,17 @@ def test_prometheus_scrapes_every_target_of_the_inventory_with_the_rules_loaded_
     assert loaded == written
     [rule] = [r for g in prom(monitor, "/api/v1/rules")["groups"] for r in g["rules"] if r.get("name") == ALERT]
     assert rule["duration"] == ALERT_FOR_S  # the inventory's `for:`, not the file's 5m
+    # Each node's GPU reader: nvidia-smi read, and `main`'s memory under its own unit (none outside it).
+    read = {r["metric"]["host"]: r["value"][1] for r in query(monitor, "sglang_deploy_gpu_read_ok")}
+    assert read == dict.fromkeys(NODES, "1")
+    # Polled: a reading between a test's stop and start of `main` shows no holder until the next one.
+    want = {(n, "sglang-main.service") for n in NODES}
+    wait_for("main's memory under its unit on both nodes", lambda: holders(monitor) == want, 30, 0.5)
+
+
+def holders(container: str) -> set[tuple[str, str]]:
+    held = query(container, "sum by (host, unit) (sglang_deploy_gpu_memory_used_bytes)")
+    return {(r["metric"]["host"], r["metric"]["unit"]) for r in held}
 
 
 def test_a_restarts_outcome_and_duration_are_a_metric_within_one_scrape(monitored):
@@ -183,6 +198,12 @@ def test_a_replica_started_by_hand_with_the_wrong_draft_fires_the_accept_length_
         podman_exec(node, "sh", "-c", f"rm -rf {Path(FAULT_DROPIN).parent} && systemctl daemon-reload")
         podman_exec(node, "systemctl", "restart", "sglang-main.service")
     assert alert["labels"]["sglang_instance"] == "main"
+    # In Prometheus' own time: the alert became pending (activeAt) within two scrape intervals of the first scrape
+    # that saw accept length 1.0, and it fires `for:` after that; so it fires within `for:` plus two intervals.
+    [series] = query(monitor, 'sglang:spec_accept_length{host="lab-node2"}[5m]')
+    first_one = min(float(t) for t, v in series["values"] if float(v) == 1.0)
+    active_at = datetime.fromisoformat(alert["activeAt"][:26].rstrip("Z") + "+00:00").timestamp()
+    assert active_at - first_one <= 2 * SCRAPE_S, (first_one, alert["activeAt"])
     assert re.match(
         r"main on lab-node2: speculative accept length 1\.00 below its floor", alert["annotations"]["summary"]
     )

@@ -7,6 +7,7 @@ installed as tasks/gate.yml lays it out on a host; plugins/modules/gpu_state.py 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -121,6 +122,27 @@ def _gate_package() -> tuple[str, ...]:
 
 
 GATE_PACKAGE = _gate_package()
+
+
+def imports_beyond(package: tuple[str, ...]) -> list[str]:
+    """What the files of `package` (names in sglang_deploy, as a host gets them beside a script) import that is
+    neither the standard library nor one of those files: empty when they run on a host's bare Python."""
+    shipped = {name[:-3] for name in package} - {"__init__"}
+    beyond = []
+    for name in package:
+        for node in ast.walk(ast.parse((PACKAGE / name).read_text())):
+            if isinstance(node, ast.Import):
+                tops = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                tops = {node.module.split(".")[0]}
+            elif isinstance(node, ast.ImportFrom):
+                if not (node.level == 1 and (node.module in shipped or {a.name for a in node.names} <= shipped)):
+                    beyond.append(f"{name}: from {'.' * node.level}{node.module or ''} import ...")
+                continue
+            else:
+                continue
+            beyond += [f"{name}: {top}" for top in sorted(tops - set(sys.stdlib_module_names))]
+    return beyond
 
 
 def install_gate(root: Path) -> Path:

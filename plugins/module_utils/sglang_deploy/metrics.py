@@ -20,7 +20,8 @@ import re
 import stat
 import time
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, outcomes
+# Relative: sglang-gpu-metrics runs this file on the hosts as the package sglang_deploy (roles/sglang_monitoring).
+from . import durable, outcomes
 
 PREFIX = "sglang_deploy_"
 # name: (type, labels beyond sglang_instance, help)
@@ -131,17 +132,18 @@ def parse(text: str) -> dict[Key, float]:
     return samples
 
 
-def render(samples: dict[Key, float]) -> str:
-    """The exposition format: each metric's HELP and TYPE once, its samples sorted (a stable file)."""
+def render(samples: dict[Key, float], table: dict | None = None) -> str:
+    """The exposition format: each metric of `table` (METRICS) with its HELP and TYPE once, its samples sorted (a
+    stable file)."""
     lines = []
-    for name, (kind, _, text) in METRICS.items():
+    for name, (kind, _, text) in (METRICS if table is None else table).items():
         mine = sorted((labels, v) for (n, labels), v in samples.items() if n == name)
         if not mine:
             continue
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
         for labels, value in mine:
             body = ",".join(f'{k}="{escape(v)}"' for k, v in labels)
-            lines.append(f"{name}{{{body}}} {number(value)}")
+            lines.append(f"{name}{{{body}}} {number(value)}" if body else f"{name} {number(value)}")
     return "\n".join(lines) + "\n" if lines else ""
 
 
@@ -292,3 +294,50 @@ def record_outcome(directory: str, instance: str, operation: str, outcome: str, 
         return {"metrics": write(directory, instance, operation, res, {})}
     except Exception as exc:  # whatever it is: said, never raised
         return {"metrics": None, "metrics_error": f"the metrics were not written: {type(exc).__name__}: {exc}"}
+
+
+# ---------------------------------------------------------------------- the GPUs, whoever holds them
+
+GPU_FILE = "sglang_deploy_gpus.prom"
+# name: (type, labels, help); written every few seconds by sglang-gpu-metrics (roles/sglang_monitoring).
+GPU_METRICS = {
+    "sglang_deploy_gpu_memory_used_bytes": (
+        "gauge",
+        ("gpu", "unit"),
+        "GPU memory held by compute processes, per GPU and per systemd unit (none: a process no unit owns, or a "
+        "login session's: started by hand).",
+    ),
+    "sglang_deploy_gpu_read_ok": (
+        "gauge",
+        (),
+        "1 when the last reading of nvidia-smi succeeded, 0 when it failed (the memory series are then absent).",
+    ),
+    "sglang_deploy_gpu_read_timestamp_seconds": ("gauge", (), "When the GPUs were last read, in Unix time."),
+}
+MIB = 1 << 20
+
+
+def gpu_samples(snap: dict | None, now: float) -> dict[Key, float]:
+    """A reading of the GPUs (gpu.snapshot(); None: nvidia-smi failed) as samples: each compute process's memory
+    summed per GPU and unit, a unit of none for a process no unit owns or a login session's (gpu.owned_by_no_unit's
+    rule, inlined: this module must not import gpu)."""
+    out: dict[Key, float] = {
+        ("sglang_deploy_gpu_read_ok", ()): 0.0 if snap is None else 1.0,
+        ("sglang_deploy_gpu_read_timestamp_seconds", ()): now,
+    }
+    for proc in (snap or {}).get("processes") or []:
+        if proc.get("gpu") is None or proc.get("used_mib") is None:
+            continue
+        unit = proc.get("unit") or ""
+        if not unit or re.fullmatch(r"session-[^/]+\.scope", unit):
+            unit = "none"
+        key = ("sglang_deploy_gpu_memory_used_bytes", (("gpu", str(proc["gpu"])), ("unit", unit)))
+        out[key] = out.get(key, 0.0) + float(proc["used_mib"]) * MIB
+    return out
+
+
+def write_gpus(directory: str, snap: dict | None) -> str:
+    """The host's GPU file, replaced whole (a process gone is a series gone)."""
+    target = os.path.join(directory, GPU_FILE)
+    durable.write_atomic(target, render(gpu_samples(snap, time.time()), GPU_METRICS), mode=0o644)
+    return target
