@@ -60,13 +60,13 @@ def test_the_reader_writes_each_gpus_memory_by_its_holder(tmp_path):
     with holding(state, ["sleep", "60"], gpu=2, mib=1536):
         proc = run(reader, out, env)
     assert proc.returncode == 0, proc.stderr
-    text = (out / "sglang_deploy_gpus.prom").read_text()
+    text = (out / "sglang-deploy-gpus.prom").read_text()
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
     assert samples["sglang_deploy_gpu_read_ok"] == 1
     [(series, used)] = [(k, v) for k, v in samples.items() if k.startswith("sglang_deploy_gpu_memory_used_bytes")]
     assert series.startswith('sglang_deploy_gpu_memory_used_bytes{gpu="2",unit="') and used == 1536 * 2**20
-    assert oct((out / "sglang_deploy_gpus.prom").stat().st_mode & 0o777) == "0o644"  # node_exporter's user reads it
-    assert sorted(p.name for p in out.iterdir()) == ["sglang_deploy_gpus.prom"]  # no temporary file left
+    assert oct((out / "sglang-deploy-gpus.prom").stat().st_mode & 0o777) == "0o644"  # node_exporter's user reads it
+    assert sorted(p.name for p in out.iterdir()) == ["sglang-deploy-gpus.prom"]  # no temporary file left
 
 
 def test_a_failed_nvidia_smi_is_a_reading_that_says_so_and_an_unwritable_directory_fails(tmp_path):
@@ -76,7 +76,7 @@ def test_a_failed_nvidia_smi_is_a_reading_that_says_so_and_an_unwritable_directo
     no_smi = {**os.environ, "PATH": str(tmp_path / "empty")}
     proc = run(reader, out, no_smi)
     assert proc.returncode == 0 and "nvidia-smi" in proc.stderr
-    text = (out / "sglang_deploy_gpus.prom").read_text()
+    text = (out / "sglang-deploy-gpus.prom").read_text()
     assert "\nsglang_deploy_gpu_read_ok 0\n" in text and "memory_used_bytes" not in text
     gone = run(reader, tmp_path / "absent", no_smi)
     assert gone.returncode == 1 and "sglang-gpu-metrics:" in gone.stderr

@@ -56,7 +56,7 @@ def test_each_instance_is_a_target_labelled_as_the_textfile_metrics_and_the_gate
     assert servers[1]["labels"]["gateway_worker"] == "false"
     assert by_job["sglang_gateway"]["static_configs"] == [{"targets": ["gw:29000"], "labels": {"host": "gw"}}]
     assert [g["targets"] for g in by_job["node"]["static_configs"]] == [["n1:9100"], ["10.0.0.2:9100"]]
-    assert by_job["prometheus"]["static_configs"] == [{"targets": ["localhost:9090"]}]
+    assert by_job["prometheus"]["static_configs"] == [{"targets": ["127.0.0.1:9090"]}]
 
 
 def test_only_node_rank_0_of_a_multi_node_instance_is_scraped_and_empty_groups_make_no_job():
@@ -83,11 +83,41 @@ def test_the_scheme_and_node_exporter_port_are_the_callers():
         ([], [{"host": "gw"}], [], "the gateway on gw: no 'port'"),
         ([server("a", port=9100)], [], [{"host": "a"}], "node_exporter on a: a:9100 is also instance main on a's"),
         ([server("a"), server("a", "b")], [], [], "instance b on a: a:30000 is also instance main on a's"),
+        ([server("a", port=True)], [], [], "instance main on a: port True is not a whole number"),
+        ([server("a", port=30000.7)], [], [], "port 30000.7 is not a whole number"),
+        ([server("N1")], [], [{"host": "n1", "address": "n1"}], None),  # no clash: other ports
+        ([server("N1", port=9100)], [], [{"host": "n1"}], "node_exporter on n1: n1:9100 is also instance main on N1's"),
     ],
 )
 def test_a_bad_item_is_refused_naming_its_host_and_instance(servers, gateways, nodes, said):
+    if said is None:
+        assert monitoring.scrape_configs(servers, gateways, nodes)
+        return
     with pytest.raises(ValueError, match=re.escape(said)):
         monitoring.scrape_configs(servers, gateways, nodes)
+
+
+@pytest.mark.parametrize(
+    ("listen", "local"),
+    [
+        ("0.0.0.0:9090", "127.0.0.1:9090"),
+        (":9090", "127.0.0.1:9090"),
+        ("[::]:9091", "[::1]:9091"),
+        ("10.0.0.5:9090", "10.0.0.5:9090"),  # bound to a management network: loopback does not answer there
+        ("[fd00::5]:9090", "[fd00::5]:9090"),
+        ("mon-01:9090", "mon-01:9090"),
+    ],
+)
+def test_prometheus_scrapes_itself_where_it_listens(listen, local):
+    assert monitoring.local_address(listen) == local
+    assert monitoring.scrape_configs([], [], [], listen_address=listen)[0]["static_configs"] == [{"targets": [local]}]
+
+
+def test_a_listen_address_without_a_port_is_refused_naming_the_variable():
+    with pytest.raises(ValueError, match="sglang_monitoring_listen_address: '9090x' is not host:port"):
+        monitoring.local_address("9090x")
+    with pytest.raises(ValueError, match="sglang_monitoring_listen_address: port 'x' is not a whole number"):
+        monitoring.local_address("0.0.0.0:x")
 
 
 # ------------------------------------------------------------------ the alerts' for:
@@ -157,6 +187,9 @@ def test_the_rules_pass_promtool_check_and_their_unit_tests():
         ('{unit!~"sglang-.+\\\\.service"}', ""),  # the instances' own memory alerts too
         ("sglang_deploy_gpu_read_ok == 0 or", "sglang_deploy_gpu_read_ok == 2 or"),
         ("> 120", "> 600"),
+        ("and on (host, sglang_instance) (sglang:spec_accept_length:max > 0)", ""),  # speculation off alerts too
+        ("and on (host, sglang_instance, operation)", "or on (host, sglang_instance, operation)"),  # not the latest
+        ('up{job=~"node|sglang_gateway"} == 0', "up == 0"),
     ],
 )
 def test_a_broken_rule_fails_the_promtool_unit_tests(tmp_path, old, new):

@@ -591,12 +591,13 @@ class State:
                 "# TYPE sglang:inter_token_latency_seconds histogram",
                 *self.itl.lines("sglang:inter_token_latency_seconds", labels),
             ]
-        if self.knobs.spec:
-            lines += [
-                "# HELP sglang:spec_accept_length Mean acceptance length of speculative decoding.",
-                "# TYPE sglang:spec_accept_length gauge",
-                f"sglang:spec_accept_length{{{labels}}} {accept}",
-            ]
+        # Exported without speculation too, as 0: SGLang 0.5.23's metrics_reporter.py sets spec_accept_length = 0
+        # when spec_algorithm.is_none() (an alert on a low accept length must tell "off" from "accepting nothing").
+        lines += [
+            "# HELP sglang:spec_accept_length Mean acceptance length of speculative decoding.",
+            "# TYPE sglang:spec_accept_length gauge",
+            f"sglang:spec_accept_length{{{labels}}} {accept if self.knobs.spec else 0.0}",
+        ]
         return "\n".join(lines) + "\n"
 
 

@@ -9,10 +9,10 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.monito
 
 
 def sglang_scrape_configs(
-    servers, gateways, nodes, scheme="http", node_exporter_port=9100, self_address="localhost:9090"
+    servers, gateways, nodes, scheme="http", node_exporter_port=9100, listen_address="0.0.0.0:9090"
 ):
     try:
-        return scrape_configs(servers, gateways, nodes, scheme, node_exporter_port, self_address)
+        return scrape_configs(servers, gateways, nodes, scheme, node_exporter_port, listen_address)
     except ValueError as exc:
         raise AnsibleFilterError(f"sglang_scrape_configs: {exc}") from exc
 

@@ -67,11 +67,17 @@ def monitored(deployed, tmp_path_factory):
     containers = {h["name"]: h["container"] for h in hosts}
     run = driver_runner(the_lab, tmp_path_factory.mktemp("ledger") / "ledger.sqlite3", None)
     try:
+        # --check on the fresh nodes first: it says what it would do and touches nothing (no package, no unit).
+        checked = ansible(
+            "ansible-playbook", "playbooks/monitoring.yml", "--check", "-e", SETTINGS, inventory=the_lab.inventory
+        )
+        installed = "dpkg -l 'prometheus*' 2>/dev/null | grep '^ii' || true"
+        assert all(podman_exec(c, "sh", "-c", installed) == "" for c in containers.values()), "--check installed"
         first = ansible("ansible-playbook", "playbooks/monitoring.yml", "-e", SETTINGS, inventory=the_lab.inventory)
         again = ansible("ansible-playbook", "playbooks/monitoring.yml", "-e", SETTINGS, inventory=the_lab.inventory)
         code, _, proc = run("restart", "-e", MAIN)
         assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        yield the_lab, containers, run, first, again
+        yield the_lab, containers, run, first, again, checked
     finally:
         for name, container in containers.items():
             podman_exec(container, "sh", "-c", f"rm -rf {Path(FAULT_DROPIN).parent} && systemctl daemon-reload")
@@ -94,11 +100,12 @@ def all_up(container: str) -> dict[str, str] | None:
 def test_prometheus_scrapes_every_target_of_the_inventory_with_the_rules_loaded_and_a_second_run_changes_nothing(
     monitored,
 ):
-    _, containers, _, first, again = monitored
+    _, containers, _, first, again, checked = monitored
+    assert {h: r["failed"] for h, r in recap(checked.stdout).items()} == dict.fromkeys(NODES, 0), checked.stdout[-3000:]
     assert recap(first.stdout)[MONITOR]["changed"] > 0
     assert {h: r["changed"] for h, r in recap(again.stdout).items()} == dict.fromkeys(NODES, 0), again.stdout[-3000:]
     want = {
-        "http://localhost:9090/metrics",
+        "http://127.0.0.1:9090/metrics",
         *(f"http://{n}:30000/metrics" for n in NODES),  # each node's instance `main`
         *(f"http://{n}:9100/metrics" for n in NODES),  # node_exporter
     }
@@ -126,7 +133,7 @@ def holders(container: str) -> set[tuple[str, str]]:
 
 
 def test_a_restarts_outcome_and_duration_are_a_metric_within_one_scrape(monitored):
-    _, containers, run, _, _ = monitored
+    _, containers, run, _, _, _ = monitored
     monitor = containers[MONITOR]
     code, _, proc = run("restart", "-e", MAIN, limit="lab-node2")
     ended = time.time()
@@ -172,7 +179,7 @@ def firing(container: str, host: str) -> dict | None:
 
 
 def test_a_replica_started_by_hand_with_the_wrong_draft_fires_the_accept_length_alert(monitored):
-    _, containers, _, _, _ = monitored
+    _, containers, _, _, _, _ = monitored
     monitor, node = containers[MONITOR], containers["lab-node2"]
     podman_exec(node, "mkdir", "-p", str(Path(FAULT_DROPIN).parent))
     podman_exec(
@@ -217,7 +224,7 @@ def panel_exprs() -> list[tuple[str, str]]:
 
 
 def test_every_panel_of_the_dashboard_is_a_valid_query_with_series_on_the_lab(monitored):
-    _, containers, _, _, _ = monitored
+    _, containers, _, _, _, _ = monitored
     monitor = containers[MONITOR]
     exprs = panel_exprs()
     # No gateway runs beside this module's Prometheus: the gateway's panels are valid queries with no series here

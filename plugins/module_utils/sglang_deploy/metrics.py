@@ -298,7 +298,8 @@ def record_outcome(directory: str, instance: str, operation: str, outcome: str, 
 
 # ---------------------------------------------------------------------- the GPUs, whoever holds them
 
-GPU_FILE = "sglang_deploy_gpus.prom"
+# Hyphens: no instance's file (sglang_deploy_<instance>.prom) can be this one, whatever the instance is named.
+GPU_FILE = "sglang-deploy-gpus.prom"
 # name: (type, labels, help); written every few seconds by sglang-gpu-metrics (roles/sglang_monitoring).
 GPU_METRICS = {
     "sglang_deploy_gpu_memory_used_bytes": (

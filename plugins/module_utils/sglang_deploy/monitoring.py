@@ -24,15 +24,30 @@ JOBS = {"server": "sglang", "gateway": "sglang_gateway", "node": "node", "self":
 
 def _address(host: str, port: Any, what: str) -> str:
     """host:port as Prometheus wants a target (an IPv6 address in brackets); ValueError naming `what`."""
-    try:
-        number = int(port)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: port {port!r} is not a whole number") from None
+    # A port is a whole number, or its digits as a string: not a bool (int(True) is 1), not 30000.7.
+    text = str(port).strip()
+    if isinstance(port, bool) or not (isinstance(port, int) or text.isdigit()):
+        raise ValueError(f"{what}: port {port!r} is not a whole number")
+    number = int(text)
     if not 0 < number < 65536:
         raise ValueError(f"{what}: port {number} is out of range (1-65535)")
     if not str(host).strip():
         raise ValueError(f"{what}: no address")
     return worker_url(host, number, "x").split("://", 1)[1]
+
+
+def local_address(listen: str) -> str:
+    """Where Prometheus answers on its own host, from its --web.listen-address: every address (0.0.0.0, ::, none)
+    on the loopback, else the address it was bound to (a management network's: loopback does not answer there)."""
+    host, sep, port = str(listen).strip().rpartition(":")
+    if not sep:
+        raise ValueError(f"sglang_monitoring_listen_address: {listen!r} is not host:port")
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return _address(host, port, "sglang_monitoring_listen_address")
 
 
 def _field(item: Mapping, key: str, what: str) -> Any:
@@ -47,7 +62,7 @@ def scrape_configs(
     nodes: Iterable[Mapping],
     scheme: str = "http",
     node_exporter_port: int = 9100,
-    self_address: str = "localhost:9090",
+    listen_address: str = "0.0.0.0:9090",
 ) -> list[dict]:
     """Prometheus' scrape_configs for the fleet.
 
@@ -55,14 +70,16 @@ def scrape_configs(
     HTTP in a multi-node instance (the other ranks run schedulers only), so only it is scraped.
     gateways: {host, address, port} per gateway, port its Prometheus port (sglang_router_prometheus_port).
     nodes: {host, address} per GPU node, scraped on node_exporter_port.
+    listen_address: Prometheus' own --web.listen-address; it scrapes itself there (local_address).
     ValueError naming the host and instance for a bad port, a missing field or two targets at one address.
     """
     seen: dict[str, str] = {}
 
     def target(address: str, who: str) -> str:
-        if address in seen:
-            raise ValueError(f"{who}: {address} is also {seen[address]}'s target: two jobs would scrape one port")
-        seen[address] = who
+        key = address.lower()  # host names are not case-sensitive: N1:9100 is n1:9100
+        if key in seen:
+            raise ValueError(f"{who}: {address} is also {seen[key]}'s target: two jobs would scrape one port")
+        seen[key] = who
         return address
 
     server_groups = []
@@ -98,7 +115,7 @@ def scrape_configs(
         address = _address(item.get("address") or host, node_exporter_port, who)
         node_groups.append({"targets": [target(address, who)], "labels": {"host": host}})
 
-    jobs = [{"job_name": JOBS["self"], "static_configs": [{"targets": [self_address]}]}]
+    jobs = [{"job_name": JOBS["self"], "static_configs": [{"targets": [local_address(listen_address)]}]}]
     if server_groups:
         jobs.append({"job_name": JOBS["server"], "scheme": scheme, "static_configs": server_groups})
     if gateway_groups:
