@@ -214,8 +214,9 @@ def test_a_benchmark_that_cannot_run_is_refused_before_the_restart_and_none_runs
     rc, out = server_module(tmp_path, node, action="restart", bench={"requests": 0})
     assert rc == 1 and out["outcome"] == outcomes.INVALID_CONFIG, out
     assert out["msg"] == (
-        "bench: concurrency levels, requests and max_new_tokens must be at least 1, warmup at least 0, timeout above "
-        "0 (concurrency [1], requests 0, max_new_tokens 64, warmup 2, timeout 120.0): nothing was restarted"
+        "bench: concurrency levels, requests, max_new_tokens and repeat must be at least 1, warmup at least 0, timeout "
+        "above 0 (concurrency [1], requests 0, max_new_tokens 64, warmup 2, timeout 120.0, repeat 1): nothing was "
+        "restarted"
     )
     assert not (locks / "m.lock").exists() and not log.exists() and seen == []
     rc, out = server_module(tmp_path, node, action="restart", bench={}, phase="start")

@@ -223,6 +223,42 @@ def test_the_standin_model_has_its_known_optimum_over_the_planned_grid():
     assert model(0, 1, 1) == (1.0, 1.0)
 
 
+def test_the_standins_model_loses_its_gain_as_concurrency_grows_and_scales_it_by_the_gain_knob():
+    """At concurrency 16 every combination is slower than no speculation (a step verifies every request's draft
+    tokens): the optimum there is no speculation, clearly; the gain knob shrinks every difference alike."""
+    model = lab_standin().throughput_model
+
+    def versus(spec, c, gain=1.0):
+        return model(*spec, concurrency=c, gain=gain)[1] / model(0, 1, 1, concurrency=c)[1]
+
+    at16 = {spec: versus(spec, 16) for spec in DISTINCT}
+    assert max(at16.values()) < 0.9  # no speculation wins by over 10%
+    assert max(at16, key=at16.get) == (1, 1, 2)
+    assert all(model(*spec, concurrency=1) == model(*spec) for spec in DISTINCT)  # concurrency 1: as before
+    assert model(0, 1, 1, concurrency=16)[1] < model(0, 1, 1)[1]  # batching slows every request
+    small = {spec: versus(spec, 1, gain=0.01) for spec in DISTINCT}
+    assert all(abs(v - 1) < 0.01 for v in small.values())
+    assert model(3, 4, 4, gain=0.01)[0] == model(3, 4, 4)[0]  # the accept length is the model's
+
+
+@pytest.mark.parametrize("value", ["-1", "lots", "nan"])
+def test_a_misspelt_spec_gain_is_refused(value):
+    with pytest.raises(ValueError, match="LAB_STANDIN_SPEC_GAIN"):
+        lab_standin().gain_knob(value)
+
+
+def test_the_standins_decode_speed_follows_the_running_requests_under_the_model():
+    s = lab_standin()
+    args = argparse.Namespace(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=4,
+                              speculative_num_draft_tokens=4, cuda_graph_max_bs_decode=None)  # fmt: skip
+    knobs = s.Knobs({"LAB_STANDIN_SPEC_MODEL": "1", "LAB_STANDIN_TOKENS_PER_S": "100"}, args)
+    assert knobs.decode_tokens_per_s(1) == pytest.approx(100 * s.throughput_model(3, 4, 4)[1])
+    assert knobs.decode_tokens_per_s(16) == pytest.approx(100 * s.throughput_model(3, 4, 4, concurrency=16)[1])
+    assert knobs.accept_length == s.throughput_model(3, 4, 4)[0]
+    plain = s.Knobs({"LAB_STANDIN_TOKENS_PER_S": "100"}, args)
+    assert plain.decode_tokens_per_s(16) == 100  # without the model: the knob's, whatever runs
+
+
 def test_the_benchmark_ranks_the_standins_combinations_as_its_model_does():
     # A measurement, so only what the model puts clear of the noise is held: the winner leads the next by
     # over 20%, and a flag "slower than no speculation" only where the model is over 15% off 1.0 either way
@@ -294,6 +330,47 @@ def test_the_benchmark_begins_no_request_after_the_first_failure_at_any_concurre
     assert len(calls) <= 2 + 4 + 4  # the warm-ups, the ones before the failure, at most the 4 in flight with it
     assert first["ok"] + first["failed"] + first["skipped"] == 40 and first["skipped"] >= 40 - 8
     assert (second["ok"], second["failed"], second["skipped"]) == (0, 0, 40)
+
+
+def test_repeats_interleave_the_levels_and_each_level_is_their_median_with_a_t_interval():
+    """Each repeat runs every level (1, 8, 1, 8, 1, 8): a drift of the machine falls on every level alike."""
+    seen, lock = [], threading.Lock()
+    speed = iter([100.0, 50.0, 110.0, 55.0, 90.0, 45.0])  # a level's requests all take its repeat's speed
+
+    def request(base, prompt, max_new_tokens, api_key, timeout):
+        return {"tokens": max_new_tokens, "verify_ct": max_new_tokens // 2, "ttft_s": 0.01, "itl_s": [0.001],
+                "seconds": 0.01}  # fmt: skip
+
+    real_level = bench.level
+
+    def level(base, c, *args):
+        with lock:
+            seen.append(c)
+        out = real_level(base, c, *args)
+        return {**out, "output_tokens_per_s": next(speed)}
+
+    bench.level = level
+    try:
+        out = bench.run("http://127.0.0.1:9", [1, 8], requests=2, max_new_tokens=4, warmup=0, request=request, repeat=3)
+    finally:
+        bench.level = real_level
+    assert seen == [1, 8, 1, 8, 1, 8]
+    one, eight = out["levels"]
+    assert one["samples"] == [100.0, 110.0, 90.0] and one["output_tokens_per_s"] == 100.0
+    assert eight["samples"] == [50.0, 55.0, 45.0] and eight["output_tokens_per_s"] == 50.0
+    # mean 100, sample sd 10, t(2) 4.303: 100 -+ 4.303 x 10 / sqrt(3)
+    assert one["interval"] == (75.16, 124.84)
+    assert one["requests"] == 6 and one["ok"] == 6 and one["accept_length"] == 2.0
+    assert out["output_tokens_per_s"] == 100.0  # the first level's figures are the result's
+
+
+def test_an_interval_needs_two_measurements_and_narrows_with_more():
+    assert bench.interval([100.0]) is None and bench.interval([]) is None
+    assert bench.interval([100.0, 100.0]) == (100.0, 100.0)
+    wide, narrow = bench.interval([90.0, 110.0]), bench.interval([90.0, 110.0] * 5)
+    assert narrow[0] > wide[0] and narrow[1] < wide[1]
+    with pytest.raises(ValueError, match="repeat 0"):
+        bench.check([1], 1, 1, 0, 1.0, 0)
 
 
 # ------------------------------------------------------------------ ranking, the profile file, the plot

@@ -52,7 +52,10 @@ Knobs (environment, set through the instance's env):
   LAB_STANDIN_LOAD_S         the model load's steps over this many seconds from the end of the parse instead
                              (SGLang's parser can take most of a short LAB_STANDIN_READY_S on a busy machine)
   LAB_STANDIN_SPEC_MODEL     1: decode speed and accept length follow the flags (throughput_model: steps,
-                             topk, draft tokens, CUDA-graph batch size), with a known optimum (autotune's tests)
+                             topk, draft tokens, CUDA-graph batch size) and the requests decoding at once, with
+                             a known optimum per concurrency (autotune's tests)
+  LAB_STANDIN_SPEC_GAIN      with the model: the share of its gain or loss against no speculation (default 1;
+                             0.01 puts every combination within the noise of no speculation)
   LAB_STANDIN_METRICS        how /metrics answers (with --enable-metrics; without it, 404 whatever this says):
      slow:<seconds>       each answer that many seconds late: SGLang serves /metrics from the tokenizer
                           manager's own event loop (prometheus_client's ASGI app mounted in the same uvicorn
@@ -168,13 +171,15 @@ class Knobs:
         if "wrong-accept" in self.faults:
             self.accept_length = 1.0
         self.graph_bs = None
+        # LAB_STANDIN_SPEC_MODEL=1: decode speed and accept length follow throughput_model (the requests decoding
+        # at once included); LAB_STANDIN_SPEC_GAIN scales what speculation gains or loses (0.01: within the noise).
+        self.model: tuple[int, int, int] | None = None
+        self.gain = gain_knob(env.get("LAB_STANDIN_SPEC_GAIN", ""))
         if env.get("LAB_STANDIN_SPEC_MODEL") == "1":
-            steps = args.speculative_num_steps if self.spec else 0
-            accept, speed = throughput_model(
-                steps or 0, args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens or (steps or 0) + 1
-            )
+            steps = (args.speculative_num_steps or 0) if self.spec else 0
+            self.model = (steps, args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens or steps + 1)
+            accept, _ = throughput_model(*self.model)
             self.accept_length = 1.0 if "wrong-accept" in self.faults else accept
-            self.tokens_per_s *= speed
             self.graph_bs = getattr(args, "cuda_graph_max_bs_decode", None) or getattr(args, "cuda_graph_max_bs", None)
         self.release_s = float(env.get("LAB_STANDIN_RELEASE_S", "4" if "slow-release" in self.faults else "0"))
         self.drain_s = float(env.get("LAB_STANDIN_DRAIN_S", "60"))
@@ -182,6 +187,24 @@ class Knobs:
         self.load_s = float(env.get("LAB_STANDIN_LOAD_S", "0"))
         self.metrics = metrics_knob(env.get("LAB_STANDIN_METRICS", ""))
         self.hang_after = hang_after_knob(env.get("LAB_STANDIN_HANG_AFTER", ""))
+
+    def decode_tokens_per_s(self, running: int) -> float:
+        """One request's decode speed with `running` requests decoding at once: the model's, or the knob's."""
+        if self.model is None:
+            return self.tokens_per_s
+        return self.tokens_per_s * throughput_model(*self.model, concurrency=max(1, running), gain=self.gain)[1]
+
+
+def gain_knob(value: str) -> float:
+    """LAB_STANDIN_SPEC_GAIN as a number at least 0 (unset: 1.0); anything else is refused (ValueError)."""
+    value = value.strip()
+    try:
+        gain = float(value) if value else 1.0
+    except ValueError:
+        gain = -1.0
+    if not gain >= 0:
+        raise ValueError(f"LAB_STANDIN_SPEC_GAIN={value!r}: expected a number, 0 or more (1: the model as it is)")
+    return gain
 
 
 def hang_after_knob(value: str) -> int | None:
@@ -210,19 +233,35 @@ def metrics_knob(value: str) -> tuple[str, float]:
     raise ValueError(f"LAB_STANDIN_METRICS={value!r}: expected slow:<seconds>, 503 or 503-under-load:<n>")
 
 
-def throughput_model(steps: int, topk: int, draft_tokens: int) -> tuple[float, float]:
-    """(accept length, decode speed relative to no speculation) of EAGLE-style speculation, a toy with a known
-    optimum: each of min(steps, draft_tokens - 1) positions is accepted with q = 1 - 0.45 / sqrt(topk) (a wider
-    tree guesses better); a step costs the draft model's 0.2, 0.08 per draft step, 0.01 per step and extra
-    branch, and 0.04 x (draft_tokens - 1)^2 to verify. Over steps {1, 3} x topk {1, 4} x draft tokens {4, 8}
-    (SGLang sets draft tokens to steps + 1 when topk is 1) the best is steps 3, topk 4, 4 draft tokens (x1.50),
-    and steps 3, topk 4, 8 draft tokens is slower than no speculation (x0.81). tests/test_tune.py holds it."""
+# Tokens a decode step takes on before it slows: each further request of the batch adds 1/BATCH_TOKENS of a step
+# without speculation, and draft_tokens/BATCH_TOKENS with it (it verifies all its draft tokens): a memory-bound
+# step at low concurrency, compute-bound at high (SGLang's bench_speculative.py sweeps batch size for this reason).
+BATCH_TOKENS = 8
+
+
+def throughput_model(
+    steps: int, topk: int, draft_tokens: int, concurrency: int = 1, gain: float = 1.0
+) -> tuple[float, float]:
+    """(accept length, one request's decode speed relative to no speculation at concurrency 1) of EAGLE-style
+    speculation, a toy with a known optimum per concurrency: each of min(steps, draft_tokens - 1) positions is
+    accepted with q = 1 - 0.45 / sqrt(topk) (a wider tree guesses better); a step costs the draft model's 0.2,
+    0.08 per draft step, 0.01 per step and extra branch, 0.04 x (draft_tokens - 1)^2 to verify, and each other
+    request decoding at once draft_tokens / BATCH_TOKENS (no speculation: 1 / BATCH_TOKENS). `gain` scales what
+    speculation gains or loses against no speculation at that concurrency (0: none, 1: the model).
+
+    At concurrency 1, over steps {1, 3} x topk {1, 4} x draft tokens {4, 8} (SGLang sets draft tokens to
+    steps + 1 when topk is 1) the best is steps 3, topk 4, 4 draft tokens (x1.50), and steps 3, topk 4, 8 draft
+    tokens is slower than no speculation (x0.81); at concurrency 16 every combination is slower than no
+    speculation (the best x0.88 of it). tests/test_tune.py holds it."""
+    plain = 1 + (concurrency - 1) / BATCH_TOKENS  # a step's cost without speculation
     if steps <= 0:
-        return 1.0, 1.0
+        return 1.0, 1.0 / plain
     q = 1 - 0.45 / topk**0.5
     accept = 1 + sum(q**i for i in range(1, min(steps, draft_tokens - 1) + 1))
     cost = 1 + 0.2 + 0.08 * steps + 0.01 * steps * (topk - 1) + 0.04 * (draft_tokens - 1) ** 2
-    return round(accept, 3), accept / cost
+    cost += (concurrency - 1) * draft_tokens / BATCH_TOKENS
+    versus = accept * plain / cost  # speculation against none, at this concurrency
+    return round(accept, 3), (1 + gain * (versus - 1)) / plain
 
 
 def gpus() -> list[int]:
@@ -490,7 +529,8 @@ class State:
                 while not schedulers_alive():  # no scheduler left to decode it: it waits to be cut
                     time.sleep(0.05)
                 graphs = self.knobs.graph_bs is None or self.running <= self.knobs.graph_bs
-                step_s = k / (self.knobs.tokens_per_s * (1.0 if graphs else 0.7))  # past the graphs: eager
+                speed = self.knobs.decode_tokens_per_s(self.running)
+                step_s = k / (speed * (1.0 if graphs else 0.7))  # past the graphs: eager
                 time.sleep(step_s)
                 done += k
                 with self.lock:  # k tokens of this request as one step of a batch of `running` (an approximation)

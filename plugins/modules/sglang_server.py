@@ -203,7 +203,7 @@ options:
     type: dict
     suboptions:
       concurrency:
-        description: The concurrency levels, one measurement each (each at least 1).
+        description: The concurrency levels, one measurement each per repeat (each at least 1).
         type: list
         elements: int
         default: [1]
@@ -223,6 +223,13 @@ options:
         description: Seconds each request may take.
         type: float
         default: 120.0
+      repeat:
+        description:
+          - How many times every level is measured, the levels interleaved (at least 1). A level's figures are then
+            the median of its repeats, with each repeat's output tok/s (C(samples)) and their mean's 95 % t-interval
+            (C(interval)).
+        type: int
+        default: 1
   metrics_dir:
     description:
       - node_exporter's textfile collector directory. Where it exists, a restart, rollback or verify (not status,

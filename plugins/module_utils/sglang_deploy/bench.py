@@ -20,6 +20,22 @@ import urllib.request
 from .http import OPENER, HttpError
 from .secret_rule import clip
 
+# Two-sided 95 % critical values of Student's t by degrees of freedom (n - 1 for n repeats); beyond 30, 1.96.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+       20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+       29: 2.045, 30: 2.042}  # fmt: skip
+
+
+def interval(samples: list[float]) -> tuple[float, float] | None:
+    """The 95 % t-interval of the mean of repeated measurements, (low, high); None with fewer than two (one
+    measurement says nothing of its own noise)."""
+    if len(samples) < 2:
+        return None
+    mean = statistics.fmean(samples)
+    half = T95.get(len(samples) - 1, 1.96) * statistics.stdev(samples) / len(samples) ** 0.5
+    return round(mean - half, 2), round(mean + half, 2)
+
 
 def percentile(values: list[float], p: float) -> float | None:
     if not values:
@@ -132,6 +148,33 @@ def level(
     }
 
 
+def combined(repeats: list[dict]) -> dict:
+    """One level's repeats as one: counts summed, each figure the median of the repeats', the samples kept."""
+    med = lambda key: median([r[key] for r in repeats])  # noqa: E731
+    samples = [r["output_tokens_per_s"] for r in repeats]
+    measured = [v for v in samples if v is not None]
+    return {
+        "concurrency": repeats[0]["concurrency"],
+        "requests": sum(r["requests"] for r in repeats),
+        "ok": sum(r["ok"] for r in repeats),
+        "failed": sum(r["failed"] for r in repeats),
+        "skipped": sum(r["skipped"] for r in repeats),
+        "failures": [f for r in repeats for f in r["failures"]][:5],
+        "output_tokens_per_s": med("output_tokens_per_s"),
+        "samples": samples,
+        # Only a level whose every repeat measured has an interval: a repeat cut short is no sample.
+        "interval": interval(measured) if len(measured) == len(samples) else None,
+        **{k: med(k) for k in ("accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")},
+        "seconds": round(sum(r["seconds"] for r in repeats), 3),
+    }
+
+
+def median(values: list) -> float | None:
+    """The median of the values measured; None when none was (a level that failed)."""
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 4) if known and len(known) == len(values) else None
+
+
 # bench_error of a benchmark a SIGTERM cut short (restart.measure): it says nothing of the combination, so a re-run of
 # the sweep measures it again (driver/tune.py).
 INTERRUPTED = "the benchmark was interrupted (SIGTERM)"
@@ -143,10 +186,13 @@ OPTIONS = {
     "max_new_tokens": {"type": "int", "default": 64, "no_log": False},  # a count: no secret (validate-modules asks)
     "warmup": {"type": "int", "default": 2},
     "timeout": {"type": "float", "default": 120.0},
+    "repeat": {"type": "int", "default": 1},
 }
 
 
-def check(concurrency: list[int], requests: int, max_new_tokens: int, warmup: int = 0, timeout: float = 1.0) -> None:
+def check(
+    concurrency: list[int], requests: int, max_new_tokens: int, warmup: int = 0, timeout: float = 1.0, repeat: int = 1
+) -> None:
     """ValueError unless the load is one that can run: before anything is restarted for it."""
     if (
         not concurrency
@@ -155,11 +201,12 @@ def check(concurrency: list[int], requests: int, max_new_tokens: int, warmup: in
         or max_new_tokens < 1
         or warmup < 0
         or not timeout > 0
+        or repeat < 1
     ):
         raise ValueError(
-            "concurrency levels, requests and max_new_tokens must be at least 1, warmup at least 0, timeout above 0 "
-            f"(concurrency {concurrency}, requests {requests}, max_new_tokens {max_new_tokens}, warmup {warmup}, "
-            f"timeout {timeout})"
+            "concurrency levels, requests, max_new_tokens and repeat must be at least 1, warmup at least 0, timeout "
+            f"above 0 (concurrency {concurrency}, requests {requests}, max_new_tokens {max_new_tokens}, warmup {warmup}, "
+            f"timeout {timeout}, repeat {repeat})"
         )
 
 
@@ -172,13 +219,17 @@ def run(
     api_key=None,
     timeout: float = 120.0,
     request=one,
+    repeat: int = 1,
 ) -> dict:
-    """Warm-up, then every level. The first level's figures are the result's own (what a sweep ranks by).
+    """Warm-up, then every level, `repeat` times over, the levels interleaved (1, 8, 1, 8, ...: a drift of the
+    machine falls on every level alike). A level's figures are the median of its repeats, with `samples` (each
+    repeat's output tok/s) and `interval` (their mean's 95 % t-interval, None for one). The first level's figures
+    are the result's own.
 
     The first failed request ends it: a partial benchmark is no measurement, and the restart that runs it holds the
     instance's lock (restart.measure), so a failing server is not asked again and again, each time up to
     `timeout`. What did not run is counted as skipped."""
-    check(concurrency, requests, max_new_tokens, warmup, timeout)
+    check(concurrency, requests, max_new_tokens, warmup, timeout, repeat)
     t0 = time.monotonic()
     stop = threading.Event()
     warm_failed = []
@@ -189,7 +240,9 @@ def run(
             warm_failed.append(clip(str(exc), 300))
             stop.set()
             break
-    levels = [level(base, c, requests, max_new_tokens, api_key, timeout, request, stop) for c in concurrency]
+    runs = [[level(base, c, requests, max_new_tokens, api_key, timeout, request, stop) for c in concurrency]
+            for _ in range(repeat)]  # fmt: skip
+    levels = [combined([r[i] for r in runs]) for i in range(len(concurrency))]
     first = levels[0]
     keys = ("output_tokens_per_s", "accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")
     return {
