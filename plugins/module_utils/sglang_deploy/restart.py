@@ -881,7 +881,7 @@ def measure(m: Machine, res: dict) -> None:
             b["warmup"],
             api_key=m.inst.api_key(),
             timeout=b["timeout"],
-            repeat=b.get("repeat", 1),
+            repeat=b["repeat"],
         )
     except Terminated:
         res["bench"], res["bench_error"] = None, benchmark.INTERRUPTED
