@@ -83,8 +83,26 @@ def tune_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--grid-file", type=pathlib.Path, help="a YAML or JSON mapping of key to values (--grid adds to it)"
     )
+    sp.add_argument("--concurrency", default="1", help="concurrency levels, comma-separated (default 1); all are shown")
     sp.add_argument(
-        "--concurrency", default="1", help="concurrency levels, comma-separated; the first ranks (default 1)"
+        "--target-concurrency",
+        type=int,
+        help="the level the combinations are ranked and the winner chosen at: the one the server runs at "
+        "(default: the first of --concurrency)",
+    )
+    sp.add_argument(
+        "--repeat", type=int, default=3, help="measurements of each level per combination, for an interval (default 3)"
+    )
+    sp.add_argument(
+        "--margin",
+        type=float,
+        default=0.02,
+        help="how far a winner's 95%% interval must clear no speculation's and the runner-up's (default 0.02: 2%%)",
+    )
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="write the fastest combination's profile even when it is not clear of the noise (saying so)",
     )
     sp.add_argument("--requests", type=int, default=8, help="measured requests per level (default 8)")
     sp.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")

@@ -73,18 +73,28 @@ def settings(args) -> tuple[dict, dict]:
         levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     except ValueError:
         raise ValueError(f"--concurrency {args.concurrency!r}: whole numbers, comma-separated (1,4)") from None
-    for opt, v in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens)):
+    for opt, v in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens), ("--repeat", args.repeat)):
         if v < 1:
             raise ValueError(f"{opt} {v}: at least 1")
     if not levels or min(levels) < 1 or args.warmup < 0:
         raise ValueError("--concurrency levels at least 1, --warmup at least 0")
+    if args.target_concurrency is not None and args.target_concurrency not in levels:
+        raise ValueError(f"--target-concurrency {args.target_concurrency}: not one of --concurrency {args.concurrency}")
+    if not 0 <= args.margin < 1:
+        raise ValueError(f"--margin {args.margin}: a fraction, 0 or more and below 1 (0.02: 2 %)")
     bench = {
         "concurrency": levels,
         "requests": args.requests,
         "max_new_tokens": args.max_new_tokens,
         "warmup": args.warmup,
+        "repeat": args.repeat,
     }
     return grid, bench
+
+
+def target_of(args, bench: dict) -> int:
+    """The concurrency the sweep ranks at: --target-concurrency, else the first level."""
+    return args.target_concurrency if args.target_concurrency is not None else bench["concurrency"][0]
 
 
 class Sweep:
@@ -425,8 +435,13 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
             break
     recorded = sweep.book.tune_results(sweep.id)
     names = {c["name"] for c in combos}
-    ranked = tune.rank(results_of([r for r in recorded if r["combination"] in names]))
-    best = tune.winner(ranked)
+    at = target_of(args, sweep.bench)
+    ranked = tune.rank(results_of([r for r in recorded if r["combination"] in names]), at)
+    decision = tune.decide(ranked, args.margin)
+    # --force: the fastest speculative combination's profile, clear of the noise or not (said in the file and here).
+    best = decision["winner"] or (
+        decision["best"] if args.force and decision["verdict"] == tune.NO_DIFFERENCE else None
+    )
     base = next((r for r in ranked if r["name"] == tune.BASELINE and r["output_tokens_per_s"]), None)
     complete = (
         not stopped
@@ -451,7 +466,9 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
     if winner_profile:
         how = (
             f"python -m driver tune sweep {sweep.id} on {sweep.host}/{sweep.instance} "
-            f"({best.get('gpu_model') or 'GPU model unknown'}), {json.dumps(sweep.bench)}, {time.strftime('%Y-%m-%d')}"
+            f"({best.get('gpu_model') or 'GPU model unknown'}), {json.dumps(sweep.bench)}, ranked at concurrency "
+            f"{at}, {time.strftime('%Y-%m-%d')}; {decision['verdict']}: {decision['why']}"
+            + ("; written with --force, not clear of the noise" if decision["winner"] is None else "")
         )
         text = tune.profile_file(name, {k: v for k, v in winner_profile[1].items() if k != "baseline"}, best, base, how)
         try:
@@ -459,10 +476,14 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
         except OSError as exc:  # measured and recorded all the same; the instance was put back before
             file_error = f"the winner's profile file {target} could not be written: {exc}"
             print(f"tune: {file_error}", file=sys.stderr)
-    table(sweep, ranked, dropped, written, best)
+    table(sweep, ranked, dropped, written, best, decision, at)
     if args.svg and ranked:
         try:
-            write_atomic(Path(args.svg), tune.svg(ranked, f"sweep {sweep.id}: {sweep.instance} on {sweep.host}"))
+            title = f"sweep {sweep.id}: {sweep.instance} on {sweep.host}, concurrency {at}"
+            write_atomic(Path(args.svg), tune.svg(ranked, title))
+            curves = tune.concurrency_svg(ranked)
+            if curves:  # beside it: tok/s at every level, where speculation's gain shrinks
+                write_atomic(Path(args.svg).with_name(Path(args.svg).stem + "-concurrency.svg"), curves)
         except OSError as exc:
             file_error = f"--svg {args.svg}: {exc}"
             print(f"tune: {file_error}", file=sys.stderr)
@@ -474,7 +495,12 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
         "overheads_s": overheads,
         "ranked": ranked,
         "dropped": dropped,
-        "winner": best["name"] if best else None,
+        "winner": decision["winner"]["name"] if decision["winner"] else None,
+        "verdict": decision["verdict"],
+        "why": decision["why"],
+        "forced": best is not None and decision["winner"] is None,
+        "target_concurrency": at,
+        "margin": args.margin,
         "baseline_measured": base is not None,
         "profile_file": str(written) if written else None,
         "complete": complete,
@@ -499,37 +525,47 @@ def write_atomic(path: Path, text: str) -> Path:
     return path
 
 
-def table(sweep: Sweep, ranked: list[dict], dropped: list[dict], written, best) -> None:
+def table(sweep: Sweep, ranked: list[dict], dropped: list[dict], written, best, decision: dict, at: int) -> None:
     if sweep.args.json:
         return
     from driver import display
 
+    levels = sweep.bench["concurrency"]
     t = display.table(
-        f"sweep {sweep.id}, ranked by output tok/s at concurrency {sweep.bench['concurrency'][0]}",
-        ("rank", "combination", "values", "tok/s", "vs no spec", "accept", "TTFT p50/p99 s", "ITL p50/p99 s", "result"),
-    )
+        f"sweep {sweep.id}, ranked by output tok/s at concurrency {at} (median of {sweep.bench['repeat']}, 95% interval)",
+        ("rank", "combination", "values", "tok/s [95% interval]", "vs no spec", "accept", "TTFT p50/p99 s",
+         "ITL p50/p99 s", *(f"tok/s at {c}" for c in levels if c != at), "result"),
+    )  # fmt: skip
     for r in ranked:
         verdict = (
             "slower than no speculation"
             if r["slower_than_baseline"]
             else ("failed: " + (r.get("cause") or "") if r["outcome"] == FAILED else "")
         )
+        iv = r.get("interval")
+        others = [tune.at_level(r, c).get("output_tokens_per_s") for c in levels if c != at]
         t.add_row(
             str(r["rank"] or "-"),
             r["name"],
             r["label"],
-            str(r["output_tokens_per_s"] or "-"),
+            f"{r['output_tokens_per_s'] or '-'}" + (f" [{iv[0]}, {iv[1]}]" if iv else ""),
             str(r["vs_baseline"] or "-"),
             str(r.get("accept_length") or "-"),
             f"{r.get('ttft_median_s')}/{r.get('ttft_p99_s')}",
             f"{r.get('itl_median_s')}/{r.get('itl_p99_s')}",
+            *(str(v if v is not None else "-") for v in others),
             verdict[:80],
         )
     display.console().print(t)
     if best and written:
+        forced = " (--force: NOT clear of the noise)" if decision["winner"] is None else ""
         print(
-            f"winner {best['name']} ({best['label']}): {best['output_tokens_per_s']} tok/s, x{best['vs_baseline']} "
-            f"no speculation; written as {written}"
+            f"winner {best['name']} ({best['label']}){forced}: {best['output_tokens_per_s']} tok/s, "
+            f"x{best['vs_baseline']} no speculation; written as {written}"
+        )
+    elif decision["verdict"] == tune.NO_DIFFERENCE:
+        print(
+            f"no significant difference at concurrency {at}: {decision['why']}; no profile written (--force writes it)"
         )
     elif not best:
-        print("no combination beat no speculation: no profile written")
+        print(f"no winner at concurrency {at}: {decision['why']}; no profile written")

@@ -270,16 +270,17 @@ def test_the_benchmark_ranks_the_standins_combinations_as_its_model_does():
     for spec in [None, *DISTINCT]:
         srv, base = standin_server(spec, tokens_per_s=100.0)
         try:
-            b = bench.run(base, [1], requests=3, max_new_tokens=32, warmup=1)
+            b = bench.run(base, [1], requests=2, max_new_tokens=32, warmup=1, repeat=3)
         finally:
             srv.shutdown()
             srv.server_close()
-        assert b["failed"] == 0 and b["levels"][0]["ok"] == 3
+        assert b["failed"] == 0 and b["levels"][0]["ok"] == 6 and len(b["levels"][0]["samples"]) == 3
         name = tune.BASELINE if spec is None else f"tune_{spec}"
-        results.append({"name": name, "label": str(spec), **b})
+        results.append({"name": name, "label": str(spec), **b, "bench": b})
     ranked = tune.rank(results)
     assert ranked[0]["name"] == "tune_(3, 4, 4)" and ranked[0]["rank"] == 1
-    assert tune.winner(ranked)["name"] == "tune_(3, 4, 4)"
+    decision = tune.decide(ranked)
+    assert decision["verdict"] == tune.WINNER and decision["winner"]["name"] == "tune_(3, 4, 4)", decision["why"]
     clear = {f"tune_{spec}": model(*spec)[1] < 1.0 for spec in DISTINCT if abs(model(*spec)[1] - 1.0) > 0.15}
     assert clear == {"tune_(1, 1, 2)": False, "tune_(3, 4, 4)": False, "tune_(3, 4, 8)": True}
     assert {r["name"]: r["slower_than_baseline"] for r in ranked if r["name"] in clear} == clear
@@ -376,12 +377,20 @@ def test_an_interval_needs_two_measurements_and_narrows_with_more():
 # ------------------------------------------------------------------ ranking, the profile file, the plot
 
 
+def measured(name: str, label: str, tok: float | None, accept: float | None, **levels) -> dict:
+    """A ranked result: its first level's figures, and its benchmark's levels (concurrency: (tok/s, interval))."""
+    first = {"concurrency": 1, "output_tokens_per_s": tok, "interval": (tok * 0.98, tok * 1.02) if tok else None}
+    more = [{"concurrency": int(c[1:]), "output_tokens_per_s": v, "interval": iv} for c, (v, iv) in levels.items()]
+    return {"name": name, "label": label, "output_tokens_per_s": tok, "accept_length": accept,
+            "bench": {"levels": [first, *more]} if tok else None}  # fmt: skip
+
+
 def results_for_rank():
     return [
-        {"name": tune.BASELINE, "label": "no speculation", "output_tokens_per_s": 100.0, "accept_length": 1.0},
-        {"name": "tune_a", "label": "steps=1", "output_tokens_per_s": 90.0, "accept_length": 1.6},
-        {"name": "tune_b", "label": "steps=3", "output_tokens_per_s": 150.0, "accept_length": 2.8},
-        {"name": "tune_c", "label": "steps=5", "output_tokens_per_s": None, "accept_length": None, "cause": "crash"},
+        measured(tune.BASELINE, "no speculation", 100.0, 1.0, c8=(400.0, (390.0, 410.0))),
+        measured("tune_a", "steps=1", 90.0, 1.6, c8=(380.0, (370.0, 390.0))),
+        measured("tune_b", "steps=3", 150.0, 2.8, c8=(300.0, (290.0, 310.0))),
+        {**measured("tune_c", "steps=5", None, None), "cause": "crash"},
     ]
 
 
@@ -393,9 +402,64 @@ def test_the_ranking_marks_what_is_slower_than_no_speculation_and_puts_failures_
         ("tune_a", 3, 0.9, True),
         ("tune_c", None, None, False),
     ]
-    assert tune.winner(ranked)["name"] == "tune_b"
+    decision = tune.decide(ranked)
+    assert decision["verdict"] == tune.WINNER and decision["winner"]["name"] == "tune_b", decision
     slow = [r for r in results_for_rank() if r["name"] != "tune_b"]
-    assert tune.winner(tune.rank(slow)) is None  # none beats no speculation: no winner
+    assert tune.decide(tune.rank(slow))["verdict"] == tune.BASELINE_FASTEST  # none beats no speculation
+
+
+def test_the_ranking_at_another_concurrency_reads_that_level_and_finds_no_speculation_fastest_there():
+    ranked = tune.rank(results_for_rank(), 8)
+    assert [(r["name"], r["output_tokens_per_s"]) for r in ranked] == [
+        (tune.BASELINE, 400.0),
+        ("tune_a", 380.0),
+        ("tune_b", 300.0),
+        ("tune_c", None),
+    ]
+    assert ranked[0]["interval"] == (390.0, 410.0) and ranked[2]["slower_than_baseline"]
+    decision = tune.decide(ranked)
+    assert decision["verdict"] == tune.BASELINE_FASTEST and decision["winner"] is None
+    assert decision["best"]["name"] == "tune_a"
+    assert tune.rank(results_for_rank(), 32)[0]["output_tokens_per_s"] is None  # a level not run: nothing measured
+
+
+def ranked_with(intervals: dict) -> list[dict]:
+    """Three measured results, {name: (tok/s, interval or None)}."""
+    rows = [{"name": n, "label": n, "output_tokens_per_s": v, "accept_length": 2.0,
+             "bench": {"levels": [{"concurrency": 1, "output_tokens_per_s": v, "interval": iv}]}}
+            for n, (v, iv) in intervals.items()]  # fmt: skip
+    return tune.rank(rows)
+
+
+@pytest.mark.parametrize(
+    ("intervals", "verdict", "said"),
+    [
+        # clear of both by more than 2 %: a winner
+        ({tune.BASELINE: (100, (98, 102)), "tune_a": (120, (117, 123)), "tune_b": (110, (107, 113))}, tune.WINNER,
+         "clears tune_b's and no speculation's intervals (up to 113) by more than 2%"),
+        # above the baseline, but inside the runner-up's interval (plus the margin): no winner
+        ({tune.BASELINE: (100, (98, 102)), "tune_a": (120, (114, 126)), "tune_b": (115, (110, 119))},
+         tune.NO_DIFFERENCE, "does not clear tune_b's [110, 119] and no speculation's [98, 102] by 2%"),
+        # clear of the runner-up's upper bound, not of it plus the margin (117 <= 115 x 1.02 = 117.3)
+        ({tune.BASELINE: (100, (98, 102)), "tune_a": (121, (117, 125)), "tune_b": (110, (105, 115))},
+         tune.NO_DIFFERENCE, "does not clear"),
+        # one measurement each: no interval, no winner however far ahead
+        ({tune.BASELINE: (100, None), "tune_a": (200, None), "tune_b": (110, None)}, tune.NO_DIFFERENCE,
+         "one measurement each says nothing of the noise"),
+        ({"tune_a": (200, (190, 210)), "tune_b": (110, (100, 120))}, tune.NO_BASELINE, "nothing to beat"),
+        ({tune.BASELINE: (300, (290, 310)), "tune_a": (200, (190, 210))}, tune.BASELINE_FASTEST,
+         "no speculation is the fastest (300 tok/s)"),
+    ],
+)  # fmt: skip
+def test_a_winner_only_clears_the_baseline_and_the_runner_up_by_the_margin(intervals, verdict, said):
+    decision = tune.decide(ranked_with(intervals))
+    assert decision["verdict"] == verdict and said in decision["why"], decision["why"]
+    assert (decision["winner"] is not None) == (verdict == tune.WINNER)
+    if verdict == tune.NO_DIFFERENCE:
+        assert decision["best"]["name"] == "tune_a"  # what --force would write
+    # a margin of 0 lets the third case through: the rule is the margin, not a fixed gap
+    if "117 <=" in str(intervals) or intervals.get("tune_a") == (121, (117, 125)):
+        assert tune.decide(ranked_with(intervals), margin=0.0)["verdict"] == tune.WINNER
 
 
 def test_the_winner_is_written_as_a_profile_file_that_ansible_reads(tmp_path):
@@ -436,6 +500,15 @@ def test_the_plot_shows_each_measured_combination_and_the_baseline():
     assert len(dashed) == 1
     assert any(t.text == "no speculation 100.0" for t in root.findall(f"{ns}text"))
     assert root.find(f"{ns}text").text == "sweep <abc> & co"
+    # each repeat-measured point's 95 % interval as a whisker, no speculation's as a band
+    assert len([e for e in root.iter() if e.get("class") == "interval"]) == 3
+    curves = ET.fromstring(tune.concurrency_svg(ranked))
+    assert [pl.find(f"{ns}title").text for pl in curves.findall(f"{ns}polyline")] == [
+        "steps=3", "no speculation", "steps=1"
+    ]  # fmt: skip
+    assert [t.text for t in curves.findall(f"{ns}text")][1:3] == ["1", "8"]  # the levels on the x axis
+    single = [{**r, "bench": {"levels": (r.get("bench") or {"levels": []})["levels"][:1]}} for r in ranked]
+    assert tune.concurrency_svg(single) is None  # one level: nothing to draw
 
 
 # ------------------------------------------------------------------ the ledger

@@ -60,6 +60,7 @@ class Fake:
         self.bench_errors = bench_errors or {}  # combination: why its benchmark could not run (restarted all the same)
         self.calls: list[tuple] = []
         self.software: list = []  # each step's sglang_software (extra vars): the plan's on every measure step
+        self.spread = 0.02  # each measured level's interval: its tok/s -+ this fraction
 
     def __call__(self, sweep, playbook, extra, command, after_interrupt=False):
         tracker = events.Tracker(command)
@@ -101,7 +102,14 @@ class Fake:
             "seconds": 1.5,
             "failed": self.failed.get(name, 0),
             "levels": [
-                {"concurrency": 1, "output_tokens_per_s": got, "failures": ["HTTP 503"] * self.failed.get(name, 0)}
+                {
+                    "concurrency": 1,
+                    "output_tokens_per_s": got,
+                    "failures": ["HTTP 503"] * self.failed.get(name, 0),
+                    # three repeats within 2 % of each other, unless the fake says how wide (self.spread)
+                    "samples": [got] * 3,
+                    "interval": (round(got * (1 - self.spread), 2), round(got * (1 + self.spread), 2)),
+                }
             ],
         }
         # The benchmark is in the restart's own result (sglang_server's bench, under its lock).
@@ -261,9 +269,59 @@ def test_without_a_winner_no_profile_is_written_and_the_table_says_so(env, monke
     fake = Fake({tune.BASELINE: 100.0, "tune_a": 90.0, "tune_b": 80.0, "tune_c": 70.0})
     assert run(monkeypatch, fake) == exitcodes.OK
     out = capsys.readouterr().out
-    assert "no combination beat no speculation: no profile written" in out
+    assert "no winner at concurrency 1: no speculation is the fastest (100.0 tok/s); no profile written" in out
     assert "slower than no speculation" in out and "[2/4] tune_a steps=1: 90.0 tok/s" in out
     assert not (inv.parent / "group_vars").exists()
+
+
+def test_a_winner_inside_the_noise_writes_no_profile_unless_forced_and_says_so(env, monkeypatch, capsys):
+    """150 against 140 with intervals of -+10 %: the best's [135, 165] does not clear the runner-up's 154 by 2 %."""
+    _, inv, _ = env
+    written = inv.parent / "group_vars" / "sglang_nodes" / "tuned_close.yml"
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": 140.0, "tune_b": 150.0, "tune_c": 90.0})
+    fake.spread = 0.10
+    assert run(monkeypatch, fake, "--json", "--name", "close") == exitcodes.OK
+    doc = doc_of(capsys)
+    assert doc["verdict"] == tune.NO_DIFFERENCE and doc["winner"] is None and doc["profile_file"] is None
+    assert "tune_b" not in doc["why"] and "steps=3: 150.0 tok/s [135.0, 165.0] does not clear steps=1's" in doc["why"]
+    assert not written.exists()
+    assert [r["interval"] for r in doc["ranked"][:2]] == [[135.0, 165.0], [126.0, 154.0]]  # kept, shown
+    # --force: the fastest one's profile, the file saying it is not clear of the noise (a new sweep: the ledger's)
+    fake = Fake({tune.BASELINE: 100.0, "tune_a": 140.0, "tune_b": 150.0, "tune_c": 90.0})
+    fake.spread = 0.10
+    assert run(monkeypatch, fake, "--name", "close", "--force") == exitcodes.OK
+    out = capsys.readouterr().out
+    assert "winner tune_b (steps=3) (--force: NOT clear of the noise): 150.0 tok/s" in out
+    assert "written with --force, not clear of the noise" in written.read_text()
+
+
+def test_the_target_concurrency_ranks_the_sweep_and_every_level_is_shown(env, monkeypatch, capsys):
+    _, inv, _ = env
+
+    class TwoLevels(Fake):
+        def __call__(self, sweep, playbook, extra, command, after_interrupt=False):
+            tracker, res, code = super().__call__(sweep, playbook, extra, command, after_interrupt)
+            inst = tracker.host(HOST).instances.get("main") or {}
+            b = inst.get("bench")
+            if b:  # at concurrency 8 no speculation is the fastest (speculation's gain turned into a loss)
+                name = extra["sglang_service_instance_profiles"]["main"]
+                v = 800.0 if name == tune.BASELINE else 500.0
+                b["levels"].append({"concurrency": 8, "output_tokens_per_s": v, "samples": [v] * 3,
+                                    "interval": (v * 0.98, v * 1.02)})  # fmt: skip
+            return tracker, res, code
+
+    fake = TwoLevels({tune.BASELINE: 100.0, "tune_a": 90.0, "tune_b": 150.0, "tune_c": 95.0})
+    assert run(monkeypatch, fake, "--json", "--concurrency", "1,8", "--target-concurrency", "8") == exitcodes.OK
+    doc = doc_of(capsys)
+    assert doc["target_concurrency"] == 8 and doc["verdict"] == tune.BASELINE_FASTEST and doc["winner"] is None
+    assert doc["ranked"][0]["name"] == tune.BASELINE and doc["ranked"][0]["output_tokens_per_s"] == 800.0
+    assert doc["profile_file"] is None and not (inv.parent / "group_vars").exists()
+    # the same sweep at concurrency 1 (the ledger's measurements: nothing measured again) has its winner
+    fake = TwoLevels({tune.BASELINE: 100.0, "tune_a": 90.0, "tune_b": 150.0, "tune_c": 95.0})
+    assert run(monkeypatch, fake, "--json", "--concurrency", "1,8") == exitcodes.OK
+    doc = doc_of(capsys)
+    assert [c[0] for c in fake.calls] == ["plan"]
+    assert doc["target_concurrency"] == 1 and doc["winner"] == "tune_b" and doc["verdict"] == tune.WINNER
 
 
 @pytest.mark.parametrize(
@@ -272,6 +330,9 @@ def test_without_a_winner_no_profile_is_written_and_the_table_says_so(env, monke
         (["--instance", "other"], "tune measures one instance: give --instance NAME once"),
         (["--concurrency", "1,x"], "--concurrency '1,x': whole numbers, comma-separated (1,4)"),
         (["--requests", "0"], "--requests 0: at least 1"),
+        (["--repeat", "0"], "--repeat 0: at least 1"),
+        (["--concurrency", "1,8", "--target-concurrency", "4"], "--target-concurrency 4: not one of --concurrency 1,8"),
+        (["--margin", "1.5"], "--margin 1.5: a fraction, 0 or more and below 1"),
         (["--name", "Bad-Name"], "--name 'Bad-Name': lowercase letters, digits and '_'"),
         (["--grid", "novalue"], "--grid 'novalue': write it as key=value1,value2"),
     ],

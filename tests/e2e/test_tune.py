@@ -29,7 +29,9 @@ GRID = [
     "--grid",
     "speculative_num_draft_tokens=4,8",
 ]
-BENCH = ["--requests", "3", "--max-new-tokens", "32", "--warmup", "1"]
+# Three repeats of each level (the default), at concurrency 1 and 16: 16 requests so that 16 decode at once.
+BENCH = ["--requests", "16", "--max-new-tokens", "32", "--warmup", "1", "--concurrency", "1,16"]
+SMALL = ["--requests", "4", "--max-new-tokens", "32", "--warmup", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +116,9 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
     assert all(r["config_hash"] and r["gpu_model"] == "NVIDIA H200" for r in rows), rows
     assert all(r["software"]["sglang_version"] == "0.5.23" for r in rows)
     assert doc["winner"] == ranked[0]["name"] and doc["put_back"]["exit_code"] == 0
+    assert doc["verdict"] == "winner" and doc["target_concurrency"] == 1, doc["why"]
+    assert all(len(r["samples"]) == 3 and r["interval"][0] <= r["output_tokens_per_s"] <= r["interval"][1]
+               for r in ranked if r["outcome"] == "measured"), ranked  # fmt: skip
     written = profiles / "tuned_lab_best.yml"
     assert doc["profile_file"] == str(written) and written.exists()
     text = written.read_text(encoding="utf-8")
@@ -126,6 +131,35 @@ def test_a_sweep_interrupted_resumes_finds_the_optimum_and_writes_it_as_a_profil
     book = Ledger(ledger)
     assert ranked[0]["name"] in {r["profile"] for r in book.compare()}  # history --compare ranks it too
     book.close()
+
+    # The same sweep ranked at concurrency 16 (the ledger's measurements, nothing restarted): the model's gain has
+    # turned into a loss there, so no speculation is the fastest, clearly, and no profile is written.
+    code, doc16, proc = run(
+        *args[:-4], "--target-concurrency", "16", "--name", "lab_best16", "--profile-dir", str(profiles)
+    )
+    assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert doc16["sweep"] == doc["sweep"] and len(sweeps(ledger)[doc["sweep"]]) == 6  # nothing measured again
+    assert doc16["verdict"] == "baseline_fastest" and doc16["winner"] is None, doc16["why"]
+    assert doc16["ranked"][0]["name"] == "tune_no_spec" and doc16["profile_file"] is None
+    assert not (profiles / "tuned_lab_best16.yml").exists()
+    print(f"concurrency 1: {doc['why']}; concurrency 16: {doc16['why']}")
+
+
+def test_gains_below_the_noise_give_no_winner_and_no_profile(drive):
+    """The model's gains scaled to 1 % of themselves (LAB_STANDIN_SPEC_GAIN 0.01): every combination within the
+    measurement's noise of no speculation, so the sweep declares no winner and writes nothing."""
+    run, _, _, profiles = drive
+    faint = main_with(env={"LAB_STANDIN_SPEC_MODEL": "1", "LAB_STANDIN_TOKENS_PER_S": "300",
+                           "LAB_STANDIN_SPEC_GAIN": "0.01"})  # fmt: skip
+    code, doc, proc = run(
+        "tune", "--instance", "main", "--profile", START, "--grid", "speculative_num_steps=1,3", *SMALL,
+        "-e", faint, "--name", "lab_faint", "--profile-dir", str(profiles),
+    )  # fmt: skip
+    assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert doc["verdict"] in ("no_significant_difference", "baseline_fastest"), doc["why"]
+    assert doc["winner"] is None and doc["profile_file"] is None and not (profiles / "tuned_lab_faint.yml").exists()
+    assert len([r for r in doc["ranked"] if r["outcome"] == "measured"]) == 3
+    print(f"gains at 1 %: {doc['verdict']}: {doc['why']}")
 
 
 def test_a_combination_that_crashes_on_its_first_decode_is_recorded_failed_and_the_sweep_goes_on(drive):
@@ -141,7 +175,7 @@ def test_a_combination_that_crashes_on_its_first_decode_is_recorded_failed_and_t
         "speculative_num_steps=3",
         "--grid",
         "LAB_STANDIN_FAULT=crash-first-decode,",
-        *BENCH,
+        *SMALL,
         "-e",
         MODEL,
         "--profile-dir",

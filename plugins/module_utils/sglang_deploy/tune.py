@@ -227,9 +227,26 @@ def score(m: dict) -> float | None:
     return m.get("output_tokens_per_s")
 
 
-def rank(results: list[dict]) -> list[dict]:
-    """The results ranked by output tok/s (measured first, failed last), each with its rank, its ratio to the
-    baseline and `slower_than_baseline` (a speculative combination below no speculation)."""
+LEVEL_FIGURES = ("output_tokens_per_s", "accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")
+
+
+def at_level(result: dict, concurrency: int | None) -> dict:
+    """The result as measured at `concurrency` (its benchmark's level: its figures, `interval` and `samples`); at
+    None, its own figures (the first level's). A concurrency its benchmark did not run: nothing measured."""
+    levels = (result.get("bench") or {}).get("levels") or []
+    if concurrency is None:
+        level = levels[0] if levels else {}
+        return {**result, "interval": level.get("interval"), "samples": level.get("samples")}
+    level = next((lv for lv in levels if lv.get("concurrency") == concurrency), None) or {}
+    figures = {k: level.get(k) for k in LEVEL_FIGURES}
+    return {**result, **figures, "interval": level.get("interval"), "samples": level.get("samples")}
+
+
+def rank(results: list[dict], concurrency: int | None = None) -> list[dict]:
+    """The results ranked by output tok/s at `concurrency` (None: each one's first level; measured first, failed
+    last), each with its figures there, its rank, its ratio to the baseline and `slower_than_baseline` (a
+    speculative combination below no speculation)."""
+    results = [at_level(r, concurrency) for r in results]
     base = next((r for r in results if r["name"] == BASELINE and score(r) is not None), None)
     ranked = sorted(results, key=lambda r: (score(r) is None, -(score(r) or 0.0)))
     out = []
@@ -241,14 +258,49 @@ def rank(results: list[dict]) -> list[dict]:
     return out
 
 
-def winner(ranked: list[dict]) -> dict | None:
-    """The fastest measured combination that beats the baseline; None when none does, or when the baseline
-    itself was not measured (nothing to beat: never a winner by default)."""
-    if not any(r["name"] == BASELINE and score(r) is not None for r in ranked):
-        return None
-    return next(
-        (r for r in ranked if r["name"] != BASELINE and score(r) is not None and not r["slower_than_baseline"]), None
+# decide()'s verdicts
+WINNER, NO_DIFFERENCE, BASELINE_FASTEST, NO_BASELINE = (
+    "winner",
+    "no_significant_difference",
+    "baseline_fastest",
+    ("no_baseline"),
+)
+MARGIN = 0.02  # how far a winner's interval must clear the others' (a fraction of their upper bound)
+
+
+def decide(ranked: list[dict], margin: float = MARGIN) -> dict:
+    """{verdict, winner, best, why}: a winner only when the fastest combination's interval (its repeats' 95 %
+    t-interval) clears both no speculation's and the runner-up's upper bound by `margin` (0.02: 2 % above them).
+    Otherwise no winner: no speculation not measured (nothing to beat), no speculation the fastest, or no
+    significant difference (the intervals within the margin of each other, or a figure without an interval: one
+    measurement says nothing of its noise). `best`: the fastest speculative combination, winner or not."""
+    measured = [r for r in ranked if score(r) is not None]
+    base = next((r for r in measured if r["name"] == BASELINE), None)
+    best = next((r for r in measured if r["name"] != BASELINE), None)
+    out = {"winner": None, "best": best, "margin": margin}
+    if base is None:
+        return {**out, "verdict": NO_BASELINE, "why": "no speculation was not measured: nothing to beat"}
+    if best is None or measured[0] is base:
+        return {**out, "verdict": BASELINE_FASTEST, "why": f"no speculation is the fastest ({score(base)} tok/s)"}
+    runner = measured[1]
+    missing = [r["name"] for r in (best, runner, base) if not r.get("interval")]
+    if missing:
+        why = f"no interval for {', '.join(dict.fromkeys(missing))}: one measurement each says nothing of the noise"
+        return {**out, "verdict": NO_DIFFERENCE, "why": why}
+    low = best["interval"][0]
+    bar = max(base["interval"][1], runner["interval"][1])
+    if low > bar * (1 + margin):
+        why = (
+            f"{best['label']}: {score(best)} tok/s [{low}, {best['interval'][1]}] clears {runner['label']}'s and no "
+            f"speculation's intervals (up to {bar}) by more than {margin:.0%}"
+        )
+        return {**out, "winner": best, "verdict": WINNER, "why": why}
+    why = (
+        f"{best['label']}: {score(best)} tok/s [{low}, {best['interval'][1]}] does not clear {runner['label']}'s "
+        f"[{runner['interval'][0]}, {runner['interval'][1]}] and no speculation's [{base['interval'][0]}, "
+        f"{base['interval'][1]}] by {margin:.0%}"
     )
+    return {**out, "verdict": NO_DIFFERENCE, "why": why}
 
 
 def profile_var(name: str) -> str:
@@ -332,7 +384,10 @@ def svg(ranked: list[dict], title: str) -> str:
     base = next((r for r in ranked if r["name"] == BASELINE and score(r) is not None), None)
     w, h, m = 640, 400, 60
     xs = [r.get("accept_length") or 1.0 for r in pts] + [1.0]
-    ys = [score(r) for r in pts] + ([score(base)] if base else []) + [0.0]
+    ys = [(r.get("interval") or (0, score(r)))[1] for r in pts] + [
+        (base.get("interval") or (0, score(base)))[1] if base else 0.0
+    ]
+    ys = [y for y in ys if y is not None] + [0.0]
     x0, x1 = min(xs) - 0.2, max(xs) + 0.2
     y1 = max(ys) * 1.15 or 1.0
 
@@ -360,13 +415,71 @@ def svg(ranked: list[dict], title: str) -> str:
     if base:
         yb = py(score(base))
         out.append(f'<line x1="{m}" y1="{yb}" x2="{w - m}" y2="{yb}" stroke="gray" stroke-dasharray="6 4"/>')
+        if base.get("interval"):  # no speculation's interval, a band
+            top, bottom = py(base["interval"][1]), py(max(base["interval"][0], 0.0))
+            out.append(
+                f'<rect x="{m}" y="{top}" width="{w - 2 * m}" height="{round(bottom - top, 1)}" fill="gray" '
+                'fill-opacity="0.15" class="interval"/>'
+            )
         out.append(f'<text x="{w - m}" y="{yb - 5}" text-anchor="end" fill="gray">no speculation {score(base)}</text>')
     for r in pts:
         color = "crimson" if r["slower_than_baseline"] else ("forestgreen" if r.get("rank") == 1 else "steelblue")
         x, y = px(r.get("accept_length") or 1.0), py(score(r))
+        if r.get("interval"):  # the repeats' 95 % interval, a whisker
+            lo, hi = r["interval"]
+            out.append(
+                f'<line x1="{x}" y1="{py(max(lo, 0.0))}" x2="{x}" y2="{py(hi)}" stroke="{color}" class="interval"/>'
+            )
         out.append(
             f'<circle cx="{x}" cy="{y}" r="5" fill="{color}"><title>{esc(r.get("label", r["name"]))}</title></circle>'
         )
         out.append(f'<text x="{x + 7}" y="{y - 6}">{esc(r.get("label", r["name"]))}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def concurrency_svg(ranked: list[dict]) -> str | None:
+    """tok/s (y) against the concurrency levels (x, evenly spaced) per measured combination, a line each, with
+    each level's interval as a whisker: where speculation's gain shrinks or turns. None with one level only."""
+    lines = {
+        r.get("label", r["name"]): [(lv["concurrency"], lv.get("output_tokens_per_s"), lv.get("interval"))
+                                    for lv in (r.get("bench") or {}).get("levels") or []]
+        for r in ranked
+        if score(r) is not None
+    }  # fmt: skip
+    levels = sorted({c for pts in lines.values() for c, v, _ in pts if v is not None})
+    if len(levels) < 2:
+        return None
+    w, h, m = 640, 400, 60
+    top = max((iv or (0, v))[1] for pts in lines.values() for _, v, iv in pts if v is not None) * 1.15 or 1.0
+
+    def px(c: int) -> float:
+        return round(m + levels.index(c) / (len(levels) - 1) * (w - 2 * m), 1)
+
+    def py(y: float) -> float:
+        return round(h - m - max(y, 0.0) / top * (h - 2 * m), 1)
+
+    esc = lambda s: str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">output tok/s by concurrency</text>',
+        f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
+        f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
+        *(f'<text x="{px(c)}" y="{h - m + 15}" text-anchor="middle">{c}</text>' for c in levels),
+        f'<text x="{w / 2}" y="{h - 20}" text-anchor="middle">concurrency</text>',
+    ]
+    for label, pts in lines.items():
+        known = [(c, v, iv) for c, v, iv in pts if v is not None]
+        color = "gray" if label == "no speculation" else "steelblue"
+        path = " ".join(f"{px(c)},{py(v)}" for c, v, _ in known)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{color}"><title>{esc(label)}</title></polyline>')
+        for c, _, iv in known:
+            if iv:
+                out.append(
+                    f'<line x1="{px(c)}" y1="{py(iv[0])}" x2="{px(c)}" y2="{py(iv[1])}" stroke="{color}" class="interval"/>'
+                )
+        c, v, _ = known[-1]
+        out.append(f'<text x="{px(c) + 4}" y="{py(v)}" fill="{color}">{esc(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
