@@ -3343,7 +3343,7 @@ def test_a_reporting_restart_says_each_phase_and_model_load_step_in_order_with_t
 
 # ---------------------------------------------------------------------------- autotune's benchmark in the restart
 
-BENCH = {"concurrency": [1, 4], "requests": 3, "max_new_tokens": 16, "warmup": 1, "timeout": 7.0, "repeat": 3}
+BENCH = {"concurrency": [1, 4], "requests": 3, "max_new_tokens": 16, "warmup": 1, "timeout": 7.0}
 
 
 def benching(w: World, then=None) -> tuple[Machine, list[dict]]:
@@ -3352,10 +3352,10 @@ def benching(w: World, then=None) -> tuple[Machine, list[dict]]:
     m = w.machine(bench=BENCH)
     calls: list[dict] = []
 
-    def bench(base, concurrency, requests, max_new_tokens, warmup, api_key=None, timeout=120.0, repeat=1):
+    def bench(base, concurrency, requests, max_new_tokens, warmup, api_key=None, timeout=120.0):
         calls.append(
             {
-                "args": (base, concurrency, requests, max_new_tokens, warmup, api_key, timeout, repeat),
+                "args": (base, concurrency, requests, max_new_tokens, warmup, api_key, timeout),
                 "locked": not w.lock_free(),
                 "generations": len(w.generations()),
                 "unit": (w.host.unit.active, w.host.unit.sub),
@@ -3381,7 +3381,7 @@ def test_a_restart_with_a_benchmark_measures_after_the_record_under_its_lock_and
     assert res["bench"]["output_tokens_per_s"] == 123.4 and "bench_error" not in res
     assert res["gpu_model"] == "NVIDIA H200"  # from the preflight's snapshot: no nvidia-smi of its own
     (call,) = calls
-    assert call["args"] == (w.inst.base, [1, 4], 3, 16, 1, KEY, 7.0, 3)  # the instance's port, with its API key
+    assert call["args"] == (w.inst.base, [1, 4], 3, 16, 1, KEY, 7.0)  # the instance's port, with its API key
     assert call["locked"], "the benchmark runs under the restart's lock: nothing restarts it in between"
     assert call["generations"] == before + 1, "after the record: the restart is known-good before it is measured"
     assert call["unit"] == ("active", "running")

@@ -442,6 +442,7 @@ errors:
   returned: status
 """
 
+import functools
 from dataclasses import fields
 
 from ansible.module_utils.basic import AnsibleModule
@@ -562,6 +563,8 @@ def main() -> None:
         **{k: p[k] for k in SETTINGS},
     )
     machine = Machine(inst, settings)
+    if settings.bench:  # the benchmark port measures each level `repeat` times (the state machine passes the rest)
+        machine.ports.bench = functools.partial(bench.run, repeat=settings.bench["repeat"])
     # A multi-node group's phases each see part of its restart: a whole one is written (phase all), and a group's
     # end on each node (its outcome and known-good generation; its duration and downtime no phase saw whole).
     ends = p["phase"] == "all" or p["phase"] in GROUP_ENDS

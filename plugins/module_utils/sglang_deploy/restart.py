@@ -881,7 +881,6 @@ def measure(m: Machine, res: dict) -> None:
             b["warmup"],
             api_key=m.inst.api_key(),
             timeout=b["timeout"],
-            repeat=b["repeat"],
         )
     except Terminated:
         res["bench"], res["bench_error"] = None, benchmark.INTERRUPTED
