@@ -425,7 +425,7 @@ def test_the_ranking_at_another_concurrency_reads_that_level_and_finds_no_specul
 
 def ranked_with(intervals: dict) -> list[dict]:
     """Three measured results, {name: (tok/s, interval or None)}."""
-    rows = [{"name": n, "label": n, "output_tokens_per_s": v, "accept_length": 2.0,
+    rows = [{"name": n, "label": "no speculation" if n == tune.BASELINE else n, "output_tokens_per_s": v, "accept_length": 2.0,
              "bench": {"levels": [{"concurrency": 1, "output_tokens_per_s": v, "interval": iv}]}}
             for n, (v, iv) in intervals.items()]  # fmt: skip
     return tune.rank(rows)

@@ -290,16 +290,12 @@ def decide(ranked: list[dict], margin: float = MARGIN) -> dict:
     low = best["interval"][0]
     bar = max(base["interval"][1], runner["interval"][1])
     if low > bar * (1 + margin):
-        why = (
-            f"{best['label']}: {score(best)} tok/s [{low}, {best['interval'][1]}] clears {runner['label']}'s and no "
-            f"speculation's intervals (up to {bar}) by more than {margin:.0%}"
-        )
+        whose = f"{runner['label']}'s" if runner is base else f"{runner['label']}'s and no speculation's"
+        why = f"{best['label']}: {score(best)} tok/s [{low}, {best['interval'][1]}] clears {whose} intervals (up to {bar}) by more than {margin:.0%}"
         return {**out, "winner": best, "verdict": WINNER, "why": why}
-    why = (
-        f"{best['label']}: {score(best)} tok/s [{low}, {best['interval'][1]}] does not clear {runner['label']}'s "
-        f"[{runner['interval'][0]}, {runner['interval'][1]}] and no speculation's [{base['interval'][0]}, "
-        f"{base['interval'][1]}] by {margin:.0%}"
-    )
+    others = [runner] if runner is base else [runner, base]  # the runner-up may be no speculation itself
+    named = " and ".join(f"{r['label']}'s [{r['interval'][0]}, {r['interval'][1]}]" for r in others)
+    why = f"{best['label']}: {score(best)} tok/s [{low}, {best['interval'][1]}] does not clear {named} by {margin:.0%}"
     return {**out, "verdict": NO_DIFFERENCE, "why": why}
 
 
