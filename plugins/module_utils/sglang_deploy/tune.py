@@ -374,6 +374,21 @@ def _yaml(doc: dict, indent: int) -> str:
     return "\n".join(lines)
 
 
+def esc(text) -> str:
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def frame(w: int, h: int, m: int, title: str) -> list[str]:
+    """A plot's opening: the SVG element, a white ground, the title, the two axes (margin m)."""
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{esc(title)}</text>',
+        f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
+        f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
+    ]
+
+
 def svg(ranked: list[dict], title: str) -> str:
     """tok/s (y) against accept length (x) per measured combination, the baseline as a dashed line."""
     pts = [r for r in ranked if score(r) is not None and r["name"] != BASELINE]
@@ -393,13 +408,8 @@ def svg(ranked: list[dict], title: str) -> str:
     def py(y: float) -> float:
         return round(h - m - y / y1 * (h - 2 * m), 1)
 
-    esc = lambda s: str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
-        f'<rect width="{w}" height="{h}" fill="white"/>',
-        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{esc(title)}</text>',
-        f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
-        f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
+        *frame(w, h, m, title),
         f'<text x="{w / 2}" y="{h - 20}" text-anchor="middle">accept length</text>',
         f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">output tok/s</text>',
     ]
@@ -455,13 +465,8 @@ def concurrency_svg(ranked: list[dict]) -> str | None:
     def py(y: float) -> float:
         return round(h - m - max(y, 0.0) / top * (h - 2 * m), 1)
 
-    esc = lambda s: str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
-        f'<rect width="{w}" height="{h}" fill="white"/>',
-        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">output tok/s by concurrency</text>',
-        f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
-        f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
+        *frame(w, h, m, "output tok/s by concurrency"),
         *(f'<text x="{px(c)}" y="{h - m + 15}" text-anchor="middle">{c}</text>' for c in levels),
         f'<text x="{w / 2}" y="{h - 20}" text-anchor="middle">concurrency</text>',
     ]
