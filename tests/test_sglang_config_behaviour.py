@@ -387,6 +387,8 @@ def used_filters() -> set[str]:
     ours = {"systemd_quote", "env_file_line"}
     found = set()
     for path in [*REPO.glob("roles/**/*.yml"), *REPO.glob("roles/**/*.j2"), *REPO.glob("playbooks/**/*.yml")]:
+        if "files" in path.relative_to(REPO).parts:  # copied or loaded as they are, never templated (PromQL's `|`)
+            continue
         text = path.read_text()
         found |= set(re.findall(r"\|\s*sglang\.deploy\.(\w+)", text))
         short = [m for m in re.findall(r"\|[ \t]*(\w+)\b(?!\.)", text) if m.startswith("sglang_") or m in ours]
