@@ -511,3 +511,23 @@ def test_a_scheduler_that_dies_alone_takes_the_server_down(standin):
     assert s.exit_code() == -signal.SIGKILL
     assert not alive(s.children[0])
     assert "Subprocess scheduler_1" in s.stop()
+
+
+def test_the_standin_listens_with_sglangs_backlog_so_a_burst_of_connections_is_queued_not_dropped():
+    """64 connections opened while nothing accepts them: all are queued at once, as behind SGLang's 2048
+    (uvicorn's backlog); the stdlib's default of 5 drops the rest's handshakes, which once reset a request of an
+    e2e benchmark at concurrency 16."""
+    s = lab_standin()
+    srv = s.Server(("127.0.0.1", 0), s.Handler)  # bound and listening; serve_forever never runs, so none is accepted
+    socks = []
+    try:
+        for _ in range(64):
+            c = socket.socket()
+            c.settimeout(0.5)  # a dropped SYN is sent again only after 1 s
+            c.connect(srv.server_address)
+            socks.append(c)
+        assert len(socks) == 64
+    finally:
+        for c in socks:
+            c.close()
+        srv.server_close()

@@ -239,6 +239,9 @@ def test_the_standins_model_loses_its_gain_as_concurrency_grows_and_scales_it_by
     small = {spec: versus(spec, 1, gain=0.01) for spec in DISTINCT}
     assert all(abs(v - 1) < 0.01 for v in small.values())
     assert model(3, 4, 4, gain=0.01)[0] == model(3, 4, 4)[0]  # the accept length is the model's
+    # gain 2 (the e2e sweep's): every ratio squared, so the losses grow and never reach 0 (no negative speed).
+    assert versus((3, 4, 8), 1, gain=2) == pytest.approx(versus((3, 4, 8), 1) ** 2)
+    assert all(0 < versus(spec, 16, gain=2) < at16[spec] for spec in DISTINCT)
 
 
 @pytest.mark.parametrize("value", ["-1", "lots", "nan"])

@@ -54,8 +54,8 @@ Knobs (environment, set through the instance's env):
   LAB_STANDIN_SPEC_MODEL     1: decode speed and accept length follow the flags (throughput_model: steps,
                              topk, draft tokens, CUDA-graph batch size) and the requests decoding at once, with
                              a known optimum per concurrency (autotune's tests)
-  LAB_STANDIN_SPEC_GAIN      with the model: the share of its gain or loss against no speculation (default 1;
-                             0.01 puts every combination within the noise of no speculation)
+  LAB_STANDIN_SPEC_GAIN      with the model: the power its ratio to no speculation is raised to (default 1; 2
+                             widens every gain and loss, 0.01 puts every combination within the noise)
   LAB_STANDIN_METRICS        how /metrics answers (with --enable-metrics; without it, 404 whatever this says):
      slow:<seconds>       each answer that many seconds late: SGLang serves /metrics from the tokenizer
                           manager's own event loop (prometheus_client's ASGI app mounted in the same uvicorn
@@ -246,8 +246,9 @@ def throughput_model(
     speculation, a toy with a known optimum per concurrency: each of min(steps, draft_tokens - 1) positions is
     accepted with q = 1 - 0.45 / sqrt(topk) (a wider tree guesses better); a step costs the draft model's 0.2,
     0.08 per draft step, 0.01 per step and extra branch, 0.04 x (draft_tokens - 1)^2 to verify, and each other
-    request decoding at once draft_tokens / BATCH_TOKENS (no speculation: 1 / BATCH_TOKENS). `gain` scales what
-    speculation gains or loses against no speculation at that concurrency (0: none, 1: the model).
+    request decoding at once draft_tokens / BATCH_TOKENS (no speculation: 1 / BATCH_TOKENS). `gain` is the power
+    the ratio to no speculation at that concurrency is raised to (0: no difference, 1: the model, 2: every gain
+    and loss wider, never below 0).
 
     At concurrency 1, over steps {1, 3} x topk {1, 4} x draft tokens {4, 8} (SGLang sets draft tokens to
     steps + 1 when topk is 1) the best is steps 3, topk 4, 4 draft tokens (x1.50), and steps 3, topk 4, 8 draft
@@ -261,7 +262,7 @@ def throughput_model(
     cost = 1 + 0.2 + 0.08 * steps + 0.01 * steps * (topk - 1) + 0.04 * (draft_tokens - 1) ** 2
     cost += (concurrency - 1) * draft_tokens / BATCH_TOKENS
     versus = accept * plain / cost  # speculation against none, at this concurrency
-    return round(accept, 3), (1 + gain * (versus - 1)) / plain
+    return round(accept, 3), versus**gain / plain
 
 
 def gpus() -> list[int]:
@@ -523,7 +524,9 @@ class State:
         try:
             while hangs:  # in flight for good, no token: cut only when the process ends (a drain times out)
                 time.sleep(0.1)
-            done = 0
+            # Each step sleeps to its due time, not for its length: a late wake-up (a loaded machine) is taken
+            # back at the next step, as a GPU's kernels go on while the CPU is busy elsewhere.
+            done, due = 0, time.monotonic()
             while done < n:
                 k = min(step, n - done)
                 while not schedulers_alive():  # no scheduler left to decode it: it waits to be cut
@@ -531,7 +534,8 @@ class State:
                 graphs = self.knobs.graph_bs is None or self.running <= self.knobs.graph_bs
                 speed = self.knobs.decode_tokens_per_s(self.running)
                 step_s = k / (speed * (1.0 if graphs else 0.7))  # past the graphs: eager
-                time.sleep(step_s)
+                due += step_s
+                time.sleep(max(0.0, due - time.monotonic()))
                 done += k
                 with self.lock:  # k tokens of this request as one step of a batch of `running` (an approximation)
                     b, t, m = float(self.running), step_s * 1e6, self.decode_moments
@@ -813,6 +817,12 @@ class Handler(BaseHTTPRequestHandler):
         return self.reply(404, NOT_FOUND)
 
 
+class Server(ThreadingHTTPServer):
+    # SGLang's listen backlog is uvicorn's 2048 (0.5.23 srt/entrypoints/http_server.py); the stdlib's 5 reset a
+    # connection of 16 opened at once in an e2e benchmark, a failure SGLang would not have.
+    request_queue_size = 2048
+
+
 def usage_of(meta: dict) -> dict:
     return {
         "prompt_tokens": meta["prompt_tokens"],
@@ -898,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
 
     state = State(args, argv, knobs)
     Handler.state = state
-    httpd = ThreadingHTTPServer((args.host, args.port), Handler)
+    httpd = Server((args.host, args.port), Handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     if "stall-load" in knobs.faults:
