@@ -533,26 +533,31 @@ def table(sweep: Sweep, ranked: list[dict], dropped: list[dict], written, best, 
     levels = sweep.bench["concurrency"]
     t = display.table(
         f"sweep {sweep.id}, ranked by output tok/s at concurrency {at} (median of {sweep.bench['repeat']}, 95% interval)",
-        ("rank", "combination", "values", "tok/s [95% interval]", "vs no spec", "accept", "TTFT p50/p99 s",
-         "ITL p50/p99 s", *(f"tok/s at {c}" for c in levels if c != at), "result"),
+        ("rank", "combination", "values", "tok/s [95% interval]", "vs no spec", "accept [95%]",
+         "TTFT p50 [95%] / p99 s", "ITL p50 [95%] / p99 s", *(f"tok/s at {c}" for c in levels if c != at), "result"),
     )  # fmt: skip
+
+    def noisy(r: dict, key: str) -> str:  # a figure's median with its repeats' interval, where they give one
+        iv = (r.get("intervals") or {}).get(key) or (r.get("interval") if key == "output_tokens_per_s" else None)
+        value = r.get(key)
+        return ("-" if value is None else str(value)) + (f" [{iv[0]}, {iv[1]}]" if iv else "")
+
     for r in ranked:
         verdict = (
             "slower than no speculation"
             if r["slower_than_baseline"]
             else ("failed: " + (r.get("cause") or "") if r["outcome"] == FAILED else "")
         )
-        iv = r.get("interval")
         others = [tune.at_level(r, c).get("output_tokens_per_s") for c in levels if c != at]
         t.add_row(
             str(r["rank"] or "-"),
             r["name"],
             r["label"],
-            f"{r['output_tokens_per_s'] or '-'}" + (f" [{iv[0]}, {iv[1]}]" if iv else ""),
+            noisy(r, "output_tokens_per_s"),
             str(r["vs_baseline"] or "-"),
-            str(r.get("accept_length") or "-"),
-            f"{r.get('ttft_median_s')}/{r.get('ttft_p99_s')}",
-            f"{r.get('itl_median_s')}/{r.get('itl_p99_s')}",
+            noisy(r, "accept_length"),
+            f"{noisy(r, 'ttft_median_s')} / {r.get('ttft_p99_s')}",
+            f"{noisy(r, 'itl_median_s')} / {r.get('itl_p99_s')}",
             *(str(v if v is not None else "-") for v in others),
             verdict[:80],
         )

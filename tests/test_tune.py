@@ -368,6 +368,29 @@ def test_repeats_interleave_the_levels_and_each_level_is_their_median_with_a_t_i
     assert out["output_tokens_per_s"] == 100.0  # the first level's figures are the result's
 
 
+def test_every_figure_has_its_repeats_and_their_interval_and_a_repeat_without_it_gives_none():
+    """accept length, TTFT and ITL as tok/s: each repeat's value kept (the ledger keeps them all) and their 95 %
+    t-interval, rounded to the figure's digits; a repeat whose level failed gives no interval for any."""
+    repeats = [
+        {"concurrency": 1, "requests": 2, "ok": 2, "failed": 0, "skipped": 0, "failures": [],
+         "output_tokens_per_s": tps, "accept_length": acc, "ttft_median_s": ttft, "ttft_p99_s": ttft,
+         "itl_median_s": itl, "itl_p99_s": itl, "seconds": 1.0}
+        for tps, acc, ttft, itl in ((100.0, 2.0, 0.0100, 0.0050), (110.0, 2.2, 0.0120, 0.0052), (90.0, 1.8, 0.0110, 0.0048))
+    ]  # fmt: skip
+    lv = bench.combined(repeats)
+    assert lv["figure_samples"]["accept_length"] == [2.0, 2.2, 1.8]
+    assert lv["figure_samples"]["ttft_median_s"] == [0.01, 0.012, 0.011]
+    assert lv["intervals"]["output_tokens_per_s"] == lv["interval"] == (75.16, 124.84)
+    assert lv["intervals"]["accept_length"] == (1.503, 2.497)  # mean 2.0, sd 0.2: 2.0 -+ 4.303 x 0.2 / sqrt(3)
+    assert lv["intervals"]["ttft_median_s"] == (0.0085, 0.0135)
+    assert lv["intervals"]["itl_median_s"] == (0.0045, 0.0055)
+    cut = bench.combined([*repeats[:2], {**repeats[2], "output_tokens_per_s": None, "accept_length": None,
+                                         "ttft_median_s": None, "itl_median_s": None}])  # fmt: skip
+    assert cut["interval"] is None and set(cut["intervals"].values()) == {None}
+    row = tune.at_level({"name": "x", "bench": {"levels": [lv]}}, 1)
+    assert row["intervals"] == lv["intervals"] and row["figure_samples"] == lv["figure_samples"]
+
+
 def test_an_interval_needs_two_measurements_and_narrows_with_more():
     assert bench.interval([100.0]) is None and bench.interval([]) is None
     assert bench.interval([100.0, 100.0]) == (100.0, 100.0)

@@ -109,6 +109,8 @@ class Fake:
                     # three repeats within 2 % of each other, unless the fake says how wide (self.spread)
                     "samples": [got] * 3,
                     "interval": (round(got * (1 - self.spread), 2), round(got * (1 + self.spread), 2)),
+                    "accept_length": 2.0,
+                    "intervals": {"accept_length": (1.9, 2.1), "ttft_median_s": (0.009, 0.011)},
                 }
             ],
         }
@@ -271,6 +273,7 @@ def test_without_a_winner_no_profile_is_written_and_the_table_says_so(env, monke
     out = capsys.readouterr().out
     assert "no winner at concurrency 1: no speculation is the fastest (100.0 tok/s); no profile written" in out
     assert "slower than no speculation" in out and "[2/4] tune_a steps=1: 90.0 tok/s" in out
+    assert "2.0 [1.9, 2.1]" in out and "[0.009, 0.011]" in out  # every figure with its repeats' interval
     assert not (inv.parent / "group_vars").exists()
 
 

@@ -27,14 +27,18 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
        29: 2.045, 30: 2.042}  # fmt: skip
 
 
-def interval(samples: list[float]) -> tuple[float, float] | None:
-    """The 95 % t-interval of the mean of repeated measurements, (low, high); None with fewer than two (one
-    measurement says nothing of its own noise)."""
+def interval(samples: list[float], digits: int = 2) -> tuple[float, float] | None:
+    """The 95 % t-interval of the mean of repeated measurements, (low, high), rounded to `digits`; None with fewer
+    than two (one measurement says nothing of its own noise)."""
     if len(samples) < 2:
         return None
     mean = statistics.fmean(samples)
     half = T95.get(len(samples) - 1, 1.96) * statistics.stdev(samples) / len(samples) ** 0.5
-    return round(mean - half, 2), round(mean + half, 2)
+    return round(mean - half, digits), round(mean + half, digits)
+
+
+# The figures a level's repeats give an interval to, each with the digits it is rounded to (latencies in seconds).
+INTERVAL_FIGURES = {"output_tokens_per_s": 2, "accept_length": 3, "ttft_median_s": 4, "itl_median_s": 4}
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -164,9 +168,18 @@ def combined(repeats: list[dict]) -> dict:
         "samples": samples,
         # Only a level whose every repeat measured has an interval: a repeat cut short is no sample.
         "interval": interval(measured) if len(measured) == len(samples) else None,
+        # Every figure's repeats and interval (the tok/s ones above are the ranking's): the ledger keeps them all.
+        "figure_samples": {k: [r[k] for r in repeats] for k in INTERVAL_FIGURES},
+        "intervals": {k: figure_interval([r[k] for r in repeats], d) for k, d in INTERVAL_FIGURES.items()},
         **{k: med(k) for k in ("accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")},
         "seconds": round(sum(r["seconds"] for r in repeats), 3),
     }
+
+
+def figure_interval(values: list, digits: int) -> tuple[float, float] | None:
+    """A figure's interval over the repeats, only where every repeat has it (a failed or cut one has not)."""
+    known = [v for v in values if v is not None]
+    return interval(known, digits) if len(known) == len(values) else None
 
 
 def median(values: list) -> float | None:

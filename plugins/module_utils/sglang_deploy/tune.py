@@ -228,18 +228,21 @@ def score(m: dict) -> float | None:
 
 
 LEVEL_FIGURES = ("output_tokens_per_s", "accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")
+# A level's repeats: tok/s's interval and samples (the ranking's), every figure's intervals and samples.
+LEVEL_NOISE = ("interval", "samples", "intervals", "figure_samples")
 
 
 def at_level(result: dict, concurrency: int | None) -> dict:
-    """The result as measured at `concurrency` (its benchmark's level: its figures, `interval` and `samples`); at
-    None, its own figures (the first level's). A concurrency its benchmark did not run: nothing measured."""
+    """The result as measured at `concurrency` (its benchmark's level: its figures, tok/s's `interval` and `samples`,
+    every figure's `intervals` and `figure_samples`); at None, its own figures (the first level's). A concurrency
+    its benchmark did not run: nothing measured."""
     levels = (result.get("bench") or {}).get("levels") or []
     if concurrency is None:
         level = levels[0] if levels else {}
-        return {**result, "interval": level.get("interval"), "samples": level.get("samples")}
+        return {**result, **{k: level.get(k) for k in LEVEL_NOISE}}
     level = next((lv for lv in levels if lv.get("concurrency") == concurrency), None) or {}
-    figures = {k: level.get(k) for k in LEVEL_FIGURES}
-    return {**result, **figures, "interval": level.get("interval"), "samples": level.get("samples")}
+    figures = {k: level.get(k) for k in LEVEL_FIGURES + LEVEL_NOISE}
+    return {**result, **figures}
 
 
 def rank(results: list[dict], concurrency: int | None = None) -> list[dict]:
