@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--node", default="lab-node1")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "tune-lab.json")
     ap.add_argument("--repeat", type=int, default=3, help="measurements per combination (tune's --repeat)")
+    ap.add_argument("--concurrency", default="1,8", help="the levels (tune's --concurrency), the first ranked")
     a = ap.parse_args()
     if not (REPO / "inventory" / "lab" / "hosts.yml").exists():
         print("no lab: run `make demo` (or make lab-up and deploy.yml) first", file=sys.stderr)
@@ -61,11 +62,13 @@ def main() -> int:
             "eagle3_topk1",
             *GRID,
             "--requests",
-            "4",
+            "8",
             "--max-new-tokens",
             "32",
             "--warmup",
             "1",
+            "--concurrency",
+            a.concurrency,
             "--repeat",
             str(a.repeat),
             "-e",
@@ -94,6 +97,26 @@ def main() -> int:
         "median_start_s": round(statistics.median(t["start_s"] for t in timings), 2),
         "median_bench_s": round(statistics.median(t["bench_s"] for t in timings), 2),
         "sweep_wall_s": round(wall, 1),
+        "verdict": doc["verdict"],
+        "why": doc["why"],
+        # Each combination as ranked at the first level: every figure's median and 95 % interval, every level's tok/s.
+        "ranked": [
+            {
+                "label": r["label"],
+                "rank": r["rank"],
+                "vs_baseline": r["vs_baseline"],
+                **{k: r.get(k) for k in ("output_tokens_per_s", "interval", "samples", "accept_length")},
+                "intervals": r.get("intervals"),
+                "ttft_median_s": r.get("ttft_median_s"),
+                "itl_median_s": r.get("itl_median_s"),
+                "tokens_per_s_by_concurrency": {
+                    lv["concurrency"]: lv.get("output_tokens_per_s")
+                    for lv in (r.get("bench") or {}).get("levels") or []
+                },
+                "timing": (r.get("bench") or {}).get("timing"),
+            }
+            for r in doc["ranked"]
+        ],
         "goal_overhead_per_measurement_s": 5.0,
         "command": " ".join(["bench/tune_lab.py", *sys.argv[1:]]),
     }

@@ -172,7 +172,7 @@ class Knobs:
             self.accept_length = 1.0
         self.graph_bs = None
         # LAB_STANDIN_SPEC_MODEL=1: decode speed and accept length follow throughput_model (the requests decoding
-        # at once included); LAB_STANDIN_SPEC_GAIN scales what speculation gains or loses (0.01: within the noise).
+        # at once included); LAB_STANDIN_SPEC_GAIN is the power of its ratios to no speculation (0.01: within the noise).
         self.model: tuple[int, int, int] | None = None
         self.gain = gain_knob(env.get("LAB_STANDIN_SPEC_GAIN", ""))
         if env.get("LAB_STANDIN_SPEC_MODEL") == "1":
@@ -195,6 +195,9 @@ class Knobs:
         return self.tokens_per_s * throughput_model(*self.model, concurrency=max(1, running), gain=self.gain)[1]
 
 
+GAIN_MAX = 10.0
+
+
 def gain_knob(value: str) -> float:
     """LAB_STANDIN_SPEC_GAIN as a number at least 0 (unset: 1.0); anything else is refused (ValueError)."""
     value = value.strip()
@@ -202,8 +205,10 @@ def gain_knob(value: str) -> float:
         gain = float(value) if value else 1.0
     except ValueError:
         gain = -1.0
-    if not gain >= 0:
-        raise ValueError(f"LAB_STANDIN_SPEC_GAIN={value!r}: expected a number, 0 or more (1: the model as it is)")
+    if not 0 <= gain <= GAIN_MAX:  # beyond it the ratio's power overflows or reaches a speed of 0
+        raise ValueError(
+            f"LAB_STANDIN_SPEC_GAIN={value!r}: expected a number from 0 to {GAIN_MAX} (1: the model as it is)"
+        )
     return gain
 
 
@@ -248,7 +253,7 @@ def throughput_model(
     0.08 per draft step, 0.01 per step and extra branch, 0.04 x (draft_tokens - 1)^2 to verify, and each other
     request decoding at once draft_tokens / BATCH_TOKENS (no speculation: 1 / BATCH_TOKENS). `gain` is the power
     the ratio to no speculation at that concurrency is raised to (0: no difference, 1: the model, 2: every gain
-    and loss wider, never below 0).
+    and loss wider; above 0 for every gain the knob takes, 0 to 10).
 
     At concurrency 1, over steps {1, 3} x topk {1, 4} x draft tokens {4, 8} (SGLang sets draft tokens to
     steps + 1 when topk is 1) the best is steps 3, topk 4, 4 draft tokens (x1.50), and steps 3, topk 4, 8 draft
@@ -524,17 +529,19 @@ class State:
         try:
             while hangs:  # in flight for good, no token: cut only when the process ends (a drain times out)
                 time.sleep(0.1)
-            # Each step sleeps to its due time, not for its length: a late wake-up (a loaded machine) is taken
-            # back at the next step, as a GPU's kernels go on while the CPU is busy elsewhere.
+            # Each step sleeps to its due time, not for its length, with at most one step's lateness taken back
+            # (SGLang's overlap scheduler queues one batch ahead of the GPU): a loaded machine's late wake-ups do
+            # not add up over a request, and a long stall is not followed by a burst.
             done, due = 0, time.monotonic()
             while done < n:
                 k = min(step, n - done)
                 while not schedulers_alive():  # no scheduler left to decode it: it waits to be cut
                     time.sleep(0.05)
+                    due = time.monotonic()  # waiting is no decoding: nothing to take back after it
                 graphs = self.knobs.graph_bs is None or self.running <= self.knobs.graph_bs
                 speed = self.knobs.decode_tokens_per_s(self.running)
                 step_s = k / (speed * (1.0 if graphs else 0.7))  # past the graphs: eager
-                due += step_s
+                due = max(due, time.monotonic() - step_s) + step_s
                 time.sleep(max(0.0, due - time.monotonic()))
                 done += k
                 with self.lock:  # k tokens of this request as one step of a batch of `running` (an approximation)

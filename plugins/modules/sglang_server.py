@@ -227,7 +227,8 @@ options:
         description:
           - How many times every level is measured, the levels interleaved (at least 1). A level's figures are then
             the median of its repeats, with each repeat's output tok/s (C(samples)) and their mean's 95 % t-interval
-            (C(interval)).
+            (C(interval)); the medians of tok/s, accept length, TTFT and ITL likewise (C(figure_samples),
+            C(intervals)).
         type: int
         default: 1
   metrics_dir:

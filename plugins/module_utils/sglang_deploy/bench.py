@@ -12,6 +12,7 @@ runs with what a host has. The safe restart runs it (sglang_deploy.restart.measu
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import threading
 import time
@@ -27,18 +28,23 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
        29: 2.045, 30: 2.042}  # fmt: skip
 
 
-def interval(samples: list[float], digits: int = 2) -> tuple[float, float] | None:
-    """The 95 % t-interval of the mean of repeated measurements, (low, high), rounded to `digits`; None with fewer
-    than two (one measurement says nothing of its own noise)."""
+def interval(samples: list[float], digits: int = 2, floor: float = 0.0) -> tuple[float, float] | None:
+    """The 95 % t-interval of the mean of repeated measurements, (low, high), rounded outwards to `digits` (never
+    narrower than computed) and never below `floor` (no figure here is negative; an accept length is at least 1);
+    None with fewer than two (one measurement says nothing of its own noise)."""
     if len(samples) < 2:
         return None
     mean = statistics.fmean(samples)
     half = T95.get(len(samples) - 1, 1.96) * statistics.stdev(samples) / len(samples) ** 0.5
-    return round(mean - half, digits), round(mean + half, digits)
+    scale = 10**digits
+    low = max(floor, math.floor(round((mean - half) * scale, 6)) / scale)  # round(.., 6): 75.16 stays 75.16
+    return low, math.ceil(round((mean + half) * scale, 6)) / scale
 
 
-# The figures a level's repeats give an interval to, each with the digits it is rounded to (latencies in seconds).
-INTERVAL_FIGURES = {"output_tokens_per_s": 2, "accept_length": 3, "ttft_median_s": 4, "itl_median_s": 4}
+# The figures a level's repeats give an interval to: (digits, floor). Latencies in seconds, to the microsecond (a
+# speculative ITL is a few milliseconds).
+INTERVAL_FIGURES = {"output_tokens_per_s": (2, 0.0), "accept_length": (3, 1.0), "ttft_median_s": (6, 0.0),
+                    "itl_median_s": (6, 0.0)}  # fmt: skip
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -132,7 +138,8 @@ def level(
     steps = [r["verify_ct"] for r in results if r["verify_ct"]]
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     itl = [x for r in results for x in r["itl_s"]]
-    r4 = lambda v: None if v is None else round(v, 4)  # noqa: E731
+    # Latencies to the microsecond: a speculative ITL is a few milliseconds, and its repeats' interval is of that.
+    us = lambda v: None if v is None else round(v, 6)  # noqa: E731
     return {
         "concurrency": concurrency,
         "requests": requests,
@@ -144,10 +151,10 @@ def level(
         "accept_length": (round(tokens / sum(steps), 3) if steps and len(steps) == len(results) else 1.0)
         if results
         else None,
-        "ttft_median_s": r4(statistics.median(ttft)) if ttft else None,
-        "ttft_p99_s": r4(percentile(ttft, 99)),
-        "itl_median_s": r4(statistics.median(itl)) if itl else None,
-        "itl_p99_s": r4(percentile(itl, 99)),
+        "ttft_median_s": us(statistics.median(ttft)) if ttft else None,
+        "ttft_p99_s": us(percentile(ttft, 99)),
+        "itl_median_s": us(statistics.median(itl)) if itl else None,
+        "itl_p99_s": us(percentile(itl, 99)),
         "seconds": round(wall, 3),
     }
 
@@ -168,18 +175,19 @@ def combined(repeats: list[dict]) -> dict:
         "samples": samples,
         # Only a level whose every repeat measured has an interval: a repeat cut short is no sample.
         "interval": interval(measured) if len(measured) == len(samples) else None,
-        # Every figure's repeats and interval (the tok/s ones above are the ranking's): the ledger keeps them all.
+        # tok/s's, accept length's, TTFT's and ITL's medians per repeat, each with its interval (the tok/s ones above
+        # are the ranking's): the ledger keeps them all.
         "figure_samples": {k: [r[k] for r in repeats] for k in INTERVAL_FIGURES},
-        "intervals": {k: figure_interval([r[k] for r in repeats], d) for k, d in INTERVAL_FIGURES.items()},
+        "intervals": {k: figure_interval([r[k] for r in repeats], *rule) for k, rule in INTERVAL_FIGURES.items()},
         **{k: med(k) for k in ("accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")},
         "seconds": round(sum(r["seconds"] for r in repeats), 3),
     }
 
 
-def figure_interval(values: list, digits: int) -> tuple[float, float] | None:
+def figure_interval(values: list, digits: int, floor: float) -> tuple[float, float] | None:
     """A figure's interval over the repeats, only where every repeat has it (a failed or cut one has not)."""
     known = [v for v in values if v is not None]
-    return interval(known, digits) if len(known) == len(values) else None
+    return interval(known, digits, floor) if len(known) == len(values) else None
 
 
 def median(values: list) -> float | None:
@@ -236,7 +244,8 @@ def run(
 ) -> dict:
     """Warm-up, then every level, `repeat` times over, the levels interleaved (1, 8, 1, 8, ...: a drift of the
     machine falls on every level alike). A level's figures are the median of its repeats, with `samples` (each
-    repeat's output tok/s) and `interval` (their mean's 95 % t-interval, None for one). The first level's figures
+    repeat's output tok/s) and `interval` (their mean's 95 % t-interval, None for one), and the same of tok/s,
+    accept length, TTFT and ITL (their medians) in `figure_samples` and `intervals`. The first level's figures
     are the result's own.
 
     The first failed request ends it: a partial benchmark is no measurement, and the restart that runs it holds the
