@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
 
+# AWX's job status -> ansible-runner's, which Tracker.exit_code reads (AWX says "error" where runner says "failed"):
+# `report --status` takes AWX's (driver/commands.py), driver/report.py maps them.
+AWX_STATUS = {"successful": "successful", "failed": "failed", "error": "failed", "canceled": "canceled"}
+
 OK = 0
 FAILED = 1  # a failure of another kind: see the output
 USAGE = 2  # bad command line (argparse)

@@ -111,7 +111,7 @@ def check(
     extravars: Sequence[str] = (),
 ) -> Checked:
     """Parse the inventory as ansible-playbook will, and match --limit part by part; given the playbook (a path
-    from the collection's root, as cli.PLAYBOOKS names it), also the selection against its plays' hosts and
+    from the collection's root, as commands.PLAYBOOKS names it), also the selection against its plays' hosts and
     each --instance against the selected hosts' sglang_instances, with -e (extravars, as ansible-playbook takes
     them). InventoryError if unusable."""
     source = source_of(inventory)

@@ -43,7 +43,7 @@ def _location() -> Path:
 
 
 def collection() -> Path:
-    """The collection's root: playbooks/, roles/, plugins/ (cli.PLAYBOOKS are paths from here)."""
+    """The collection's root: playbooks/, roles/, plugins/ (commands.PLAYBOOKS are paths from here)."""
     return CHECKOUT if CHECKOUT else _location().resolve()
 
 

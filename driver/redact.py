@@ -5,7 +5,7 @@ What names a secret, the mask and the forms a value is logged in are the hosts' 
 plugins/module_utils/sglang_deploy/secret_rule.py, the one secret rule. A value is secret when its variable is declared so
 (an option with ``no_log: true`` in a role's meta/argument_specs.yml) or its name says so (secret_rule.secret_name:
 sglang_service_secret_env, sglang_service_api_key, HF_TOKEN), at any depth of a JSON or YAML `-e`. The `-e` values
-are the ones the driver's own parser (driver/cli.py) reads, so every spelling argparse accepts is found (-e X, -eX,
+are the ones the driver's own parser (driver/commands.py) reads, so every spelling argparse accepts is found (-e X, -eX,
 -ve X, -veX, --extra-vars=X, --extra X); `@file` arguments stay paths, the secrets in their files are remembered.
 """
 
@@ -140,9 +140,9 @@ class Redactor:
         argparse hands an option its value as a whole argument (-e X, -ve X, --extra-vars X) or as an argument's
         tail (-eX, -veX, --extra-vars=X, --ex=X): each argument that is a value, or ends with one, has it redacted.
         """
-        from driver import cli
+        from driver import commands
 
-        values = sorted(set(cli.parser().parse_args(argv).extra_vars), key=len, reverse=True)
+        values = sorted(set(commands.parser().parse_args(argv).extra_vars), key=len, reverse=True)
         out = []
         for arg in argv:
             if arg in values:

@@ -18,9 +18,6 @@ from pathlib import Path
 
 from driver import exitcodes
 
-# AWX's job status -> ansible-runner's (Tracker.exit_code reads the latter): AWX says "error" where runner says "failed".
-STATUS = {"successful": "successful", "failed": "failed", "error": "failed", "canceled": "canceled"}
-
 
 class ReportError(Exception):
     """EVENTS cannot be read as a run's events: the message names the file and why."""
@@ -118,28 +115,18 @@ def ending_of(events: list[dict], given: str | None) -> tuple[str, int | None, b
     from driver.events import RESULT
 
     if given:
-        return STATUS[given], None, False
+        return exitcodes.AWX_STATUS[given], None, False
     for e in reversed(events):
         if e.get("event") == RESULT:
             return e.get("runner_status") or "failed", e.get("rc"), bool(e.get("interrupted"))
     return ("successful" if any(e.get("event") == "playbook_on_stats" for e in events) else "failed"), None, False
 
 
-def arguments(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument(
-        "events", type=Path, help="the run's events: AWX job events JSON, JSON Lines, or a runner artifacts dir"
-    )
-    sp.add_argument("--command", dest="played", help="the driver command the playbook is (default: from the events)")
-    sp.add_argument(
-        "--status", choices=sorted(STATUS), help="the job's status as AWX gives it (default: from the events)"
-    )
-    sp.add_argument("--record", action="store_true", help="also keep the run in the ledger (`history` lists it)")
-    sp.add_argument("--json", action="store_true", help="print one machine-readable result")
-
-
-def main(args: argparse.Namespace, playbooks: dict[str, str]) -> int:
+def main(args: argparse.Namespace) -> int:
     """The summary and exit code of the run EVENTS hold; a usage error (2) when they cannot be read."""
-    from driver import display, events
+    from driver import commands, display, events
+
+    playbooks = {name: path for name, (path, _) in commands.PLAYBOOKS.items()}
 
     try:
         stream = load(args.events)
@@ -191,11 +178,6 @@ def record(command: str, code: int, tracker, events_path: Path) -> int | None:
 
 
 def usage(args: argparse.Namespace, message: str) -> int:
-    import sys
+    from driver import commands
 
-    from driver.cli import PROG  # python -m driver, or sglang-deploy
-
-    print(f"{PROG} report: {message}", file=sys.stderr)
-    if args.json:
-        print(json.dumps({"command": "report", "exit_code": exitcodes.USAGE, "error": message, "run_id": None}))
-    return exitcodes.USAGE
+    return commands.usage_error(args, message)

@@ -3,7 +3,7 @@
 One instance on one host (--limit, --instance), from a starting profile (--profile) and a grid (--grid, or
 --grid-file). In order:
 
-1. plan (cli.TUNE_PLAYBOOK, step plan): the combinations, SGLang's refusals and the combinations that would
+1. plan (commands.TUNE_PLAYBOOK, step plan): the combinations, SGLang's refusals and the combinations that would
    start the same server dropped with their reason, every other one checked by the installed SGLang's parser;
    nothing running is touched, and an invalid combination is dropped before any restart;
 2. per combination not yet in the ledger for this sweep (a re-run resumes), the baseline (no speculation)
@@ -30,11 +30,11 @@ from pathlib import Path
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench as benchmark
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, outcomes, tune
-from driver import cli, exitcodes
+from driver import commands, exitcodes
 from driver.events import NOT_BEGUN
 
-PLAYBOOK = cli.TUNE_PLAYBOOK
-RESTART = cli.PLAYBOOKS["restart"][0]
+PLAYBOOK = commands.TUNE_PLAYBOOK
+RESTART = commands.COMMANDS["restart"].playbook
 MEASURED, FAILED = "measured", "failed"
 # A combination that failed so still leaves the instance serving (or untouched): the sweep goes on.
 GOES_ON = (outcomes.RESTARTED, outcomes.ROLLED_BACK, outcomes.INVALID_CONFIG)
@@ -43,9 +43,7 @@ DECIDED = (outcomes.RESTARTED, outcomes.ROLLED_BACK)
 
 
 def usage(args, message: str) -> int:
-    from driver.cli import usage_error
-
-    return usage_error(args, message)
+    return commands.usage_error(args, message)
 
 
 def load_grid_file(path: Path) -> dict:
@@ -150,7 +148,7 @@ class Sweep:
             verbosity=self.args.verbose,
             env={
                 "SGLANG_DEPLOY_CANCEL_FILE": str(step_dir / "cancel"),
-                "SGLANG_DEPLOY_COMMAND": f"{cli.PROG} tune",
+                "SGLANG_DEPLOY_COMMAND": f"{commands.PROG} tune",
                 evidence.ENV: str(evidence.directory(step_dir)),
             },
             scrub=self.redactor.scrub if self.redactor.secrets else None,
@@ -310,7 +308,7 @@ def main(args) -> int:
     from driver.interrupts import Interrupts
 
     try:
-        checked = inventory.check(args.inventory, args.limit, cli.TUNE_PLAYBOOK, args.instance, args.extra_vars)
+        checked = inventory.check(args.inventory, args.limit, commands.TUNE_PLAYBOOK, args.instance, args.extra_vars)
     except inventory.InventoryError as e:
         return usage(args, str(e))
     if len(checked.hosts) != 1:

@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from driver import cli, inventory
+from driver import commands, inventory
 from support import REPO
 
-RESTART = cli.PLAYBOOKS["restart"][0]
+RESTART = commands.PLAYBOOKS["restart"][0]
 
 # node-1 defines its own instances; node-2 none (it gets group_vars/all.yml's); router-1 is in no GPU group.
 FLEET = """\
@@ -314,7 +314,7 @@ def test_a_refusal_names_the_playbooks_patterns_that_match_hosts(tmp_path):
 
 
 def test_the_repositorys_playbook_and_group_vars_are_found_from_any_working_directory(fleet, tmp_path, monkeypatch):
-    """cli.PLAYBOOKS names them from the repository's root; group_vars/all.yml beside them gives node-2 its
+    """commands.PLAYBOOKS names them from the repository's root; group_vars/all.yml beside them gives node-2 its
     instances (main), wherever the driver is started from."""
     monkeypatch.chdir(tmp_path)
     assert refusal(str(fleet), "router-1", RESTART) == (

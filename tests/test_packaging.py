@@ -214,7 +214,7 @@ def test_without_a_checkout_the_driver_takes_the_collection_python_imports_the_s
 ):
     """driver/paths.py's installed side, in this process: the collection where ansible_collections.sglang.deploy
     is imported from (here the checkout's collections/, as site-packages installed), and -i required."""
-    from driver import cli, inventory
+    from driver import cli, commands, inventory
 
     monkeypatch.setattr(paths, "CHECKOUT", None)
     assert paths.collection() == REPO  # collections/ansible_collections/sglang/deploy, resolved
@@ -224,14 +224,14 @@ def test_without_a_checkout_the_driver_takes_the_collection_python_imports_the_s
 
     monkeypatch.setattr(inventory, "DEFAULT", None)
     monkeypatch.delenv("ANSIBLE_INVENTORY", raising=False)
-    monkeypatch.setattr(cli, "PROG", cli.PROG)  # put back after console() below renames it
+    monkeypatch.setattr(commands, "PROG", commands.PROG)  # put back after console() below renames it
     monkeypatch.setattr(sys, "argv", ["sglang-deploy", "status"])
     with pytest.raises(SystemExit) as stopped:
         cli.console()
     assert stopped.value.code == 2
     assert "sglang-deploy status: no inventory: pass -i/--inventory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.parser().parse_args(["status", "--help"])
+        commands.parser().parse_args(["status", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     assert shown.startswith("usage: sglang-deploy status ")
     assert "inventory (required: the installed driver has no default" in shown

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
-from driver import cli, exitcodes, interrupts, putback, runner
+from driver import cli, commands, exitcodes, interrupts, putback, runner
 from driver.events import NOT_BEGUN, Tracker
 from support import wait_for
 
@@ -300,7 +300,7 @@ def test_a_second_interrupt_of_a_rollout_puts_back_what_serves(one_replica, monk
     monkeypatch.setattr("driver.runner.run", fake_run)
     code = cli.main(["rollout", "-i", str(one_replica), "--json"])
     out, err = capsys.readouterr()
-    assert code == 130 and runs == [cli.PLAYBOOKS["rollout"][0], putback.PLAYBOOK]
+    assert code == 130 and runs == [commands.PLAYBOOKS["rollout"][0], putback.PLAYBOOK]
     assert "put back into the router: http://n1:30010" in err
     left = json.loads(out)["left"]
     assert "put back into the router: http://n1:30010" in left
@@ -331,7 +331,7 @@ def test_a_restart_abandoned_runs_no_put_back(one_host, monkeypatch, capsys):
 
     monkeypatch.setattr("driver.runner.run", fake_run)
     assert cli.main(["restart", "-i", str(one_host)]) == 130
-    assert runs == [cli.PLAYBOOKS["restart"][0]]
+    assert runs == [commands.PLAYBOOKS["restart"][0]]
 
 
 @pytest.mark.parametrize(

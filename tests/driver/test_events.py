@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
-from driver import cli, exitcodes, putback
+from driver import commands, exitcodes, putback
 from driver.events import Tracker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -295,8 +295,8 @@ def test_the_driver_reads_no_task_file():
 
 
 def test_the_only_yml_literals_are_what_the_driver_hands_to_ansible():
-    handed = {playbook for playbook, _ in cli.PLAYBOOKS.values()} | {
-        cli.TUNE_PLAYBOOK,
+    handed = {playbook for playbook, _ in commands.PLAYBOOKS.values()} | {
+        commands.TUNE_PLAYBOOK,
         putback.PLAYBOOK,
         "hosts.yml",
     }  # hosts.yml: runner.py's default inventory

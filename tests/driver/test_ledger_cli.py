@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from driver import cli, exitcodes, ledger
+from driver import commands, exitcodes, ledger
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,10 +86,10 @@ def test_a_ledger_made_before_the_progress_steps_gains_their_columns(tmp_path):
 
 
 def test_extra_vars_from_options():
-    args = cli.parser().parse_args(
+    args = commands.parser().parse_args(
         ["restart", "--profile", "p1", "--instance", "a", "--no-rollback", "--force-stop", "-e", "x=1"]
     )
-    ev = cli.extravars(args)
+    ev = commands.extravars(args)
     assert ev[0] == "x=1"
     assert [json.loads(e) for e in ev[1:]] == [
         {"sglang_profile": "p1"},
@@ -100,7 +100,7 @@ def test_extra_vars_from_options():
 
 
 def test_every_command_has_a_playbook_that_exists():
-    for name, (playbook, _) in cli.PLAYBOOKS.items():
+    for name, (playbook, _) in commands.PLAYBOOKS.items():
         assert (REPO / playbook).is_file(), name
 
 
@@ -127,7 +127,7 @@ def test_exit_codes_are_distinct_and_documented_in_help():
 def test_help_imports_neither_ansible_runner_nor_rich():
     heavy = "('ansible_runner', 'rich', 'ansible', 'yaml')"
     loaded = f"sorted(m for m in sys.modules if m.split('.')[0] in {heavy})"
-    code = f"import sys; from driver import cli; cli.parser(); print({loaded})"
+    code = f"import sys; from driver import cli, commands; commands.parser(); print({loaded})"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import secret_rule
-from driver import cli, events, ledger, redact
+from driver import cli, commands, events, ledger, redact
 
 M = secret_rule.MASK
 
@@ -224,7 +224,7 @@ SPELLINGS = [
 @pytest.mark.parametrize("spelling", SPELLINGS, ids=" ".join)
 def test_every_spelling_of_extra_vars_the_parser_accepts_is_redacted(spelling):
     argv = ["restart", "--limit", "n1", *spelling]
-    assert cli.parser().parse_args(argv).extra_vars == ["api_key=k1234567"], "the parser reads it as -e"
+    assert commands.parser().parse_args(argv).extra_vars == ["api_key=k1234567"], "the parser reads it as -e"
     r = redact.Redactor()
     recorded = r.argv(argv)
     assert "k1234567" not in json.dumps(recorded) and M in " ".join(recorded)
@@ -235,7 +235,7 @@ def test_every_spelling_of_extra_vars_the_parser_accepts_is_redacted(spelling):
 def test_a_value_that_looks_like_an_option_is_still_found():
     """argparse hands -e a value that starts with a dash when it is attached: the recorded one is redacted."""
     argv = ["status", "--extra-vars=-x api_key=k1234567"]
-    assert cli.parser().parse_args(argv).extra_vars == ["-x api_key=k1234567"]
+    assert commands.parser().parse_args(argv).extra_vars == ["-x api_key=k1234567"]
     assert "k1234567" not in " ".join(redact.Redactor().argv(argv))
 
 

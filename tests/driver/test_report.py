@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 
-from driver import cli, exitcodes
+from driver import cli, commands, exitcodes
 from driver.events import RESULT
 from support.streams import STREAMS
 
@@ -132,7 +132,7 @@ def test_the_command_is_the_playbook_the_events_name_by_path_or_collection_name(
     from driver.report import command_of
 
     events = [{"event": "playbook_on_start", "event_data": {"playbook": played}}]
-    assert command_of(events, {name: path for name, (path, _) in cli.PLAYBOOKS.items()}) == command
+    assert command_of(events, {name: path for name, (path, _) in commands.PLAYBOOKS.items()}) == command
 
 
 def pages_of(doc: dict, size: int) -> list[dict]:

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from driver import cli
+from driver import commands
 
 
 def extra(*argv: str) -> dict:
     out: dict = {}
-    for doc in cli.extravars(cli.parser().parse_args(["rollout", *argv])):
+    for doc in commands.extravars(commands.parser().parse_args(["rollout", *argv])):
         out.update(json.loads(doc))
     return out
 
@@ -33,6 +33,6 @@ def test_without_a_quorum_the_playbook_keeps_its_default_every_gateway():
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
 def test_a_quorum_that_is_no_count_of_one_or_more_is_refused_naming_the_flag(value, capsys):
     with pytest.raises(SystemExit) as err:
-        cli.parser().parse_args(["rollout", "--gateway-quorum", value])
+        commands.parser().parse_args(["rollout", "--gateway-quorum", value])
     assert err.value.code == 2
     assert f"argument --gateway-quorum: {value!r} is not a count of 1 or more" in capsys.readouterr().err

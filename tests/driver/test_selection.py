@@ -13,11 +13,11 @@ import json
 import pytest
 import yaml
 
-from driver import cli, inventory
+from driver import commands, inventory
 from support import REPO, refused
 
-RESTART = cli.PLAYBOOKS["restart"][0]
-ROLLOUT = cli.PLAYBOOKS["rollout"][0]
+RESTART = commands.PLAYBOOKS["restart"][0]
+ROLLOUT = commands.PLAYBOOKS["rollout"][0]
 
 # node-1 defines its own instances; node-2 none (it gets group_vars/all.yml's); router-1 is in no GPU group.
 FLEET = """\
@@ -148,9 +148,9 @@ def test_a_limit_of_hosts_the_playbook_plays_on_passes_with_those_hosts(fleet):
 
 def test_the_playbooks_hosts_are_its_own_every_play_and_import_counted(fleet):
     """deploy.yml imports router.yml (sglang_routers): the router is deploy's, not restart's."""
-    assert selected(fleet, cli.PLAYBOOKS["deploy"][0], limit="router-1") == ["router-1"]
+    assert selected(fleet, commands.PLAYBOOKS["deploy"][0], limit="router-1") == ["router-1"]
     with pytest.raises(inventory.InventoryError, match=r"matches none of the hosts playbooks/status\.yml plays on"):
-        selected(fleet, cli.PLAYBOOKS["status"][0], limit="router-1")
+        selected(fleet, commands.PLAYBOOKS["status"][0], limit="router-1")
 
 
 def test_a_templated_hosts_line_is_rendered_with_its_default_or_with_extra_vars(fleet):
@@ -168,11 +168,11 @@ def test_an_inventory_with_none_of_the_playbooks_hosts_exits_2(tmp_path, ledger_
     assert f"inventory {routers} has none of the hosts playbooks/verify.yml plays on (sglang_nodes)" in err
 
 
-@pytest.mark.parametrize("command", sorted(cli.PLAYBOOKS))
+@pytest.mark.parametrize("command", sorted(commands.PLAYBOOKS))
 def test_every_commands_playbook_plays_on_the_example_fleet(command):
     """Each playbook's hosts render; the example fleet's GPU nodes are every command's, its router deploy's only."""
     example = str(REPO / "inventory" / "example" / "hosts.yml")
-    hosts = inventory.check(example, None, cli.PLAYBOOKS[command][0]).hosts
+    hosts = inventory.check(example, None, commands.PLAYBOOKS[command][0]).hosts
     gpus = [f"gpu-node-0{i}.example.internal" for i in (1, 2, 3, 4)]
     expected = {"deploy": [*gpus, "router-01.example.internal"], "rollout": gpus}.get(command, gpus)
     assert sorted(hosts) == sorted(expected)

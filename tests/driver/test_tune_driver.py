@@ -10,7 +10,7 @@ import pytest
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench as benchmark
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, tune
-from driver import cli, events, exitcodes, inventory
+from driver import cli, commands, events, exitcodes, inventory
 from driver import tune as dtune
 
 HOST = "gpu-node-01"
@@ -363,7 +363,7 @@ def test_one_host_a_profile_and_a_readable_grid_file_are_required(env, tmp_path,
     good = tmp_path / "grid2.yml"
     good.write_text("speculative_num_steps: [1, 3]\n")
     grid, bench = dtune.settings(
-        cli.parser().parse_args(["tune", "--grid-file", str(good), "--grid", "NCCL_ALGO=Ring"])
+        commands.parser().parse_args(["tune", "--grid-file", str(good), "--grid", "NCCL_ALGO=Ring"])
     )
     assert grid == {"speculative_num_steps": [1, 3], "NCCL_ALGO": ["Ring"]} and bench["concurrency"] == [1]
 
