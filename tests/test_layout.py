@@ -178,3 +178,26 @@ def test_the_suite_runs_in_random_order_with_its_seed_printed(tmp_path):
         orders[seed] = order.read_text().split()
         assert sorted(orders[seed]) == [str(n) for n in range(8)]
     assert orders[1] != orders[2], "another seed, another order"
+
+
+def test_the_repository_map_names_every_module_role_and_playbook():
+    """docs/layout.md cannot go stale: each file of driver/, plugins/ (modules, module_utils, filters, action),
+    each role and each playbook is named, `name`, on its directory's row."""
+    rows = {}
+    for line in (REPO / "docs" / "layout.md").read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `"):
+            rows[line.split("`")[1]] = line
+    wanted = {
+        "driver/": [p.stem for p in (REPO / "driver").glob("*.py") if p.stem != "__init__"],
+        "plugins/modules/": [p.stem for p in (REPO / "plugins" / "modules").glob("*.py")],
+        "plugins/module_utils/sglang_deploy/": [
+            p.stem for p in (REPO / "plugins" / "module_utils" / "sglang_deploy").glob("*.py") if p.stem != "__init__"
+        ],
+        "plugins/filter/": [p.stem for p in (REPO / "plugins" / "filter").glob("*.py")],
+        "plugins/action/": [p.stem for p in (REPO / "plugins" / "action").glob("*.py")],
+        "roles/": [p.name for p in (REPO / "roles").iterdir() if p.is_dir()],
+        "playbooks/": [p.name for p in (REPO / "playbooks").glob("*.yml")],
+    }
+    missing = {d: sorted(n for n in names if f"`{n}`" not in rows.get(d, "")) for d, names in wanted.items()}
+    assert all(names for names in wanted.values())  # every directory read
+    assert {d: m for d, m in missing.items() if m} == {}
