@@ -20,7 +20,7 @@ GOLDEN = REPO / "tests" / "golden"
 PROFILES = sorted(yaml.safe_load((REPO / "group_vars" / "all.yml").read_text())["sglang_profiles"])
 # Each case's directory and instance: every profile as instance main, one model over two nodes (instance mn,
 # rank 0 of 2, profile eagle3_topk1) with the RDMA devices allowed by default and turned off, and an instance
-# whose flags and environment need quoting and escaping (instance hv; tests/test_claims_escaping.py reads them
+# whose flags and environment need quoting and escaping (instance hv; tests/test_unit_escaping.py reads them
 # back by systemd's rules) (tests/golden/render.yml).
 CASES = {**{p: "main" for p in PROFILES}, "multinode": "mn", "multinode_no_rdma": "mn", "hostile_values": "hv"}
 
