@@ -46,7 +46,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
         print("interrupted before anything ran", file=sys.stderr)
         return exitcodes.INTERRUPTED
 
-    from driver import display, events, evidence, ledger, redact, runner
+    from driver import display, events, evidence, ledger, redact, runner, step
 
     tracker = events.Tracker(args.command)
     redactor = redact.Redactor()
@@ -55,20 +55,16 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
     run_dir = book.events_dir(run_id)
     record = run_dir / "events.jsonl"
     interrupts.arm(run_dir / "cancel")
-    job = runner.Job(
-        playbook=playbook,
+    job = step.job(
+        playbook,
+        run_dir,
+        args.command,
         inventory=args.inventory,
         limit=args.limit,
         extravars=commands.extravars(args),
+        redactor=redactor,
         check=args.check,
         verbosity=args.verbose,
-        env={
-            "SGLANG_DEPLOY_CANCEL_FILE": str(run_dir / "cancel"),
-            "SGLANG_DEPLOY_COMMAND": f"{commands.PROG} {args.command}",
-            evidence.ENV: str(evidence.directory(run_dir)),
-        },
-        scrub=redactor.scrub if redactor.secrets else None,
-        progress_dir=run_dir / "progress",
         stall_s=getattr(args, "stall_after", 300.0),
     )
     t0 = time.monotonic()
@@ -84,11 +80,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
                 progress.update()
                 interrupts.announce()
 
-            try:
-                outcome = runner.run(job, on_event, interrupts.poll, record=record)
-            except KeyboardInterrupt:  # from code under the runner that raised its own
-                interrupts.abandon()
-                outcome = runner.Outcome(status="canceled", rc=254)
+            outcome = step.run(job, on_event, interrupts, record)
             interrupts.announce()
             if args.command == "rollout" and interrupts.abandoned and not args.check:
                 from driver import putback

@@ -122,7 +122,7 @@ class Sweep:
     def playbook(self, playbook: str, extra: dict, command: str, after_interrupt: bool = False):
         """Run one step: (tracker, {module: [results]}, exit code). Each step has its own cancel file: a Ctrl-C
         makes it; the step that puts the instance back after one (after_interrupt) starts without it."""
-        from driver import events, evidence, runner
+        from driver import events, evidence, step
 
         self.steps += 1
         step_dir = self.dir / f"step-{self.steps:03d}"
@@ -140,25 +140,17 @@ class Sweep:
             if event.get("event") in ("runner_on_ok", "runner_on_failed") and data.get("host") == self.host:
                 results.setdefault(events.module_of(data), []).append(data.get("res") or {})
 
-        job = runner.Job(
-            playbook=playbook,
+        job = step.job(
+            playbook,
+            step_dir,
+            "tune",
             inventory=self.args.inventory,
             limit=self.host,
             extravars=[*self.args.extra_vars, json.dumps(extra)],
+            redactor=self.redactor,
             verbosity=self.args.verbose,
-            env={
-                "SGLANG_DEPLOY_CANCEL_FILE": str(step_dir / "cancel"),
-                "SGLANG_DEPLOY_COMMAND": f"{commands.PROG} tune",
-                evidence.ENV: str(evidence.directory(step_dir)),
-            },
-            scrub=self.redactor.scrub if self.redactor.secrets else None,
-            progress_dir=step_dir / "progress",
         )
-        try:
-            outcome = runner.run(job, on_event, self.interrupts.poll, record=step_dir / "events.jsonl")
-        except KeyboardInterrupt:
-            self.interrupts.abandon()
-            outcome = runner.Outcome(status="canceled", rc=254)
+        outcome = step.run(job, on_event, self.interrupts, step_dir / "events.jsonl")
         code = tracker.exit_code(outcome.status, outcome.rc, self.interrupts.abandoned)
         self.evidence = None
         try:  # a failed restart's crash evidence, fetched by the playbook: one bundle in the step's directory
