@@ -403,6 +403,7 @@ def test_every_filter_the_roles_call_is_provided_under_its_name():
         "sglang_tune_plan",
         "sglang_with_tuned",
         "sglang_worker_url",
+        "sglang_count_of",  # playbooks/vars/rollout.yml's
         "systemd_quote",
         "env_file_line",
         "sglang_scrape_configs",  # plugins/filter/sglang_monitoring.py's

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import NAME
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.rollout import count_of
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router import worker_url
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import (
     REFUSED_FLAGS,
@@ -377,7 +378,7 @@ def _filter_error(fn):
 
         try:
             return fn(*args, **kwargs)
-        except ConfigError as exc:
+        except (ConfigError, ValueError) as exc:
             raise AnsibleFilterError(str(exc)) from exc
 
     return wrapped
@@ -395,4 +396,6 @@ class FilterModule:
             # sglang_profiles | sglang_with_tuned(hostvars[inventory_hostname]): with every tuned profile.
             "sglang_with_tuned": _filter_error(with_tuned),
             "sglang_tune_plan": _filter_error(tune_plan),
+            # '25%' | sglang_count_of(hosts, at_least): the rollout's counts (sglang_deploy.rollout.count_of).
+            "sglang_count_of": _filter_error(count_of),
         }
