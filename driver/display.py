@@ -132,6 +132,11 @@ def progress_line(h) -> str:
     return "; ".join(parts)
 
 
+def number(value: float | None, digits: int) -> str:
+    """One column, one format: `digits` after the point ("4.4" and "4.291" never side by side); "-" for none."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def duration(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}m{s:02d}s" if m else f"{s}s"
@@ -256,9 +261,9 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
             row["instance"] or "-",
             row["phase"],
             f"[{style}]{row['result']}[/{style}]",
-            f"{row['seconds']}" if row["seconds"] is not None else "-",
-            f"{row['tokens_per_s']}" if row["tokens_per_s"] is not None else "-",
-            f"{row['accept_length']}" if row["accept_length"] is not None else "-",
+            number(row["seconds"], 1),
+            number(row["tokens_per_s"], 1),
+            number(row["accept_length"], 2),
         )
         if row["detail"]:
             details.append(f"{row['host']}{'/' + row['instance'] if row['instance'] else ''}: {row['detail']}")

@@ -216,3 +216,8 @@ def test_status_without_gateways_shows_no_gateway_table(capsys, wide):
     display.summary(tracker, exitcodes.OK, run_id=None)
     assert "what every gateway thinks" not in capsys.readouterr().out
     assert tracker.result(exitcodes.OK)["gateways"] == []
+
+
+def test_each_column_of_the_summary_has_one_number_format():
+    assert [display.number(v, 1) for v in (4.291, 4.4, 12.0, None)] == ["4.3", "4.4", "12.0", "-"]
+    assert display.number(2.5, 2) == "2.50"
