@@ -244,7 +244,7 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         (
             ("host", "left"),
             ("instance", "left"),
-            ("phase reached", "left"),
+            ("roles" if tracker.command == "deploy" else "phase reached", "left"),
             ("result", "left"),
             ("seconds", "right"),
             ("tok/s", "right"),
@@ -259,7 +259,7 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         t.add_row(
             row["host"],
             row["instance"] or "-",
-            row["phase"],
+            (row.get("roles") or row["phase"]) if tracker.command == "deploy" else row["phase"],
             f"[{style}]{row['result']}[/{style}]",
             number(row["seconds"], 1),
             number(row["tokens_per_s"], 1),

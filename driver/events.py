@@ -55,6 +55,8 @@ MODULE_PHASES = {
     "gpu_state": outcomes.GPUS,
 }
 ROLE_PHASES = {"gpu_node": "node", "cuda": "cuda", "ml_env": "ml-env", "sglang": "sglang"}
+# deploy's roles as its summary names them, each with its result (the service role writes the configuration).
+DEPLOY_ROLES = {**ROLE_PHASES, "sglang_service": "service"}
 # Ansible's modules that change a host: in a role not named above (sglang_service), writing the configuration.
 WRITING_MODULES = frozenset({"template", "copy", "file", "systemd_service", "systemd"})
 # An instance whose restart or rollback was never begun: the driver's first Ctrl-C came before its turn
@@ -112,10 +114,27 @@ class HostState:
     # A detached restart's progress per instance (PROGRESS events), and when what it says last changed.
     progress: dict[str, dict] = field(default_factory=dict)
     progress_changed: dict[str, float] = field(default_factory=dict)
+    # deploy: each role that ran, in order, with its tasks changed and whether one failed; the phases entered.
+    roles: dict[str, dict] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
 
     @property
     def duration(self) -> float:
         return max(0.0, (self.finished or self.phase_since) - self.started) if self.started else 0.0
+
+
+def role_of(data: dict) -> str | None:
+    """deploy's name for the role a task belongs to (sglang.deploy.cuda or cuda: "cuda"), None for another."""
+    return DEPLOY_ROLES.get((data.get("role") or "").rsplit(".", 1)[-1])
+
+
+def roles_of(h: HostState) -> str:
+    """deploy's roles as the summary says them, in the order they ran: "node ok, cuda 2 changed, ml-env failed"."""
+
+    def said(r: dict) -> str:
+        return "failed" if r["failed"] else f"{r['changed']} changed" if r["changed"] else "ok"
+
+    return ", ".join(f"{name} {said(r)}" for name, r in h.roles.items())
 
 
 def module_of(data: dict) -> str:
@@ -223,6 +242,13 @@ class Tracker:
 
     def on_host_event(self, kind: str, h: HostState, data: dict, now: float) -> None:
         res = data.get("res") or {}
+        role = h.roles.get(role_of(data) or "") if self.command == "deploy" else None
+        if role is not None and kind == "runner_on_ok" and res.get("changed"):
+            role["changed"] += 1
+        elif (
+            role is not None and kind in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors")
+        ):
+            role["failed"] = True
         if kind == "runner_on_start":
             self.on_start(h, data, now)
         elif kind in ("runner_item_on_ok", "runner_item_on_failed", "runner_on_ok"):
@@ -256,6 +282,15 @@ class Tracker:
         phase = phase_of(self.command, data)
         if phase == PLAY and h.phase != WAITING:
             phase = h.phase  # includes, facts and checks: still the phase they lead into
+        if self.command == "deploy":
+            role = role_of(data)
+            if role:
+                h.roles.setdefault(role, {"changed": 0, "failed": False})
+            # Never back: a role's tasks another includes (cuda's pip install runs ml_env's), its handlers at the
+            # play's end and each role's own argument check are in the phase the host is in.
+            if phase in h.seen:
+                phase = h.phase
+            h.seen.add(phase)
         if phase != h.phase:
             h.phase, h.phase_since = phase, now
         h.task = data.get("task") or ""
@@ -335,6 +370,7 @@ class Tracker:
                 h.name: {
                     "status": h.status,
                     "phase": h.phase,
+                    "roles": h.roles,
                     "task": h.task,
                     "failures": [{"code": f.code, "task": f.task, "message": f.message} for f in h.failures],
                     "instances": h.instances,
@@ -386,6 +422,7 @@ def host_row(h: HostState) -> dict:
         "host": h.name,
         "instance": "",
         "phase": h.phase,
+        "roles": roles_of(h),
         "result": h.status,
         "seconds": round(h.duration, 1),
         "tokens_per_s": None,
@@ -434,6 +471,7 @@ def instance_row(h: HostState, name: str, res: dict) -> dict:
         "host": h.name,
         "instance": name,
         "phase": phase_reached(h, res),
+        "roles": roles_of(h),
         "result": res.get("outcome"),
         "seconds": seconds if seconds is not None else round(h.duration, 1),
         "tokens_per_s": v.get("tokens_per_s") or (res.get("known_good") or {}).get("tokens_per_s"),

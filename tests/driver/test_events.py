@@ -98,6 +98,58 @@ def test_deploy_phases_from_roles_and_the_patch_module():
     assert phases_seen("deploy", *events) == expected
 
 
+def ok(action: str, role: str | None, changed: bool = False, host: str = "n1") -> dict:
+    data = {"host": host, "task": f"run {action}", "task_action": action, "resolved_action": action, "role": role,
+            "res": {"changed": changed}}  # fmt: skip
+    return {"event": "runner_on_ok", "event_data": data}
+
+
+def test_deploy_never_steps_back_and_names_each_role_it_ran_with_its_result():
+    """cuda's pip install runs ml_env's tasks, sglang runs ml_env's generation, each role checks its arguments and a
+    cuda handler runs at the play's end: the progress goes forward only, and the summary names every role once, in
+    the order they ran, with what each changed."""
+    events = [
+        start("ansible.builtin.gather_facts", role=None),
+        start("ansible.builtin.validate_argument_spec", role="gpu_node"),
+        start("ansible.builtin.apt", role="gpu_node"),
+        ok("ansible.builtin.apt", "gpu_node"),
+        start("ansible.builtin.validate_argument_spec", role="cuda"),
+        start("ansible.builtin.command", role="cuda"),
+        ok("ansible.builtin.command", "cuda", changed=True),
+        start("ansible.builtin.pip", role="ml_env"),  # cuda's include of ml_env's requirements
+        ok("ansible.builtin.pip", "ml_env", changed=True),
+        start("ansible.builtin.command", role="cuda"),
+        start("ansible.builtin.pip", role="sglang.deploy.ml_env"),
+        start("ansible.builtin.pip", role="sglang"),
+        start("ansible.builtin.pip", role="ml_env"),  # sglang's include of ml_env's generation
+        start("sglang_patch", role="sglang"),
+        ok("sglang_patch", "sglang", changed=True),
+        start("ansible.builtin.template", role="sglang_service"),
+        ok("ansible.builtin.template", "sglang_service", changed=True),
+        start("ansible.builtin.systemd_service", role="cuda"),  # a handler, at the end
+    ]
+    assert phases_seen("deploy", *events) == [
+        "play",
+        "validate",
+        "node",
+        "cuda",
+        "ml-env",
+        "sglang",
+        "patch",
+        "configure",
+    ]
+    tracker = feed("deploy", *events)
+    assert (
+        tracker.rows()[0]["roles"] == "node ok, cuda 1 changed, ml-env 1 changed, sglang 1 changed, service 1 changed"
+    )
+    broke = task_failed("ansible.builtin.command", {"msg": "no"})
+    broke["event_data"]["role"] = "cuda"
+    failed = feed("deploy", start("ansible.builtin.apt", role="gpu_node"), start("ansible.builtin.command", role="cuda"),
+                  broke)  # fmt: skip
+    assert failed.rows()[0]["roles"] == "node ok, cuda failed"
+    assert feed("restart", start("ansible.builtin.pip", role="cuda")).rows()[0]["roles"] == ""  # deploy's only
+
+
 @pytest.mark.parametrize("command", ["restart", "rollback", "verify", "status"])
 def test_the_server_module_runs_the_commands_own_phase(command):
     assert phases_seen(command, start("ansible.builtin.set_fact"), start("sglang_server")) == ["play", command]
