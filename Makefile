@@ -90,11 +90,16 @@ molecule: image ## every molecule scenario (create, converge, idempotence, check
 # Each line is prefixed with its stream; the coverage of every run is combined, then held to the floors. Each
 # e2e run's every test time is in .lab-tests/{lab,rest}.xml (JUnit XML), to balance the streams by.
 E2E_REST := tests/e2e/test_collection.py tests/e2e/test_tune.py tests/e2e/test_rollout_groups.py tests/e2e/test_restart_multinode.py tests/e2e/test_durability.py tests/e2e/test_secrets.py
+# The floors are judged on the unit tests' coverage (alone 97 %, every file over 85 %). The end-to-end runs are
+# not measured unless E2E_COV=--cov: coverage follows every ansible-playbook they start (.coveragerc's subprocess
+# patch), which costs the controller about half as much CPU again on a 2-core machine that both streams fill.
+E2E_COV :=
+comma := ,
 test: ## every test: (lint, unit tests, molecule, E2E_REST) beside the other lab tests, then the coverage floors
 	@rm -f .coverage .coverage.lab .coverage.lab-rest .coverage.unit
 	@$(MAKE) --no-print-directory -j2 test-lab test-rest
-	@$(BIN)/python -m coverage combine -q .coverage.lab .coverage.lab-rest .coverage.unit
-	@$(BIN)/python -m coverage report --format=total | sed 's/^/line coverage, both streams: /; s/$$/ %/'
+	@$(BIN)/python -m coverage combine -q $(if $(E2E_COV),.coverage.lab .coverage.lab-rest) .coverage.unit
+	@$(BIN)/python -m coverage report --format=total | sed 's/^/line coverage$(if $(E2E_COV),$(comma) both streams,$(comma) the unit tests): /; s/$$/ %/'
 	@$(MAKE) --no-print-directory coverage-floor
 
 # Each stream ends with its recap (the random order's seed, each failed or erroring test), so the last lines of
@@ -102,8 +107,8 @@ test: ## every test: (lint, unit tests, molecule, E2E_REST) beside the other lab
 RECAP = grep -E '^(lab  |rest )\| (Using --randomly-seed=|(FAILED|ERROR) tests/|lint failed)' $(1) | sed 's/^\(.....\)| /\1| recap: /' || true
 
 test-lab: image
-	@mkdir -p .lab-tests; SECONDS=0; COVERAGE_FILE=$(CURDIR)/.coverage.lab $(BIN)/python -m pytest -m lab --cov --cov-report= \
-		--junitxml=.lab-tests/lab.xml $(foreach f,$(E2E_REST),--ignore=$(f)) $(PYTEST_ARGS) 2>&1 | sed -u 's/^/lab  | /' | tee .lab-tests/lab-stream.log \
+	@mkdir -p .lab-tests; SECONDS=0; COVERAGE_FILE=$(CURDIR)/.coverage.lab $(BIN)/python -m pytest -m lab $(E2E_COV) \
+		$(if $(E2E_COV),--cov-report=) --junitxml=.lab-tests/lab.xml $(foreach f,$(E2E_REST),--ignore=$(f)) $(PYTEST_ARGS) 2>&1 | sed -u 's/^/lab  | /' | tee .lab-tests/lab-stream.log \
 		|| rc=$$?; $(call RECAP,.lab-tests/lab-stream.log); echo "lab  | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
 
 test-rest: image
@@ -111,8 +116,8 @@ test-rest: image
 		&& COVERAGE_FILE=$(CURDIR)/.coverage.unit $(BIN)/python -m pytest -m "not lab" --cov --cov-report= $(PYTEST_ARGS) \
 		&& $(BIN)/python tools/mutate.py --ci \
 		&& $(MOLECULE) test --all \
-		&& SGD_E2E_LAB=sgd-e2e-rest COVERAGE_FILE=$(CURDIR)/.coverage.lab-rest $(BIN)/python -m pytest -m lab --cov \
-			--cov-report= --junitxml=.lab-tests/rest.xml $(PYTEST_ARGS) $(E2E_REST); } 2>&1 | sed -u 's/^/rest | /' | tee .lab-tests/rest-stream.log \
+		&& SGD_E2E_LAB=sgd-e2e-rest COVERAGE_FILE=$(CURDIR)/.coverage.lab-rest $(BIN)/python -m pytest -m lab $(E2E_COV) \
+			$(if $(E2E_COV),--cov-report=) --junitxml=.lab-tests/rest.xml $(PYTEST_ARGS) $(E2E_REST); } 2>&1 | sed -u 's/^/rest | /' | tee .lab-tests/rest-stream.log \
 		|| rc=$$?; $(call RECAP,.lab-tests/rest-stream.log); echo "rest | stream took $${SECONDS}s, exit $${rc:-0}"; exit $${rc:-0}
 
 # Mutation testing (issue #31; not part of make test: its time is in docs/testing.md). MUTATE_FILES narrows it to

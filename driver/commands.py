@@ -43,6 +43,7 @@ class Command:
     playbook: str | None = None  # a path from the collection's root (the checkout, or the installed collection)
     options: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()  # its own options, beyond the common ones
     common: bool = True  # takes the common options (-i, --limit, --profile, -e, --instance, ...)
+    exit_codes: bool = True  # its --help ends with the exit codes (history exits 0 or on a usage error)
     description: str | None = None  # --help's text, when not the summary
 
 
@@ -68,8 +69,11 @@ def progress_options(sp: argparse.ArgumentParser) -> None:
 
 
 def count_or_percent(value: str) -> str:
+    """--max-unavailable's and --max-fail's rule, the playbook's own (sglang_deploy.rollout.COUNT)."""
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.rollout import COUNT
+
     value = value.strip()
-    if not value.rstrip("%").isdigit() or value.count("%") > 1:
+    if not COUNT.fullmatch(value):
         raise argparse.ArgumentTypeError(f"{value!r} is neither a count (2) nor a percentage (25%)")
     return value
 
@@ -232,6 +236,7 @@ COMMANDS: dict[str, Command] = {
         "driver.cli:history",
         options=(history_options,),
         common=False,
+        exit_codes=False,
         description="The run ledger.",
     ),
     "report": Command(
@@ -290,7 +295,7 @@ def parser() -> argparse.ArgumentParser:
             parents=[common] if c.common else [],
             help=c.summary,
             description=c.description or c.summary,
-            epilog=EPILOG,
+            epilog=EPILOG if c.exit_codes else None,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         for add in c.options:

@@ -55,8 +55,12 @@ MODULE_PHASES = {
     "gpu_state": outcomes.GPUS,
 }
 ROLE_PHASES = {"gpu_node": "node", "cuda": "cuda", "ml_env": "ml-env", "sglang": "sglang"}
-# deploy's roles as its summary names them, each with its result (the service role writes the configuration).
-DEPLOY_ROLES = {**ROLE_PHASES, "sglang_service": "service"}
+# deploy's roles as its summary names them, each with its result (the service role writes the configuration; the
+# routers' role runs in router.yml, which deploy.yml imports).
+DEPLOY_ROLES = {**ROLE_PHASES, "sglang_service": "service", "sglang_router": "router"}
+# The task Ansible runs first when a play's role begins (its argument check, named by ansible-core for the entry
+# point): a role another includes (tasks_from) checks another entry point, and its handlers none.
+ROLE_ENTRY = "Validating arguments against arg spec 'main'"
 # Ansible's modules that change a host: in a role not named above (sglang_service), writing the configuration.
 WRITING_MODULES = frozenset({"template", "copy", "file", "systemd_service", "systemd"})
 # An instance whose restart or rollback was never begun: the driver's first Ctrl-C came before its turn
@@ -114,7 +118,7 @@ class HostState:
     # A detached restart's progress per instance (PROGRESS events), and when what it says last changed.
     progress: dict[str, dict] = field(default_factory=dict)
     progress_changed: dict[str, float] = field(default_factory=dict)
-    # deploy: each role that ran, in order, with its tasks changed and whether one failed; the phases entered.
+    # deploy: each role that ran, in order, with its tasks changed and whether one failed; the roles begun.
     roles: dict[str, dict] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
 
@@ -283,17 +287,27 @@ class Tracker:
         if phase == PLAY and h.phase != WAITING:
             phase = h.phase  # includes, facts and checks: still the phase they lead into
         if self.command == "deploy":
-            role = role_of(data)
-            if role:
-                h.roles.setdefault(role, {"changed": 0, "failed": False})
-            # Never back: a role's tasks another includes (cuda's pip install runs ml_env's), its handlers at the
-            # play's end and each role's own argument check are in the phase the host is in.
-            if phase in h.seen:
-                phase = h.phase
-            h.seen.add(phase)
+            phase = self.deploy_phase(h, data, phase)
         if phase != h.phase:
             h.phase, h.phase_since = phase, now
         h.task = data.get("task") or ""
+
+    @staticmethod
+    def deploy_phase(h: HostState, data: dict, phase: str) -> str:
+        """deploy's phase: a role's from its beginning (its main argument check) on, and the modules' (validate,
+        configure, patch) inside it. The tasks of a role another includes (cuda's pip install runs ml_env's), its
+        handlers at the play's end and the other entry points' checks stay in the phase the host is in."""
+        role = role_of(data)
+        if role:
+            h.roles.setdefault(role, {"changed": 0, "failed": False})
+        if module_of(data) == "validate_argument_spec":
+            if role and role not in h.seen and (data.get("task") or "").startswith(ROLE_ENTRY):
+                h.seen.add(role)
+                return role
+            return h.phase
+        if phase in DEPLOY_ROLES.values():
+            return h.phase  # a role's phase is entered at its beginning only
+        return phase
 
     def fail(self, h: HostState, data: dict, now: float) -> None:
         code = classify(data)
@@ -370,7 +384,7 @@ class Tracker:
                 h.name: {
                     "status": h.status,
                     "phase": h.phase,
-                    "roles": h.roles,
+                    **({"role_results": h.roles} if self.command == "deploy" else {}),
                     "task": h.task,
                     "failures": [{"code": f.code, "task": f.task, "message": f.message} for f in h.failures],
                     "instances": h.instances,

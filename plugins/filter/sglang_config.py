@@ -372,13 +372,13 @@ def tune_plan(
     }
 
 
-def _filter_error(fn):
+def _filter_error(fn, errors: tuple[type[Exception], ...] = (ConfigError,)):
     def wrapped(*args, **kwargs):
         from ansible.errors import AnsibleFilterError
 
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, ValueError) as exc:
+        except errors as exc:
             raise AnsibleFilterError(str(exc)) from exc
 
     return wrapped
@@ -397,5 +397,5 @@ class FilterModule:
             "sglang_with_tuned": _filter_error(with_tuned),
             "sglang_tune_plan": _filter_error(tune_plan),
             # '25%' | sglang_count_of(hosts, at_least): the rollout's counts (sglang_deploy.rollout.count_of).
-            "sglang_count_of": _filter_error(count_of),
+            "sglang_count_of": _filter_error(count_of, (ValueError,)),
         }

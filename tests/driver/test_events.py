@@ -83,19 +83,11 @@ def test_restart_phases_from_modules_and_roles():
     assert phases_seen("restart", *events) == ["play", "validate", "configure", "restart"]
 
 
-def test_deploy_phases_from_roles_and_the_patch_module():
-    events = [
-        start("ansible.builtin.gather_facts", role=None),
-        start("ansible.builtin.apt", role="gpu_node"),
-        start("ansible.builtin.command", role="cuda"),
-        start("ansible.builtin.pip", role="ml_env"),
-        start("ansible.builtin.pip", role="sglang"),
-        start("sglang_patch", role="sglang"),
-        start("ansible.builtin.validate_argument_spec"),
-        start("ansible.builtin.template"),
-    ]
-    expected = ["play", "node", "cuda", "ml-env", "sglang", "patch", "validate", "configure"]
-    assert phases_seen("deploy", *events) == expected
+def entry(role: str, point: str = "main") -> dict:
+    """A role's argument check, as ansible-core names it: a play's role begins with its main entry point's."""
+    event = start("ansible.builtin.validate_argument_spec", role=role)
+    event["event_data"]["task"] = f"Validating arguments against arg spec '{point}' - the {role} role"
+    return event
 
 
 def ok(action: str, role: str | None, changed: bool = False, host: str = "n1") -> dict:
@@ -104,50 +96,60 @@ def ok(action: str, role: str | None, changed: bool = False, host: str = "n1") -
     return {"event": "runner_on_ok", "event_data": data}
 
 
-def test_deploy_never_steps_back_and_names_each_role_it_ran_with_its_result():
-    """cuda's pip install runs ml_env's tasks, sglang runs ml_env's generation, each role checks its arguments and a
-    cuda handler runs at the play's end: the progress goes forward only, and the summary names every role once, in
-    the order they ran, with what each changed."""
+def test_deploy_goes_from_role_to_role_and_names_each_with_its_result():
+    """A role's phase begins with its main argument check; inside it the modules' phases (patch, validate,
+    configure). cuda's pip install runs ml_env's requirements (their own check included), sglang runs ml_env's
+    generation, a cuda handler runs at the play's end: none moves the host back or ahead. The summary names every
+    role once, in the order they ran, with what each changed."""
     events = [
         start("ansible.builtin.gather_facts", role=None),
-        start("ansible.builtin.validate_argument_spec", role="gpu_node"),
+        entry("gpu_node"),
         start("ansible.builtin.apt", role="gpu_node"),
         ok("ansible.builtin.apt", "gpu_node"),
-        start("ansible.builtin.validate_argument_spec", role="cuda"),
+        entry("cuda"),
         start("ansible.builtin.command", role="cuda"),
         ok("ansible.builtin.command", "cuda", changed=True),
-        start("ansible.builtin.pip", role="ml_env"),  # cuda's include of ml_env's requirements
+        entry("ml_env", "requirements"),  # cuda's include of ml_env's requirements
+        start("ansible.builtin.pip", role="ml_env"),
         ok("ansible.builtin.pip", "ml_env", changed=True),
-        start("ansible.builtin.command", role="cuda"),
+        start("ansible.builtin.file", role="cuda"),
+        entry("sglang.deploy.ml_env"),
         start("ansible.builtin.pip", role="sglang.deploy.ml_env"),
-        start("ansible.builtin.pip", role="sglang"),
+        entry("sglang"),
         start("ansible.builtin.pip", role="ml_env"),  # sglang's include of ml_env's generation
         start("sglang_patch", role="sglang"),
         ok("sglang_patch", "sglang", changed=True),
+        entry("sglang_service"),
         start("ansible.builtin.template", role="sglang_service"),
-        ok("ansible.builtin.template", "sglang_service", changed=True),
+        start("sglang_validate", role="sglang_service"),
+        start("sglang_stage", role="sglang_service"),
+        ok("sglang_stage", "sglang_service", changed=True),
         start("ansible.builtin.systemd_service", role="cuda"),  # a handler, at the end
     ]
-    assert phases_seen("deploy", *events) == [
+    seen = phases_seen("deploy", *events)
+    assert seen == [
         "play",
-        "validate",
         "node",
         "cuda",
         "ml-env",
         "sglang",
         "patch",
+        "service",
+        "configure",
+        "validate",
         "configure",
     ]
     tracker = feed("deploy", *events)
     assert (
         tracker.rows()[0]["roles"] == "node ok, cuda 1 changed, ml-env 1 changed, sglang 1 changed, service 1 changed"
     )
+    assert tracker.result(0)["hosts"]["n1"]["role_results"]["cuda"] == {"changed": 1, "failed": False}
     broke = task_failed("ansible.builtin.command", {"msg": "no"})
     broke["event_data"]["role"] = "cuda"
-    failed = feed("deploy", start("ansible.builtin.apt", role="gpu_node"), start("ansible.builtin.command", role="cuda"),
-                  broke)  # fmt: skip
-    assert failed.rows()[0]["roles"] == "node ok, cuda failed"
-    assert feed("restart", start("ansible.builtin.pip", role="cuda")).rows()[0]["roles"] == ""  # deploy's only
+    failed = feed("deploy", entry("gpu_node"), entry("cuda"), start("ansible.builtin.command", role="cuda"), broke)
+    assert failed.rows()[0]["roles"] == "node ok, cuda failed" and failed.hosts["n1"].phase == "cuda"
+    restart = feed("restart", start("ansible.builtin.pip", role="cuda"))
+    assert restart.rows()[0]["roles"] == "" and "role_results" not in restart.result(0)["hosts"]["n1"]  # deploy's
 
 
 @pytest.mark.parametrize("command", ["restart", "rollback", "verify", "status"])
