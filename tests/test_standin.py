@@ -531,30 +531,3 @@ def test_the_standin_listens_with_sglangs_backlog_so_a_burst_of_connections_is_q
         for c in socks:
             c.close()
         srv.server_close()
-
-
-@pytest.mark.parametrize(("late", "total"), [(0.0, 0.16), (0.05, 0.17), (0.5, 0.62)])
-def test_a_late_wake_up_is_taken_back_by_one_step_at_most(monkeypatch, late, total):
-    """16 tokens at 100 tok/s, 4 a step: 0.16 s. The first step's sleep overruns by `late` (a loaded machine):
-    the next step takes back up to one step (0.04 s), so the lateness neither adds up over the request (a sleep of
-    each step's length: 0.21 and 0.66 s) nor ends in a burst of the rest at once (0.54 s, the last two steps 0 s
-    apart)."""
-    import argparse
-    import types
-
-    s = lab_standin()
-    clock, gaps = [0.0], []
-
-    def sleep(d: float) -> None:
-        clock[0] += d + (late if not gaps else 0.0)
-        gaps.append(d)
-
-    monkeypatch.setattr(s, "time", types.SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep, time=lambda: 0.0))
-    monkeypatch.setattr(s, "schedulers_alive", lambda: True)
-    args = argparse.Namespace(speculative_algorithm=None, speculative_num_steps=None, speculative_eagle_topk=None,
-                              speculative_num_draft_tokens=None, cuda_graph_max_bs_decode=None)  # fmt: skip
-    state = s.State(args, [], s.Knobs({"LAB_STANDIN_TOKENS_PER_S": "100"}, args))
-    pieces = list(state.decode_stream("a prompt", 16, every=4))
-    assert pieces[-1]["meta_info"]["completion_tokens"] == 16
-    assert clock[0] == pytest.approx(total)
-    assert sum(1 for g in gaps if g == 0.0) <= 1  # one step taken back at most, never two at once
