@@ -279,11 +279,14 @@ def test_one_interrupt_mid_replica_finishes_it_puts_it_back_and_begins_no_other(
 
 
 def long_request(router: str, worker: str, tokens: int) -> subprocess.Popen:
-    """One generation straight to the worker (not through the router), running for tokens / 400 s."""
+    """One generation straight to the worker (not through the router), running for tokens / 400 s. Streamed, so
+    that killing it ends it on the server too (its next piece cannot be written), as SGLang aborts a request whose
+    client went away: the next test's drain does not wait on it."""
     code = (
         "import json, urllib.request as u; u.urlopen(u.Request("
-        f"'{worker}/generate', data=json.dumps({{'text': 'long', 'sampling_params': "
+        f"'{worker}/generate', data=json.dumps({{'text': 'long', 'stream': True, 'sampling_params': "
         f"{{'max_new_tokens': {tokens}}}}}).encode(), headers={{'Content-Type': 'application/json'}}), timeout=300).read()"
+        "  # sgd-held-request"
     )
     return subprocess.Popen(
         ["podman", "exec", router, "python3", "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -297,7 +300,9 @@ def test_two_interrupts_abandon_the_run_and_put_back_what_serves(fleet):
     _, containers, inventory, run = fleet
     router = containers[ROUTER]
     pids = {n: main_pid(containers[n]) for n in NODES}
-    held = long_request(router, WORKER1, 8000)  # about 20 s at the stand-in's 400 tok/s: the drain waits on it
+    # About 60 s at the stand-in's 400 tok/s: the drain waits on it while the plan (every replica validated, the
+    # fleet measured), the canary's removal and both interrupts happen; 20 s once ran out on a loaded machine.
+    held = long_request(router, WORKER1, 24000)
     driver = Watched(run("rollout", "-e", a_new_configuration(), "-e", GATE, inventory=inventory, popen=True))
     try:
         wait_for("the canary out of the router", out_of_the_router(router, WORKER1), 120, interval=0.1)
@@ -306,7 +311,8 @@ def test_two_interrupts_abandon_the_run_and_put_back_what_serves(fleet):
         driver.proc.send_signal(signal.SIGINT)
     finally:
         code, out, err = driver.wait(300)
-        held.kill()
+        held.kill()  # podman exec's client: the request's own process runs on in the container, so it too
+        subprocess.run(["podman", "exec", router, "pkill", "-f", "sgd-held-request"], check=False, capture_output=True)
     assert code == 130, out[-3000:] + err[-3000:]
     assert f"put back into the router: {WORKER1}" in err, err[-3000:]
     assert main_pid(containers["lab-node1"]) == pids["lab-node1"], "abandoned while draining: never stopped"
