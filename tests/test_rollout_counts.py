@@ -4,16 +4,12 @@ failures allowed."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.rollout import count_of
+from support import local_play
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,22 +53,10 @@ PLAY = """
 def rendered(tmp_path, *extra: str) -> dict:
     """playbooks/vars/rollout.yml's batch and failures allowed as Ansible renders them over 8 replicas (1 in the
     canary, 7 after it), for the -e given."""
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     hosts = [f"r{i}" for i in range(1, 9)]
-    inventory = {"all": {"children": {
-        "sglang_rollout_canary": {"hosts": {h: local for h in hosts[:1]}},
-        "sglang_rollout_rest": {"hosts": {h: local for h in hosts[1:]}},
-    }}}  # fmt: skip
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
-    play = tmp_path / "play.yml"
-    play.write_text(PLAY % {"repo": REPO, "out": tmp_path / "out.json"})
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(play), *extra],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    return json.loads((tmp_path / "out.json").read_text())
+    inventory = {"children": {"sglang_rollout_canary": {"hosts": {h: None for h in hosts[:1]}},
+                              "sglang_rollout_rest": {"hosts": {h: None for h in hosts[1:]}}}}  # fmt: skip
+    return local_play(tmp_path, inventory, PLAY, *extra)
 
 
 def test_the_playbooks_batch_and_failures_allowed_are_the_filters_counts_of_the_replicas(tmp_path):

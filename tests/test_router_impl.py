@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import REPO
+from support import REPO, local_play
 from support.fake_gateway import closed_port
 
 ROLE = REPO / "roles" / "sglang_router"
@@ -118,20 +118,7 @@ PLAY = """
 def rendered(tmp_path, routers: dict, extra: tuple = ()) -> dict:
     """playbooks/vars/rollout.yml's gateways as Ansible renders them for an inventory whose sglang_routers are
     `routers` (host -> variables); its playbook_dir made the repository's playbooks/ (the role default's lookup)."""
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    inventory = {"all": {"children": {"sglang_routers": {"hosts": {h: {**local, **v} for h, v in routers.items()}}}}}
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
-    play = tmp_path / "playbooks" / "play.yml"
-    play.parent.mkdir()
-    (tmp_path / "roles").symlink_to(REPO / "roles")
-    play.write_text(PLAY % {"repo": REPO, "out": tmp_path / "out.json"})
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(play), *extra],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    return json.loads((tmp_path / "out.json").read_text())
+    return local_play(tmp_path, {"children": {"sglang_routers": {"hosts": routers}}}, PLAY, *extra)
 
 
 def test_the_rollout_reaches_each_gateway_with_its_own_impl_address_and_key(tmp_path):

@@ -79,3 +79,35 @@ def code_lines(path: Path) -> int:
         if isinstance(n, ast.Assign) and {ast.unparse(t) for t in n.targets} <= {"DOCUMENTATION", "EXAMPLES", "RETURN"}
     ]
     return len(text.splitlines()) - sum(docs)
+
+
+def local_play(tmp_path: Path, inventory: dict, play: str, *extra: str) -> dict:
+    """Run `play` (a playbook's text; %(repo)s and %(out)s filled in) with ansible-playbook over `inventory` (every
+    host reached locally with this interpreter), from tmp_path/playbooks/ with the repository's roles beside it (a
+    role default read by `playbook_dir ~ '/../roles/...'`), and return the JSON it wrote to %(out)s."""
+    import json
+    import os
+    import sys
+
+    import yaml
+
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+
+    def localized(group: dict) -> dict:
+        hosts = {h: {**local, **(v or {})} for h, v in (group.get("hosts") or {}).items()}
+        children = {name: localized(child) for name, child in (group.get("children") or {}).items()}
+        return {**({"hosts": hosts} if hosts else {}), **({"children": children} if children else {})}
+
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": localized(inventory)}))
+    book = tmp_path / "playbooks" / "play.yml"
+    book.parent.mkdir(exist_ok=True)
+    if not (tmp_path / "roles").exists():
+        (tmp_path / "roles").symlink_to(REPO / "roles")
+    book.write_text(play % {"repo": REPO, "out": tmp_path / "out.json"})
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(book), *extra],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return json.loads((tmp_path / "out.json").read_text())
