@@ -94,12 +94,11 @@ E2E_REST := tests/e2e/test_collection.py tests/e2e/test_tune.py tests/e2e/test_r
 # not measured unless E2E_COV=--cov: coverage follows every ansible-playbook they start (.coveragerc's subprocess
 # patch), which costs the controller about half as much CPU again on a 2-core machine that both streams fill.
 E2E_COV :=
-comma := ,
 test: ## every test: (lint, unit tests, molecule, E2E_REST) beside the other lab tests, then the coverage floors
 	@rm -f .coverage .coverage.lab .coverage.lab-rest .coverage.unit
 	@$(MAKE) --no-print-directory -j2 test-lab test-rest
 	@$(BIN)/python -m coverage combine -q $(if $(E2E_COV),.coverage.lab .coverage.lab-rest) .coverage.unit
-	@$(BIN)/python -m coverage report --format=total | sed 's/^/line coverage$(if $(E2E_COV),$(comma) both streams,$(comma) the unit tests): /; s/$$/ %/'
+	@$(BIN)/python -m coverage report --format=total | sed 's/^/line coverage ($(if $(E2E_COV),both streams,the unit tests)): /; s/$$/ %/'
 	@$(MAKE) --no-print-directory coverage-floor
 
 # Each stream ends with its recap (the random order's seed, each failed or erroring test), so the last lines of

@@ -120,7 +120,7 @@ class HostState:
     progress_changed: dict[str, float] = field(default_factory=dict)
     # deploy: each role that ran, in order, with its tasks changed and whether one failed; the roles begun.
     roles: dict[str, dict] = field(default_factory=dict)
-    seen: set[str] = field(default_factory=set)
+    begun: set[str] = field(default_factory=set)
 
     @property
     def duration(self) -> float:
@@ -301,8 +301,8 @@ class Tracker:
         if role:
             h.roles.setdefault(role, {"changed": 0, "failed": False})
         if module_of(data) == "validate_argument_spec":
-            if role and role not in h.seen and (data.get("task") or "").startswith(ROLE_ENTRY):
-                h.seen.add(role)
+            if role and role not in h.begun and (data.get("task") or "").startswith(ROLE_ENTRY):
+                h.begun.add(role)
                 return role
             return h.phase
         if phase in DEPLOY_ROLES.values():

@@ -162,8 +162,10 @@ def level(
 def combined(repeats: list[dict]) -> dict:
     """One level's repeats as one: counts summed, each figure the median of the repeats', the samples kept."""
     med = lambda key: median([r[key] for r in repeats])  # noqa: E731
-    samples = [r["output_tokens_per_s"] for r in repeats]
-    measured = [v for v in samples if v is not None]
+    # The medians of tok/s, accept length, TTFT and ITL per repeat, each with its interval: the ledger keeps them all.
+    # Only a figure every repeat measured has an interval: a repeat cut short is no sample.
+    samples = {k: [r[k] for r in repeats] for k in INTERVAL_FIGURES}
+    intervals = {k: figure_interval(samples[k], *rule) for k, rule in INTERVAL_FIGURES.items()}
     return {
         "concurrency": repeats[0]["concurrency"],
         "requests": sum(r["requests"] for r in repeats),
@@ -172,13 +174,11 @@ def combined(repeats: list[dict]) -> dict:
         "skipped": sum(r["skipped"] for r in repeats),
         "failures": [f for r in repeats for f in r["failures"]][:5],
         "output_tokens_per_s": med("output_tokens_per_s"),
-        "samples": samples,
-        # Only a level whose every repeat measured has an interval: a repeat cut short is no sample.
-        "interval": interval(measured) if len(measured) == len(samples) else None,
-        # tok/s's, accept length's, TTFT's and ITL's medians per repeat, each with its interval (the tok/s ones above
-        # are the ranking's): the ledger keeps them all.
-        "figure_samples": {k: [r[k] for r in repeats] for k in INTERVAL_FIGURES},
-        "intervals": {k: figure_interval([r[k] for r in repeats], *rule) for k, rule in INTERVAL_FIGURES.items()},
+        # tok/s's, the ranking's, under their own names as well
+        "samples": samples["output_tokens_per_s"],
+        "interval": intervals["output_tokens_per_s"],
+        "figure_samples": samples,
+        "intervals": intervals,
         **{k: med(k) for k in ("accept_length", "ttft_median_s", "ttft_p99_s", "itl_median_s", "itl_p99_s")},
         "seconds": round(sum(r["seconds"] for r in repeats), 3),
     }
