@@ -36,16 +36,41 @@ def main_env(**env: str) -> dict:
     return {"sglang_instances": [{"name": "main", "port": 30000, "gpus": ALL_GPUS, "env": env}]}
 
 
+# The node's side of the sampler: one process for the whole test (a podman exec per reading cost a core's third
+# on a loaded CI machine), every distinct command line printed once, at once; it ends when its stdin closes.
+NODE_SAMPLER = r"""
+import os, select, sys
+seen = set()
+while not select.select([sys.stdin], [], [], 0.1)[0]:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    line = f.read().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if line and line not in seen:
+                seen.add(line)
+                print(line.hex(), flush=True)  # a line of its own whatever the command line holds
+"""
+
+
 class CmdlineSampler:
-    """Every distinct process command line on the controller and on the node, read every 0.3 s while it runs."""
+    """Every distinct process command line on the controller (read every 0.2 s) and on the node (every 0.1 s, by
+    one reader in the node, NODE_SAMPLER; its own command line left out) while it runs."""
 
     def __init__(self, node: str):
         self.node, self.seen, self.skip = node, set(), set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._reader = subprocess.Popen(
+            ["podman", "exec", "-i", node, "python3", "-c", NODE_SAMPLER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
 
     def _loop(self) -> None:
-        while not self._stop.wait(0.3):
+        while not self._stop.wait(0.2):
             for pid in os.listdir("/proc"):
                 if not pid.isdigit() or int(pid) in self.skip:
                     continue
@@ -53,11 +78,6 @@ class CmdlineSampler:
                     self.seen.add(("controller", Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")))
                 except OSError:
                     pass
-            out = subprocess.run(
-                ["podman", "exec", self.node, "sh", "-c", "for f in /proc/[0-9]*/cmdline; do cat $f; echo; done"],
-                capture_output=True,
-            ).stdout
-            self.seen |= {("node", line.replace(b"\0", b" ")) for line in out.split(b"\n") if line}
 
     def __enter__(self):
         self._thread.start()
@@ -66,6 +86,9 @@ class CmdlineSampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(30)
+        out, _ = self._reader.communicate(timeout=30)  # its stdin closed: the reader ends
+        lines = {bytes.fromhex(h) for h in out.decode().split()}
+        self.seen |= {("node", line) for line in lines if b"select.select" not in line}  # not the reader itself
 
 
 @pytest.fixture(scope="module")
