@@ -1,11 +1,14 @@
 """The controller's own CPU per host as the fleet grows (issue #12, docs/fleet-scale.md): medians of several runs.
 
     make lab-up LAB_NODES=8 && ansible-playbook playbooks/deploy.yml        # every node deployed once
-    .venv/bin/python bench/fleet_scale.py [--sizes 1,4,8] [--runs 3] [--out docs/bench/fleet-scale.json]
+    .venv/bin/python bench/fleet_scale.py [--sizes 1,4,8,32,64] [--runs 3] [--out docs/bench/fleet-scale.json]
 
-For each size N (the first N lab nodes, `--limit`): a no-op `playbooks/deploy.yml` (everything already in place)
-and a `playbooks/status.yml` (what `python -m driver status` runs), each --runs times. Measured per run, the
-controller's CPU time (user + system) of:
+For each size N: a no-op `playbooks/deploy.yml` (everything already in place) and a `playbooks/status.yml` (what
+`python -m driver status` runs), each --runs times, over an inventory of N hosts. Up to the lab's node count they
+are the first N nodes; past it, each node is reached by several inventory hosts (aliases: `<node>-sim<k>`, its
+variables, its address and port, a control path of their own, so each alias has its own SSH master as a host of
+a real fleet does), so that the controller does the per-host work of N hosts on the lab's few. Measured per run,
+the controller's CPU time (user + system) of:
 
 - the playbook's process tree: ansible-playbook, its forked workers and the ssh clients they start (each waits for
   its children, so os.wait4's rusage of ansible-playbook holds them all);
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import configparser
 import json
+import math
 import os
 import shutil
 import signal
@@ -37,7 +41,15 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 LAB_INVENTORY = REPO / "inventory" / "lab" / "hosts.yml"
-PLAYBOOKS = {"deploy_noop": "playbooks/deploy.yml", "status": "playbooks/status.yml"}
+# Each measured playbook with its extra arguments. deploy_every_role: the no-op deploy without the state check (every
+# role runs: the lever off, as before it); one_call: the floor, one module call per host and nothing else.
+PLAYBOOKS = {
+    "deploy_noop": ("playbooks/deploy.yml",),
+    "deploy_every_role": ("playbooks/deploy.yml", "-e", "sglang_deploy_state=false"),
+    "status": ("playbooks/status.yml",),
+    "drift": ("playbooks/drift.yml",),
+    "one_call": ("bench/playbooks/one_call.yml",),
+}
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -64,7 +76,21 @@ def masters(control_dir: str) -> list[int]:
     return out
 
 
-def run(playbook: str, hosts: list[str]) -> dict:
+def inventory(lab: dict, n: int, path: Path) -> None:
+    """An inventory of n hosts: the lab's nodes in turn, each past the first round an alias of its node."""
+    nodes = lab["all"]["children"]["sglang_nodes"]["hosts"]
+    names = sorted(nodes)
+    hosts = {}
+    for i in range(n):
+        node = names[i % len(names)]
+        alias = node if i < len(names) else f"{node}-sim{i // len(names)}"
+        # A control path per alias: one SSH master per inventory host, as on a fleet of distinct hosts.
+        hosts[alias] = {**nodes[node], "ansible_control_path": f"%(directory)s/{alias}"}
+    doc = {"all": {**lab["all"], "children": {"sglang_nodes": {"hosts": hosts}}}}
+    path.write_text(yaml.safe_dump(doc, sort_keys=True))
+
+
+def run(playbook: tuple[str, ...], inv: Path) -> dict:
     """One run: wall seconds, the tree's CPU, the masters' CPU, its exit status."""
     control_dir = tempfile.mkdtemp(prefix="sgd-cp-")
     env = {
@@ -72,7 +98,7 @@ def run(playbook: str, hosts: list[str]) -> dict:
         "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
         "ANSIBLE_SSH_CONTROL_PATH_DIR": control_dir,
     }
-    cmd = [str(Path(sys.executable).parent / "ansible-playbook"), playbook, "--limit", ",".join(hosts)]
+    cmd = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv), *playbook]
     with tempfile.TemporaryFile("w+") as out:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -110,9 +136,11 @@ def fit(sizes: list[int], costs: list[float]) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1,4,8")
+    ap.add_argument("--sizes", default="1,4,8,32,64")
+    ap.add_argument("--playbooks", default=",".join(PLAYBOOKS), help=f"some of {','.join(PLAYBOOKS)}")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "fleet-scale.json")
+    ap.add_argument("--merge", action="store_true", help="keep --out's other playbooks, replace these")
     a = ap.parse_args()
     sizes = sorted({int(s) for s in a.sizes.split(",")})
     if len(sizes) < 2:
@@ -120,19 +148,33 @@ def main() -> int:
     if not LAB_INVENTORY.exists():
         print("no lab: make lab-up LAB_NODES=8 && ansible-playbook playbooks/deploy.yml", file=sys.stderr)
         return 2
-    hosts = sorted(yaml.safe_load(LAB_INVENTORY.read_text())["all"]["children"]["sglang_nodes"]["hosts"])
-    if len(hosts) < sizes[-1]:
-        print(f"the lab has {len(hosts)} nodes; --sizes needs {sizes[-1]}", file=sys.stderr)
-        return 2
+    lab = yaml.safe_load(LAB_INVENTORY.read_text())
+    chosen = a.playbooks.split(",")
+    if not set(chosen) <= set(PLAYBOOKS):
+        ap.error(f"--playbooks: some of {','.join(PLAYBOOKS)}")
+    work = Path(tempfile.mkdtemp(prefix="sgd-fleet-"))
+    invs = {}
+    for n in sizes:
+        invs[n] = work / f"hosts-{n}.yml"
+        inventory(lab, n, invs[n])
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "ansible.cfg")
     forks = cfg.getint("defaults", "forks")
-    results: dict = {"sizes": sizes, "runs": a.runs, "forks": forks, "cores": os.cpu_count(), "playbooks": {}}
-    for name, playbook in PLAYBOOKS.items():
-        run(playbook, hosts[: sizes[-1]])  # warm: the lab's own caches (nothing is measured)
+    nodes = len(lab["all"]["children"]["sglang_nodes"]["hosts"])
+    results: dict = {
+        "sizes": sizes,
+        "lab_nodes": nodes,
+        "runs": a.runs,
+        "forks": forks,
+        "cores": os.cpu_count(),
+        "playbooks": {},
+    }
+    for name in chosen:
+        playbook = PLAYBOOKS[name]
+        run(playbook, invs[min(sizes[-1], nodes)])  # warm: the lab's own caches (nothing is measured)
         per_size = {}
         for n in sizes:
-            samples = [run(playbook, hosts[:n]) for _ in range(a.runs)]
+            samples = [run(playbook, invs[n]) for _ in range(a.runs)]
             cpu = [s["tree_cpu_s"] + s["ssh_masters_cpu_s"] for s in samples]
             per_size[n] = {
                 "samples": samples,
@@ -144,25 +186,31 @@ def main() -> int:
         fixed, per_host = fit(sizes, [per_size[n]["median_cpu_s"] for n in sizes])
         ratio = per_size[sizes[-1]]["median_cpu_per_host_s"] / per_size[sizes[0]]["median_cpu_per_host_s"]
         results["playbooks"][name] = {
-            "playbook": playbook,
+            "playbook": " ".join(playbook),
             "by_size": per_size,
             "fit": {"fixed_cpu_s": round(fixed, 2), "per_host_cpu_s": round(per_host, 3)},
             f"per_host_{sizes[-1]}_over_{sizes[0]}": round(ratio, 2),
             "extrapolated": {
                 str(n): {
                     "cpu_s": round(fixed + per_host * n, 1),
+                    # the cores that do that CPU in a minute (the hosts' own work and the forks' bound aside)
+                    "cores_for_one_minute": math.ceil((fixed + per_host * n) / 60),
                     # forks hosts at a time: at most `forks` workers (and their ssh) busy at once
                     "busy_cores_at_most": forks,
                 }
-                for n in (100, 1000)
+                for n in (100, 1000, 5000)
             },
         }
+    shutil.rmtree(work, ignore_errors=True)
     results["command"] = "bench/fleet_scale.py " + " ".join(sys.argv[1:])
+    if a.merge and a.out.exists():
+        old = json.loads(a.out.read_text())
+        results["playbooks"] = {**old.get("playbooks", {}), **results["playbooks"]}
+        results["command"] = "; ".join(filter(None, [old.get("command"), results["command"]]))
     a.out.write_text(json.dumps(results, indent=1) + "\n")
     print("| playbook | N | CPU s (median) | CPU s per host | wall s |\n|---|---|---|---|---|")
     for name, r in results["playbooks"].items():
-        for n in sizes:
-            s = r["by_size"][n]
+        for n, s in r["by_size"].items():
             print(f"| {name} | {n} | {s['median_cpu_s']} | {s['median_cpu_per_host_s']} | {s['median_wall_s']} |")
         print(f"| {name} | fit | fixed {r['fit']['fixed_cpu_s']} s + {r['fit']['per_host_cpu_s']} s per host | | |")
     return 0

@@ -37,7 +37,7 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
 
     from driver import inventory
 
-    playbook = commands.COMMANDS[args.command].playbook
+    playbook = commands.playbook_of(args)
     try:
         inventory.check(args.inventory, args.limit, playbook, args.instance, commands.extravars(args))
     except inventory.InventoryError as e:
@@ -48,7 +48,8 @@ def _run_playbook(args: argparse.Namespace, argv: list[str], interrupts) -> int:
 
     from driver import display, events, evidence, ledger, redact, runner, step
 
-    tracker = events.Tracker(args.command)
+    # status --drift: a table of its own (host, its state, what moved).
+    tracker = events.Tracker("drift" if getattr(args, "drift", False) else args.command)
     redactor = redact.Redactor()
     book = ledger.Ledger()
     run_id = book.start(args.command, redactor.argv(argv), args.inventory, args.profile)

@@ -68,6 +68,24 @@ def progress_options(sp: argparse.ArgumentParser) -> None:
     )
 
 
+# status --drift: the deployed state of each GPU node against its desired one, one round trip a host (issue #36).
+DRIFT_PLAYBOOK = "playbooks/drift.yml"
+
+
+def status_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--drift",
+        action="store_true",
+        help=f"instead: is each GPU node as its last complete deploy left it, and what a deploy would leave now? "
+        f"(one call a host, changes nothing; exit {exitcodes.DRIFTED} where one drifted: {DRIFT_PLAYBOOK})",
+    )
+
+
+def playbook_of(args: argparse.Namespace) -> str | None:
+    """The playbook the parsed command runs: its own, or status --drift's."""
+    return DRIFT_PLAYBOOK if getattr(args, "drift", False) else COMMANDS[args.command].playbook
+
+
 def count_or_percent(value: str) -> str:
     """--max-unavailable's and --max-fail's rule, the playbook's own (sglang_deploy.rollout.COUNT)."""
     from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.rollout import COUNT
@@ -198,6 +216,7 @@ COMMANDS: dict[str, Command] = {
         "every instance at a glance: unit, profile, drift, GPU memory, health, accept length",
         RUN_PLAYBOOK,
         "playbooks/status.yml",
+        (status_options,),
     ),
     "rollback": Command(
         "put back the known-good generation before the one serving (the newest, if the unit is stopped), restart and verify it",

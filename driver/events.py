@@ -53,6 +53,7 @@ MODULE_PHASES = {
     "sglang_stage": CONFIGURE,
     "sglang_patch": PATCH,
     "gpu_state": outcomes.GPUS,
+    "sglang_state": "state",  # the deployed state against the desired one (deploy's first call, status --drift)
 }
 ROLE_PHASES = {"gpu_node": "node", "cuda": "cuda", "ml_env": "ml-env", "sglang": "sglang"}
 # deploy's roles as its summary names them, each with its result (the service role writes the configuration; the
@@ -61,6 +62,9 @@ DEPLOY_ROLES = {**ROLE_PHASES, "sglang_service": "service", "sglang_router": "ro
 # The task Ansible runs first when a play's role begins (its argument check, named by ansible-core for the entry
 # point): a role another includes (tasks_from) checks another entry point, and its handlers none.
 ROLE_ENTRY = "Validating arguments against arg spec 'main'"
+# A deploy's host whose state matched its desired one (sglang_state's check): no role ran, nothing changed.
+STATE_MODULE = "sglang_state"  # in MODULE_PHASES
+CURRENT = "none: current (as its last complete deploy left it)"
 # Ansible's modules that change a host: in a role not named above (sglang_service), writing the configuration.
 WRITING_MODULES = frozenset({"template", "copy", "file", "systemd_service", "systemd"})
 # An instance whose restart or rollback was never begun: the driver's first Ctrl-C came before its turn
@@ -121,6 +125,8 @@ class HostState:
     # deploy: each role that ran, in order, with its tasks changed and whether one failed; the roles begun.
     roles: dict[str, dict] = field(default_factory=dict)
     begun: set[str] = field(default_factory=set)
+    # deploy: the host's deployed state was current (sglang_state), so the deploy ended it there, no role run.
+    current: bool = False
 
     @property
     def duration(self) -> float:
@@ -138,6 +144,8 @@ def roles_of(h: HostState) -> str:
     def said(r: dict) -> str:
         return "failed" if r["failed"] else f"{r['changed']} changed" if r["changed"] else "ok"
 
+    if h.current and not h.roles:
+        return CURRENT
     return ", ".join(f"{name} {said(r)}" for name, r in h.roles.items())
 
 
@@ -253,6 +261,8 @@ class Tracker:
             role is not None and kind in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors")
         ):
             role["failed"] = True
+        if kind == "runner_on_ok" and module_of(data) == STATE_MODULE and res.get("current") and "why" in res:
+            h.current = h.current or not h.roles  # the check before the roles (the record after them says so too)
         if kind == "runner_on_start":
             self.on_start(h, data, now)
         elif kind in ("runner_item_on_ok", "runner_item_on_failed", "runner_on_ok"):
@@ -311,7 +321,7 @@ class Tracker:
 
     def fail(self, h: HostState, data: dict, now: float) -> None:
         code = classify(data)
-        h.status = "unreachable" if code == exitcodes.UNREACHABLE else "failed"
+        h.status = {exitcodes.UNREACHABLE: "unreachable", exitcodes.DRIFTED: outcomes.DRIFTED}.get(code, "failed")
         h.finished = now
         h.failures.append(
             Failure(code, data.get("task") or "", message_of(data.get("res") or {}), data.get("task_uuid") or "")

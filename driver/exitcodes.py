@@ -22,6 +22,7 @@ NOT_RECOVERED = 6  # the new configuration failed and no known-good one could be
 VERIFY_FAILED = 7  # the running server failed verification
 UNREACHABLE = 8  # a host could not be reached
 LOCKED = 9  # another operation holds the instance's lock; nothing was touched
+DRIFTED = 10  # status --drift: a host's deployed state is not what a deploy would leave (changed nothing)
 INTERRUPTED = 130  # Ctrl-C or SIGTERM
 
 MEANING = {
@@ -35,6 +36,7 @@ MEANING = {
     VERIFY_FAILED: "verification failed",
     UNREACHABLE: "host unreachable",
     LOCKED: "locked: another operation holds the instance's lock (nothing was touched)",
+    DRIFTED: "drifted: a host's deployed state is not what a deploy would leave (nothing was touched)",
     INTERRUPTED: "interrupted (Ctrl-C or SIGTERM)",
 }
 
@@ -50,6 +52,7 @@ SEVERITY = [
     LOCKED,
     VERIFY_FAILED,
     INVALID_CONFIG,
+    DRIFTED,
     OK,
 ]
 
@@ -63,6 +66,7 @@ OUTCOME_CODES = {
     outcomes.VERIFY_FAILED: VERIFY_FAILED,
     outcomes.INVALID_CONFIG: INVALID_CONFIG,
     outcomes.REFUSED: FAILED,
+    outcomes.DRIFTED: DRIFTED,
 }
 
 

@@ -221,3 +221,37 @@ def test_status_without_gateways_shows_no_gateway_table(capsys, wide):
 def test_each_column_of_the_summary_has_one_number_format():
     assert [display.number(v, 1) for v in (4.291, 4.4, 12.0, None)] == ["4.3", "4.4", "12.0", "-"]
     assert display.number(2.5, 2) == "2.50"
+
+
+def test_a_deploys_current_host_says_so_and_a_drifted_one_exits_10_naming_what_moved():
+    """Issue #36: deploy's host ended by its state check ran no role; status --drift's drifted host is "drifted"."""
+    current = {"changed": False, "current": True, "why": [], "outcome": "current", "msg": "current"}
+    deploy = fed(
+        "deploy",
+        event("runner_on_start", "node-a", "sglang.deploy.sglang_state"),
+        event("runner_on_ok", "node-a", "sglang.deploy.sglang_state", res=current),
+        event("runner_on_start", "node-b", "sglang.deploy.sglang_state"),
+        event("runner_on_ok", "node-b", "sglang.deploy.sglang_state", res={**current, "current": False, "why": ["x"]}),
+        event("runner_on_start", "node-b", "validate_argument_spec", role="sglang.deploy.gpu_node",
+              task="Validating arguments against arg spec 'main' - Base"),
+        event("runner_on_ok", "node-b", "validate_argument_spec", role="sglang.deploy.gpu_node", res={}),
+        event("playbook_on_stats"),
+    )  # fmt: skip
+    rows = {r["host"]: r for r in deploy.rows()}
+    assert rows["node-a"]["roles"] == "none: current (as its last complete deploy left it)"
+    assert rows["node-b"]["roles"] == "node ok" and rows["node-a"]["result"] == "ok"
+    drifted = {**current, "current": False, "why": ["/etc/sglang changed since the deploy"], "outcome": "drifted",
+               "msg": "drifted: /etc/sglang changed since the deploy", "failed": True}  # fmt: skip
+    drift = fed(
+        "drift",
+        event("runner_on_start", "node-a", "sglang.deploy.sglang_state"),
+        event("runner_on_ok", "node-a", "sglang.deploy.sglang_state", res=current),
+        event("runner_on_start", "node-b", "sglang.deploy.sglang_state"),
+        event("runner_on_failed", "node-b", "sglang.deploy.sglang_state", res=drifted),
+        event("playbook_on_stats"),
+    )
+    rows = {r["host"]: r for r in drift.rows()}
+    assert rows["node-a"]["result"] == "ok" and rows["node-a"]["phase"] == "state"
+    assert rows["node-b"]["result"] == "drifted"
+    assert rows["node-b"]["detail"] == "drifted: /etc/sglang changed since the deploy"
+    assert drift.exit_code("failed", 2, False) == 10

@@ -351,6 +351,7 @@ def test_the_driver_reads_no_task_file():
 def test_the_only_yml_literals_are_what_the_driver_hands_to_ansible():
     handed = {playbook for playbook, _ in commands.PLAYBOOKS.values()} | {
         commands.TUNE_PLAYBOOK,
+        commands.DRIFT_PLAYBOOK,
         putback.PLAYBOOK,
         "hosts.yml",
     }  # hosts.yml: runner.py's default inventory

@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from support.e2e import LAB_NAME, ansible, changed_tasks, lab_gpu_state, labmod, recap, refused
+from support.e2e import (
+    LAB_NAME,
+    ansible,
+    changed_tasks,
+    driver_runner,
+    lab_gpu_state,
+    labmod,
+    podman_exec,
+    recap,
+    refused,
+)
 
 pytestmark = pytest.mark.lab
 
@@ -100,12 +110,59 @@ def test_check_mode_on_fresh_nodes_succeeds_and_changes_nothing(fresh):
 
 
 def test_deploy_converges_then_changes_nothing(lab):
+    """The second deploy ends each host after its state check (one task: its record matches); every role run again
+    (sglang_deploy_state=false) changes nothing either."""
     the_lab, _ = lab
     first = recap(ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory).stdout)
     assert set(first) == {"lab-node1", "lab-node2"}
     assert all(r["failed"] == 0 and r["unreachable"] == 0 for r in first.values())
     second = recap(ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory).stdout)
-    assert {h: r["changed"] for h, r in second.items()} == {"lab-node1": 0, "lab-node2": 0}
+    assert {h: (r["changed"], r["ok"]) for h, r in second.items()} == {"lab-node1": (0, 1), "lab-node2": (0, 1)}
+    every = ansible(
+        "ansible-playbook", "playbooks/deploy.yml", "-e", "sglang_deploy_state=false", inventory=the_lab.inventory
+    )
+    assert {h: r["changed"] for h, r in recap(every.stdout).items()} == {"lab-node1": 0, "lab-node2": 0}
+    assert all(r["ok"] > 50 for r in recap(every.stdout).values())
+
+
+def changed_on(output: str) -> set[tuple[str, str]]:
+    """(task, host) of every task that reported a change."""
+    out = set()
+    for block in re.split(r"^(?=TASK \[|RUNNING HANDLER \[)", output, flags=re.M):
+        m = re.match(r"(?:TASK|RUNNING HANDLER) \[([^\]]+)\]", block)
+        if m:
+            out |= {(m.group(1), host) for host in re.findall(r"^changed: \[([^\]]+)\]", block, re.M)}
+    return out
+
+
+def test_a_file_edited_by_hand_is_drift_check_mode_says_the_same_with_the_digest_or_without_and_deploy_mends_it(
+    deployed, tmp_path
+):
+    """Issue #36: status --drift names what moved (exit 10); deploy --check reports the same changes whether the
+    state check ends the unmoved host or every role runs; the deploy mends it and the drift is gone."""
+    the_lab, hosts = deployed
+    node1 = next(h["container"] for h in hosts if h["name"] == "lab-node1")
+    ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)  # each host's record written
+    launcher = "/usr/local/libexec/sglang-deploy/sglang-launch"
+    podman_exec(node1, "sh", "-c", f"echo '# edited by hand' >> {launcher}")
+    run = driver_runner(the_lab, tmp_path / "ledger.sqlite3", None)
+    code, doc, _ = run("status", "--drift")
+    rows = {r["host"]: r for r in doc["rows"]}
+    assert code == 10 and rows["lab-node1"]["result"] == "drifted" and rows["lab-node2"]["result"] == "ok", doc
+    assert "/usr/local/libexec/sglang-deploy changed since the deploy" in rows["lab-node1"]["detail"], doc
+    with_digest = ansible("ansible-playbook", "playbooks/deploy.yml", "--check", "--diff", inventory=the_lab.inventory)
+    every_role = ansible(
+        "ansible-playbook", "playbooks/deploy.yml", "--check", "--diff", "-e", "sglang_deploy_state=false",
+        inventory=the_lab.inventory,
+    )  # fmt: skip
+    changed = changed_on(with_digest.stdout)
+    assert changed == changed_on(every_role.stdout)
+    assert changed == {("sglang.deploy.sglang_service : Install the GPU gate and the launcher", "lab-node1")}
+    assert recap(with_digest.stdout)["lab-node2"]["ok"] == 1  # ended after its state check
+    ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
+    assert "edited by hand" not in podman_exec(node1, "cat", launcher)
+    code, doc, _ = run("status", "--drift")
+    assert code == 0 and {r["result"] for r in doc["rows"]} == {"ok"}, doc
 
 
 def test_deploy_in_check_mode_changes_nothing(deployed):

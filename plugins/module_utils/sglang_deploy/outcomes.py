@@ -31,10 +31,15 @@ VERIFY_FAILED = "verify_failed"
 STATUS = "status"
 STAGED = "staged"  # deploy wrote a new configuration as pending: the safe restart applies it
 UNCHANGED = "unchanged"  # deploy found the configuration already in place
+# the deployed state (sglang_state): as the last complete deploy left it and what a deploy would leave now, or not
+CURRENT = "current"
+DRIFTED = "drifted"
 
-SUCCESS = frozenset({RESTARTED, WOULD_RESTART, WOULD_ROLL_BACK, STOPPED, STARTED, VERIFIED, STATUS, STAGED, UNCHANGED})
+SUCCESS = frozenset(
+    {RESTARTED, WOULD_RESTART, WOULD_ROLL_BACK, STOPPED, STARTED, VERIFIED, STATUS, STAGED, UNCHANGED, CURRENT}
+)
 NOTHING_TOUCHED = frozenset({GPUS_NOT_CLEAN, LOCKED, INVALID_CONFIG, REFUSED})
-ALL = SUCCESS | NOTHING_TOUCHED | {ROLLED_BACK, NOT_RECOVERED, VERIFY_FAILED}
+ALL = SUCCESS | NOTHING_TOUCHED | {ROLLED_BACK, NOT_RECOVERED, VERIFY_FAILED, DRIFTED}
 
 
 def succeeded(action: str, outcome: str) -> bool:

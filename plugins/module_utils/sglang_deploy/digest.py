@@ -1,0 +1,256 @@
+"""A host's deployed state as one digest, so that a deploy that would change nothing costs one round trip (issue #36).
+
+Two halves, compared in one module call (sglang_state):
+- desired, on the controller: the deploy's inputs, hashed - the files of the collection that shape a node (its roles
+  and plugins, the patch series) and the host's variables of the deploy's roles (their names' prefixes, DEPLOY_VARS),
+  as written, before any templating (a value that names a fact is hashed as written: RUN_SCOPED and the fact's
+  change aside, the same text renders the same);
+- applied, on the host: the record a complete deploy wrote (RECORD: the desired digest it applied, and a fingerprint
+  of what it left - file contents, trees' listings, links, the package database, the OS release), compared with a
+  fingerprint taken now.
+
+The host is current when the record's digest is the desired one and nothing it fingerprinted moved; then a deploy
+ends the host there (playbooks/deploy.yml). Anything else - no record, another digest, a file edited by hand, a
+package upgraded - and the deploy runs every role as before, after the record is set aside (a deploy that fails half
+way leaves no record that could vouch for it) and the desired digest kept on the host for the record at the end
+(begin, record: the digest, which hashes secret variables among the rest, never travels back to the controller's
+logs, and a run records only what it checked itself).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, gpu
+
+FORMAT = 1
+RECORD = "/var/lib/sglang-deploy/deploy-state.json"
+# The host's variables a deploy reads: its roles' (gpu_node, cuda, ml_env, sglang, sglang_service) and the fleet's
+# settings they are given (sglang_instances, sglang_profiles, ...). Underscored names are the roles' own facts.
+DEPLOY_VARS = re.compile(r"^(gpu_node|cuda|ml_env|sglang)_")
+# Variables of one run, not of the host's state: the driver's cancel file and the evidence directory, this lever's
+# own switch, and what a run names for itself (another controller's name must not make every host stale).
+RUN_SCOPED = frozenset(
+    {
+        "sglang_deploy_state",
+        "sglang_service_cancel_file",
+        "sglang_service_evidence_dir",
+        "sglang_service_controller",
+        "sglang_service_controller_command",
+    }
+)
+# What a path of the applied state is fingerprinted by: its content (file), every file's content under it (tree),
+# every entry's type, size, mode and mtime under it (listing: a virtualenv or the CUDA toolkit, too large to read
+# each time), its own entries' names, types and links (entries: the generations), or the files a glob matches (glob).
+KINDS = ("file", "tree", "listing", "entries", "glob")
+# Always part of the applied state: the package database (an upgrade), users and groups, the OS release, and the
+# GPUs as nvidia-smi lists them (a GPU lost or swapped, a driver that no longer answers: the deploy's own probe and
+# its refusals run again).
+GPUS = "gpus"
+SYSTEM = (
+    {"path": "/var/lib/dpkg/status", "kind": "file"},
+    {"path": "/etc/passwd", "kind": "file"},
+    {"path": "/etc/group", "kind": "file"},
+    {"path": "/etc/os-release", "kind": "file"},
+    {"path": "nvidia-smi", "kind": GPUS},
+)
+
+
+class StateError(Exception):
+    """A path or record this module cannot read as asked (named in the message)."""
+
+
+def canonical(value: object) -> object:
+    """A variable's value as plain JSON, the same for the same text: mappings sorted, tagged strings as str."""
+    if isinstance(value, Mapping):
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return str(value)
+
+
+def deploy_vars(task_vars: Mapping[str, object]) -> dict[str, object]:
+    """The host's variables that shape its deploy, by name (DEPLOY_VARS less RUN_SCOPED)."""
+    return {k: canonical(v) for k, v in task_vars.items() if DEPLOY_VARS.match(k) and k not in RUN_SCOPED}
+
+
+def files_digest(roots: Iterable[str]) -> str:
+    """Every file's relative path and content under each root (a file stands for itself), in a stable order;
+    caches (__pycache__, *.pyc) left out."""
+    h = hashlib.sha256()
+    for root in sorted(set(roots)):
+        h.update(f"root {root}\n".encode())
+        for path in _files(root):
+            h.update(f"{os.path.relpath(path, root)}\n".encode())
+            h.update(_sha256(path).encode())
+    return h.hexdigest()
+
+
+def desired(variables: Mapping[str, object], tree: str) -> str:
+    """The desired state's digest: the collection's files' digest and the variables' values."""
+    doc = {"format": FORMAT, "tree": tree, "vars": variables}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def fingerprint(paths: Iterable[Mapping[str, str]]) -> dict[str, str]:
+    """What is on the host now at each path (SYSTEM's too), as {kind:path: digest}; "absent" where nothing is."""
+    out = {f"{GPUS}:nvidia-smi": _gpus()}
+    for spec in [*SYSTEM[:-1], *paths]:
+        kind, path = spec["kind"], spec["path"]
+        if kind not in KINDS:
+            raise StateError(f"paths: {path}: kind {kind!r} is none of {', '.join(KINDS)}")
+        if not os.path.isabs(path):
+            raise StateError(f"paths: {path!r} is not absolute")
+        out[f"{kind}:{path}"] = _fingerprint(kind, path)
+    return out
+
+
+def check(record_path: str, digest: str, paths: Iterable[Mapping[str, str]] | None = None) -> tuple[bool, list[str]]:
+    """Whether the host is current: its record names `digest` and nothing it fingerprinted moved; and why not.
+    What is fingerprinted is the record's own list of paths unless `paths` is given."""
+    record = read(record_path)
+    if record is None:
+        return False, ["no record of a complete deploy"]
+    why = []
+    if record.get("digest") != digest:
+        why.append("the desired state changed (the collection's files or the host's variables)")
+    then, now = record.get("fingerprint") or {}, fingerprint(record.get("paths") or [] if paths is None else paths)
+    for key in sorted(set(then) | set(now)):
+        if then.get(key) != now.get(key):
+            why.append(f"{key.split(':', 1)[1]} changed since the deploy")
+    return not why, why
+
+
+def read(record_path: str) -> dict | None:
+    """The record, or None where there is none or it cannot be read as one (then the host is not current)."""
+    try:
+        with open(record_path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+
+
+def begin(record_path: str, digest: str) -> str:
+    """A deploy is about to run every role: set the record aside (a deploy that stops half way vouches for nothing)
+    and keep the desired digest on the host, for the record at its end, under a token of this run's. The digest
+    stays on the host: it never travels back through the controller's logs."""
+    forget(record_path)
+    token = os.urandom(8).hex()
+    os.makedirs(os.path.dirname(record_path), mode=0o700, exist_ok=True)
+    durable.write_atomic(_pending(record_path), json.dumps({"digest": digest, "token": token}) + "\n", mode=0o600)
+    return token
+
+
+def record(record_path: str, token: str, paths: Iterable[Mapping[str, str]]) -> bool:
+    """Write the record of a complete deploy (root's alone, atomic): the digest its check kept and the fingerprint
+    of now. False, and nothing recorded, where another run checked the host since (its token is not this one's)."""
+    try:
+        with open(_pending(record_path), encoding="utf-8") as f:
+            pending = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(pending, dict) or pending.get("token") != token or not pending.get("digest"):
+        return False
+    write(record_path, pending["digest"], paths)
+    durable.unlink(_pending(record_path), missing_ok=True)
+    return True
+
+
+def write(record_path: str, digest: str, paths: Iterable[Mapping[str, str]]) -> dict:
+    """The record itself: the digest, the paths and their fingerprint now."""
+    paths = [{"path": p["path"], "kind": p["kind"]} for p in paths]
+    doc = {"format": FORMAT, "digest": digest, "paths": paths, "fingerprint": fingerprint(paths)}
+    os.makedirs(os.path.dirname(record_path), mode=0o700, exist_ok=True)
+    durable.write_atomic(record_path, json.dumps(doc, sort_keys=True, indent=1) + "\n", mode=0o600)
+    return doc
+
+
+def forget(record_path: str) -> bool:
+    """The record set aside; whether there was one."""
+    return durable.unlink(record_path, missing_ok=True)
+
+
+def _pending(record_path: str) -> str:
+    return f"{record_path}.pending"
+
+
+def _files(root: str) -> list[str]:
+    if os.path.isfile(root):
+        return [root]
+    out = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        out += [os.path.join(d, n) for n in sorted(names) if not n.endswith(".pyc")]
+    return out
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError as exc:
+        raise StateError(f"{path}: {exc.strerror or exc}") from exc
+    return h.hexdigest()
+
+
+def _fingerprint(kind: str, path: str) -> str:
+    if kind == "glob":
+        h = hashlib.sha256()
+        for p in sorted(glob.glob(path)):
+            h.update(f"{p}\n{_link_or_content(p)}\n".encode())
+        return h.hexdigest()
+    if not os.path.lexists(path):
+        return "absent"
+    if kind == "file":
+        return _link_or_content(path)
+    h = hashlib.sha256()
+    if os.path.islink(path):
+        h.update(f"-> {os.readlink(path)}\n".encode())
+        path = os.path.realpath(path)
+    if kind == "entries":
+        for n in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+            p = os.path.join(path, n)
+            what = f"-> {os.readlink(p)}" if os.path.islink(p) else ("dir" if os.path.isdir(p) else "file")
+            h.update(f"{n} {what}\n".encode())
+        return h.hexdigest()
+    for d, dirs, names in os.walk(path):
+        dirs.sort()
+        for n in sorted(dirs + names):
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            rel = os.path.relpath(p, path)
+            if kind == "tree":
+                body = _link_or_content(p) if not os.path.isdir(p) or os.path.islink(p) else "dir"
+                h.update(f"{rel} {st.st_mode:o} {st.st_uid}:{st.st_gid} {body}\n".encode())
+            else:
+                h.update(f"{rel} {st.st_mode:o} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _gpus() -> str:
+    """The GPUs' indices and UUIDs as nvidia-smi lists them, or how it failed (sglang_deploy.gpu)."""
+    try:
+        return hashlib.sha256(
+            gpu.run_nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader").encode()
+        ).hexdigest()
+    except gpu.NvidiaSmiError as exc:
+        return f"failed: {exc}"
+
+
+def _link_or_content(path: str) -> str:
+    if os.path.islink(path):
+        return f"-> {os.readlink(path)}"
+    st = os.stat(path)
+    return f"{st.st_mode:o} {st.st_uid}:{st.st_gid} {_sha256(path)}"
