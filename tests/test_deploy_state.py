@@ -24,19 +24,21 @@ def tree(tmp_path):
     (venv / "lib").mkdir(parents=True)
     (venv / "lib" / "mod.py").write_text("x = 1\n")
     (tmp_path / "ml-env").symlink_to(venv)
+    (tmp_path / "state" / "known-good").mkdir(parents=True)
     return [
         {"path": str(tmp_path / "etc" / "sglang"), "kind": "tree"},
         {"path": str(tmp_path / "units" / "sglang-*.service"), "kind": "glob"},
         {"path": str(tmp_path / "ml-env"), "kind": "listing"},
         {"path": str(tmp_path / "gens"), "kind": "entries"},
         {"path": str(tmp_path / "missing.conf"), "kind": "file"},
+        {"path": str(tmp_path / "state"), "kind": "stat"},
     ]
 
 
 @pytest.fixture
 def recorded(tmp_path):
     paths = tree(tmp_path)
-    where = str(tmp_path / "state" / "deploy-state.json")
+    where = str(tmp_path / "rec" / "deploy-state.json")
     assert digest.record(where, digest.begin(where, "d1"), paths) is True
     return where, paths
 
@@ -62,9 +64,13 @@ def test_a_host_recorded_and_unmoved_is_current_and_its_record_is_roots_alone(re
         (lambda t: (t / "gens" / "g2").mkdir(), "gens"),
         (lambda t: ((t / "ml-env").unlink(), (t / "ml-env").symlink_to(t / "gens")), "ml-env"),
         (lambda t: (t / "missing.conf").write_text("now here\n"), "missing.conf"),
+        (lambda t: (t / "etc" / "sglang").chmod(0o777), "etc/sglang"),
+        (lambda t: (t / "gens").chmod(0o777), "gens"),
+        (lambda t: (t / "state").chmod(0o777), "state"),
     ],
     ids=["content", "a new file", "a mode", "a new glob match", "a match's content", "a listed file's size",
-         "a listed file's mtime", "a new entry", "a link's target", "a file that appeared"],
+         "a listed file's mtime", "a new entry", "a link's target", "a file that appeared", "a tree's own mode",
+         "the entries' directory's own mode", "a stat's mode"],
 )  # fmt: skip
 def test_anything_moved_since_the_record_makes_the_host_not_current_and_is_named(tmp_path, recorded, move, moved):
     where, paths = recorded
@@ -108,7 +114,7 @@ def test_a_gpu_lost_or_a_driver_that_stopped_answering_makes_the_host_not_curren
 
 @pytest.mark.parametrize("spec, says", [
     ({"path": "relative/path", "kind": "file"}, "is not absolute"),
-    ({"path": "/etc", "kind": "contents"}, "is none of file, tree, listing, entries, glob"),
+    ({"path": "/etc", "kind": "contents"}, "is none of file, tree, listing, entries, stat, glob"),
 ])  # fmt: skip
 def test_a_path_it_cannot_fingerprint_is_refused_by_name(spec, says):
     with pytest.raises(digest.StateError, match=says):
@@ -148,13 +154,40 @@ def test_the_files_digest_reads_every_file_but_caches(tmp_path):
     assert digest.files_digest([str(role)]) != base
 
 
-def test_a_run_records_only_the_digest_its_own_check_kept(tmp_path, recorded):
+def test_what_a_stat_or_the_walk_cannot_wait_on_or_finds_gone_is_not_a_hang_nor_a_failure(tmp_path, recorded):
     where, paths = recorded
-    first, second = digest.begin(where, "d2"), digest.begin(where, "d3")  # another run checked the host since
-    assert digest.read(where) is None  # each set the record aside
-    assert digest.record(where, first, paths) is False and digest.read(where) is None
-    assert digest.record(where, second, paths) is True and digest.check(where, "d3") == (True, [])
-    assert digest.record(where, second, paths) is False  # kept once
+    os.mkfifo(tmp_path / "etc" / "sglang" / "fifo")  # never opened
+    os.symlink(tmp_path / "nowhere", tmp_path / "etc" / "sglang" / "dangling")
+    assert digest.check(where, "d1")[0] is False
+    digest.write(where, "d1", paths)
+    assert digest.check(where, "d1") == (True, [])
+    assert digest.stat.S_ISDIR(os.lstat(tmp_path / "state").st_mode)  # a stat's contents are not its
+    (tmp_path / "state" / "known-good" / "main").mkdir()
+    assert digest.check(where, "d1") == (True, [])
+
+
+def test_state_things_that_change_nothing_a_deploy_leaves_are_not_in_the_digest():
+    base = {"sglang_profile": "a"}
+    for other in ({"sglang_service_instances_selected": ["x"]}, {"sglang_rollout_max_unavailable": "2"},
+                  {"sglang_monitoring_scrape_interval": "5s"}):  # fmt: skip
+        assert digest.deploy_vars({**base, **other}) == digest.deploy_vars(base), other
+
+
+def test_a_run_records_only_the_digest_its_own_check_kept_and_two_at_once_record_nothing(tmp_path, recorded):
+    where, paths = recorded
+    token = digest.begin(where, "d2")
+    assert digest.read(where) is None  # the record set aside
+    assert digest.record(where, "another", paths) is False and digest.read(where) is None
+    assert digest.record(where, token, paths) is False  # the pending digest went with the failed attempt
+    token = digest.begin(where, "d2")
+    assert digest.record(where, token, paths) is True and digest.check(where, "d2") == (True, [])
+    assert digest.record(where, token, paths) is False  # kept once
+    # Two runs at once (two controllers, or one stopped half way): neither records; the one after does.
+    first, second = digest.begin(where, "d3"), digest.begin(where, "d4")
+    assert digest.record(where, second, paths) is False and digest.record(where, first, paths) is False
+    assert digest.read(where) is None
+    third = digest.begin(where, "d5")
+    assert digest.record(where, third, paths) is True and digest.check(where, "d5") == (True, [])
 
 
 def test_the_module_checks_sets_aside_only_outside_check_mode_records_and_never_returns_the_digest(tmp_path, recorded):
@@ -175,13 +208,23 @@ def test_the_module_checks_sets_aside_only_outside_check_mode_records_and_never_
     assert rc == 0 and not os.path.exists(where) and out["recorded"] is False, out
     rc, out = run_module("sglang_state", {**record, "token": "another"}, tmp_path)
     assert rc == 0 and out["recorded"] is False and not os.path.exists(where), out
-    rc, out = run_module("sglang_state", record, tmp_path)
+    rc, out = run_module("sglang_state", {**args, "digest": "d2-secret"}, tmp_path)  # that attempt cost the pending
+    rc, out = run_module("sglang_state", {**record, "token": out["token"]}, tmp_path)
     assert rc == 0 and out["changed"] is False and out["recorded"] is True, out
     assert digest.check(where, "d2-secret") == (True, [])
     rc, out = run_module("sglang_state", {**args, "paths": [{"path": "x", "kind": "file"}]}, tmp_path)
-    assert rc == 1 and out["failed"] and "'x' is not absolute" in out["msg"], out
+    assert rc == 1 and out["failed"] and "'x' is not absolute" in out["msg"] and "outcome" not in out, out
+    rc, out = run_module(
+        "sglang_state", {**args, "paths": [{"path": "x", "kind": "file"}], "on_error": "warn"}, tmp_path
+    )
+    assert rc == 0 and out["current"] is False and "'x' is not absolute" in json.dumps(out["warnings"]), out
+    assert "token" not in out and os.path.exists(where)  # nothing set aside, nothing to record
     rc, out = run_module("sglang_state", {"action": "record", "record": where}, tmp_path)
     assert rc == 1 and "record needs paths" in out["msg"], out
+    rc, out = run_module("sglang_state", {"action": "forget", "record": where}, tmp_path, check_mode=True)
+    assert rc == 0 and out["forgotten"] is False and os.path.exists(where), out
+    rc, out = run_module("sglang_state", {"action": "forget", "record": where}, tmp_path)
+    assert rc == 0 and out["forgotten"] is True and not os.path.exists(where) and out["changed"] is False, out
 
 
 PLAY = """
@@ -214,10 +257,18 @@ def test_the_action_plugin_hashes_the_hosts_deploy_variables_as_written_not_the_
         )
         result = local_play(tmp_path, inventory, play, *extra)
         assert result["current"] is False and result["why"] == ["no record of a complete deploy"], result
-        return json.loads(pending.read_text())["digest"]
+        kept = json.loads(pending.read_text())
+        pending.unlink()  # the next run is not a second deploy at once
+        return kept["digest"]
 
     first = digest_of()
+    assert first == digest_of()
     assert first == digest_of(play_var="y", with_role=False)
     assert first == digest_of("-e", "sglang_service_cancel_file=/x")
     assert first != digest_of("-e", "sglang_profile=b")
     assert first != digest_of("-e", "cuda_version=12.9")
+    # A value is hashed as it resolves with the host's own variables: the same text, another value, another digest.
+    inventory["hosts"]["n1"].update(sglang_service_api_key="{{ lab_key }}", lab_key="k1")
+    keyed = digest_of()
+    inventory["hosts"]["n1"]["lab_key"] = "k2"
+    assert keyed != digest_of() and keyed != first

@@ -1,10 +1,12 @@
 """Action plugin of the sglang_state module: the desired state's digest computed on the controller, then one call.
 
-Unless the task gives `digest`, it is the digest (sglang_deploy.digest.desired) of the collection's files that shape
-a node (DEPLOY_ROLES, DEPLOY_PLAY and plugins/, beside this file, and the task's `inputs`) and of the host's deploy
-variables as written, before templating: the inventory's (host and group variables) and -e's, as hostvars holds
-them. Not the play's or the roles' defaults: those are files of the collection, hashed as such, and so the same
-digest comes out of deploy.yml (its roles' defaults in scope) and drift.yml (none).
+For a check, unless the task gives `digest`, it is the digest (sglang_deploy.digest.desired) of:
+- the collection's files that shape a node: DEPLOY_ROLES, DEPLOY_PLAY and plugins/ beside this file, the task's
+  `inputs`, and a patch series the inventory keeps elsewhere (sglang_patch_series_dir); ansible-core's version;
+- the host's deploy variables as the inventory (host and group variables) and -e give them, each templated with
+  those alone (a vault value, an environment lookup, another inventory variable resolved; one that names a role's
+  default or a fact is kept as written). Not the play's variables nor the roles' defaults: those are files of the
+  collection, hashed as such, so deploy.yml (its roles' defaults in scope) and drift.yml (none) agree.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ansible.plugins.action import ActionBase
+from ansible.release import __version__ as ANSIBLE_CORE
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import digest
 
@@ -20,6 +23,8 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import
 DEPLOY_ROLES = ("gpu_node", "cuda", "ml_env", "sglang", "sglang_service")
 DEPLOY_PLAY = ("playbooks/deploy.yml", "playbooks/vars/deploy_state.yml")
 COLLECTION = Path(__file__).resolve().parents[2]
+# Variables naming controller files the roles read, where the inventory sets them (their defaults are in the roles).
+INPUT_VARS = ("sglang_patch_series_dir",)
 
 
 def roots(inputs: list[str]) -> list[str]:
@@ -41,14 +46,29 @@ class ActionModule(ActionBase):
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
         args = dict(self._task.args)
-        if not args.get("digest"):
+        inputs = list(args.pop("inputs", None) or [])  # the controller's paths: nothing for the host
+        if args.get("action") == "check" and not args.get("digest"):
+            own = self.resolved(host_vars(task_vars or {}))
+            inputs += [str(own[v]) for v in INPUT_VARS if isinstance(own.get(v), str) and own[v].startswith("/")]
             try:
-                tree = digest.files_digest(roots(args.get("inputs") or []))
+                tree = digest.files_digest(roots(inputs))
             except digest.StateError as exc:
                 return {**result, "failed": True, "msg": f"sglang_state: the desired state's files: {exc}"}
-            args["digest"] = digest.desired(digest.deploy_vars(host_vars(task_vars or {})), tree)
-        args.pop("inputs", None)  # the controller's paths: nothing for the host
+            args["digest"] = digest.desired({**digest.deploy_vars(own), "ansible_core": ANSIBLE_CORE}, tree)
         result.update(
             self._execute_module(module_name="sglang.deploy.sglang_state", module_args=args, task_vars=task_vars)
         )
         return result
+
+    def resolved(self, own: dict) -> dict:
+        """Each deploy variable templated with the host's own variables alone; as written where that fails."""
+        templar = self._templar.copy_with_new_env(available_variables=own)
+        out = {}
+        for name, value in own.items():
+            if not digest.DEPLOY_VARS.match(name) or name in digest.RUN_SCOPED:
+                continue
+            try:
+                out[name] = templar.template(value)
+            except Exception:  # any templating failure (undefined, a lookup's error): as written
+                out[name] = value
+        return out

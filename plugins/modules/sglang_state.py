@@ -10,22 +10,25 @@ short_description: Compare a host's deployed state with the desired one, or reco
 description:
   - C(check) compares the host's record of its last complete deploy (I(record)) with I(digest), the desired state's
     digest, and fingerprints what that deploy left (the record's I(paths) unless given, and always the package
-    database, users, groups and the OS release) to compare it with the record's. The host is C(current) when both
+    database, users, groups, the OS release and the GPUs nvidia-smi lists) to compare it with the record's. The host is C(current) when both
     match.
   - With I(forget), a C(check) that finds the host not current sets its record aside (not in check mode), so that a
     deploy that stops half way leaves no record vouching for it, and keeps I(digest) on the host under a token it
     returns.
   - C(record) writes the record (root's alone, atomically) at the end of a complete deploy, with the digest its check
-    kept under I(token); none where another run checked the host since.
+    kept under I(token); none where another run began on the host since or at once (two controllers).
+  - C(forget) sets the record aside, for a run that changes the host without the check (C(--tags), a part of a
+    deploy, vouches for no whole state).
   - I(digest) is never returned (it hashes the host's secret variables among the rest).
   - The action plugin of the same name computes I(digest) on the controller when it is not given (the collection's
     roles and plugins, I(inputs), and the host's deploy variables as written; sglang_deploy.digest).
   - Neither action reports a change; the record is the deploy's own bookkeeping (check mode reports as a run does).
 options:
   action:
-    description: C(check) the host against I(digest), or C(record) it as deployed to the digest its check kept.
+    description: C(check) the host against I(digest), C(record) it as deployed to the digest its check kept, or
+      C(forget) its record.
     type: str
-    choices: [check, record]
+    choices: [check, record, forget]
     required: true
   digest:
     description: The desired state's digest (C(check)). Computed by the action plugin when unset.
@@ -43,7 +46,8 @@ options:
     description: What the deploy leaves on the host (C(record); with C(check), instead of the record's own list),
       each fingerprinted by its I(kind) - C(file) (content, mode,
       owner), C(tree) (every file's content under it), C(listing) (every entry's type, size, mode and mtime; a
-      virtualenv), C(entries) (its own entries' names, types and links), C(glob) (each match's content).
+      virtualenv), C(entries) (its own entries' names, types and links), C(stat) (its own type, mode and owner alone),
+      C(glob) (each match's content). A directory's own mode and owner count in every kind.
     type: list
     elements: dict
     suboptions:
@@ -54,7 +58,7 @@ options:
       kind:
         description: How it is fingerprinted.
         type: str
-        choices: [file, tree, listing, entries, glob]
+        choices: [file, tree, listing, entries, stat, glob]
         required: true
   record:
     description: The record's path on the host.
@@ -64,6 +68,12 @@ options:
     description: With C(check), set the record aside when the host is not current (never in check mode).
     type: bool
     default: false
+  on_error:
+    description: What a path that cannot be read does - C(fail) the task, or C(warn) and call the host not current
+      (the deploy then runs every role, as without the check).
+    type: str
+    choices: [fail, warn]
+    default: fail
 author: sglang-deploy maintainers (!UNKNOWN)
 """
 
@@ -96,7 +106,7 @@ why:
   elements: str
   returned: always
 forgotten:
-  description: Whether the record was set aside (C(check) with I(forget) on a host not current).
+  description: Whether the record was set aside (C(check) with I(forget) on a host not current, C(forget)).
   type: bool
   returned: always
 token:
@@ -126,7 +136,7 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            action=dict(type="str", required=True, choices=["check", "record"]),
+            action=dict(type="str", required=True, choices=["check", "record", "forget"]),
             digest=dict(type="str", no_log=True),
             token=dict(type="str"),
             inputs=dict(type="list", elements="path", default=[]),
@@ -140,13 +150,16 @@ def main() -> None:
             ),
             record=dict(type="path", default=state.RECORD),
             forget=dict(type="bool", default=False),
+            on_error=dict(type="str", choices=["fail", "warn"], default="fail"),
         ),
         supports_check_mode=True,
     )
     p = module.params
     out = {"changed": False, "current": False, "why": [], "forgotten": False, "recorded": False}
     try:
-        if p["action"] == "record":
+        if p["action"] == "forget":
+            out["forgotten"] = False if module.check_mode else state.forget(p["record"])
+        elif p["action"] == "record":
             if p["paths"] is None or not p["token"]:
                 module.fail_json(msg="record needs paths (what the deploy leaves) and its check's token", **out)
             if not module.check_mode:
@@ -161,7 +174,10 @@ def main() -> None:
             if p["forget"] and not out["current"] and not module.check_mode:
                 out["forgotten"], out["token"] = True, state.begin(p["record"], p["digest"])
     except (state.StateError, OSError) as exc:
-        module.fail_json(msg=f"sglang_state {p['action']}: {exc}", **out, outcome=outcomes.DRIFTED)
+        if p["on_error"] == "fail":
+            module.fail_json(msg=f"sglang_state {p['action']}: {exc}", **out)  # a failure, not a drift
+        module.warn(f"sglang_state {p['action']}: {exc}: the host is taken as not current")
+        out["why"] = [f"the state could not be read: {exc}"]
     out["outcome"] = outcomes.CURRENT if out["current"] else outcomes.DRIFTED
     out["msg"] = out["outcome"] if out["current"] else f"{out['outcome']}: " + "; ".join(out["why"])
     module.exit_json(**out)

@@ -123,6 +123,7 @@ def test_deploy_converges_then_changes_nothing(lab):
     )
     assert {h: r["changed"] for h, r in recap(every.stdout).items()} == {"lab-node1": 0, "lab-node2": 0}
     assert all(r["ok"] > 50 for r in recap(every.stdout).values())
+    ansible("ansible-playbook", "playbooks/drift.yml", inventory=the_lab.inventory)  # and recorded: current again
 
 
 def changed_on(output: str) -> set[tuple[str, str]]:
@@ -159,10 +160,20 @@ def test_a_file_edited_by_hand_is_drift_check_mode_says_the_same_with_the_digest
     assert changed == changed_on(every_role.stdout)
     assert changed == {("sglang.deploy.sglang_service : Install the GPU gate and the launcher", "lab-node1")}
     assert recap(with_digest.stdout)["lab-node2"]["ok"] == 1  # ended after its state check
+    code, doc, _ = run("status", "--drift")  # check mode set no record aside
+    assert code == 10 and [r["host"] for r in doc["rows"] if r["result"] == "ok"] == ["lab-node2"], doc
     ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
     assert "edited by hand" not in podman_exec(node1, "cat", launcher)
     code, doc, _ = run("status", "--drift")
     assert code == 0 and {r["result"] for r in doc["rows"]} == {"ok"}, doc
+    # A part of a deploy (--tags) vouches for no whole state: the records set aside, then the next whole deploy's.
+    ansible(
+        "ansible-playbook", "playbooks/deploy.yml", "--tags", "sglang_service_configure", inventory=the_lab.inventory
+    )
+    code, doc, _ = run("status", "--drift")
+    assert code == 10 and {r["detail"] for r in doc["rows"]} == {"drifted: no record of a complete deploy"}, doc
+    ansible("ansible-playbook", "playbooks/deploy.yml", inventory=the_lab.inventory)
+    assert run("status", "--drift")[0] == 0
 
 
 def test_deploy_in_check_mode_changes_nothing(deployed):

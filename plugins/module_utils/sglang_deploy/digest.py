@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, gpu
@@ -32,6 +33,8 @@ FORMAT = 1
 RECORD = "/var/lib/sglang-deploy/deploy-state.json"
 # The host's variables a deploy reads: its roles' (gpu_node, cuda, ml_env, sglang, sglang_service) and the fleet's
 # settings they are given (sglang_instances, sglang_profiles, ...). Underscored names are the roles' own facts.
+# (A value is hashed as the inventory or -e gives it, templated with the host's own variables where that resolves:
+# plugins/action/sglang_state.py.)
 DEPLOY_VARS = re.compile(r"^(gpu_node|cuda|ml_env|sglang)_")
 # Variables of one run, not of the host's state: the driver's cancel file and the evidence directory, this lever's
 # own switch, and what a run names for itself (another controller's name must not make every host stale).
@@ -42,15 +45,20 @@ RUN_SCOPED = frozenset(
         "sglang_service_evidence_dir",
         "sglang_service_controller",
         "sglang_service_controller_command",
+        "sglang_service_instances_selected",  # the driver's --instance: which instances a restart acts on
     }
 )
+# Variables of the operations that never shape what a deploy leaves: a rollout's, the monitoring host's.
+NOT_DEPLOY = re.compile(r"^sglang_(rollout|monitoring)_")
 # What a path of the applied state is fingerprinted by: its content (file), every file's content under it (tree),
 # every entry's type, size, mode and mtime under it (listing: a virtualenv or the CUDA toolkit, too large to read
-# each time), its own entries' names, types and links (entries: the generations), or the files a glob matches (glob).
-KINDS = ("file", "tree", "listing", "entries", "glob")
+# each time), its own entries' names, types and links (entries: the generations), its own type, mode and owner alone
+# (stat: a directory whose contents other operations change), or the files a glob matches (glob). A directory's own
+# mode and owner count in every kind.
+KINDS = ("file", "tree", "listing", "entries", "stat", "glob")
 # Always part of the applied state: the package database (an upgrade), users and groups, the OS release, and the
-# GPUs as nvidia-smi lists them (a GPU lost or swapped, a driver that no longer answers: the deploy's own probe and
-# its refusals run again).
+# GPUs as nvidia-smi lists them (a GPU lost or swapped, another driver, a driver that no longer answers: the deploy's
+# own probe and its refusals run again).
 GPUS = "gpus"
 SYSTEM = (
     {"path": "/var/lib/dpkg/status", "kind": "file"},
@@ -78,7 +86,11 @@ def canonical(value: object) -> object:
 
 def deploy_vars(task_vars: Mapping[str, object]) -> dict[str, object]:
     """The host's variables that shape its deploy, by name (DEPLOY_VARS less RUN_SCOPED)."""
-    return {k: canonical(v) for k, v in task_vars.items() if DEPLOY_VARS.match(k) and k not in RUN_SCOPED}
+    return {
+        k: canonical(v)
+        for k, v in task_vars.items()
+        if DEPLOY_VARS.match(k) and k not in RUN_SCOPED and not NOT_DEPLOY.match(k)
+    }
 
 
 def files_digest(roots: Iterable[str]) -> str:
@@ -143,27 +155,39 @@ def read(record_path: str) -> dict | None:
 def begin(record_path: str, digest: str) -> str:
     """A deploy is about to run every role: set the record aside (a deploy that stops half way vouches for nothing)
     and keep the desired digest on the host, for the record at its end, under a token of this run's. The digest
-    stays on the host: it never travels back through the controller's logs."""
+    stays on the host: it never travels back through the controller's logs.
+
+    Another run's digest still pending there (two deploys at once, from two controllers; or one that was stopped)
+    makes both contended: neither records, and the next deploy runs every role again."""
     forget(record_path)
     token = os.urandom(8).hex()
+    pending = _read_json(_pending(record_path))
+    doc = {"contended": True} if pending is not None else {"digest": digest, "token": token}
     os.makedirs(os.path.dirname(record_path), mode=0o700, exist_ok=True)
-    durable.write_atomic(_pending(record_path), json.dumps({"digest": digest, "token": token}) + "\n", mode=0o600)
+    durable.write_atomic(_pending(record_path), json.dumps(doc) + "\n", mode=0o600)
     return token
 
 
 def record(record_path: str, token: str, paths: Iterable[Mapping[str, str]]) -> bool:
     """Write the record of a complete deploy (root's alone, atomic): the digest its check kept and the fingerprint
-    of now. False, and nothing recorded, where another run checked the host since (its token is not this one's)."""
-    try:
-        with open(_pending(record_path), encoding="utf-8") as f:
-            pending = json.load(f)
-    except (OSError, ValueError):
-        return False
+    of now. False, and nothing recorded, where another run began since or at once (begin); the pending digest is
+    gone either way."""
+    pending = _read_json(_pending(record_path))
+    durable.unlink(_pending(record_path), missing_ok=True)
     if not isinstance(pending, dict) or pending.get("token") != token or not pending.get("digest"):
         return False
     write(record_path, pending["digest"], paths)
-    durable.unlink(_pending(record_path), missing_ok=True)
     return True
+
+
+def _read_json(path: str) -> object | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # there, unreadable: as another run's
 
 
 def write(record_path: str, digest: str, paths: Iterable[Mapping[str, str]]) -> dict:
@@ -176,7 +200,8 @@ def write(record_path: str, digest: str, paths: Iterable[Mapping[str, str]]) -> 
 
 
 def forget(record_path: str) -> bool:
-    """The record set aside; whether there was one."""
+    """The record set aside (also by a run that changes the host without the check: --tags, the lever off);
+    whether there was one."""
     return durable.unlink(record_path, missing_ok=True)
 
 
@@ -188,7 +213,7 @@ def _files(root: str) -> list[str]:
     if os.path.isfile(root):
         return [root]
     out = []
-    for d, dirs, names in os.walk(root):
+    for d, dirs, names in os.walk(root, followlinks=True):  # a patch series linked into the role is read
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
         out += [os.path.join(d, n) for n in sorted(names) if not n.endswith(".pyc")]
     return out
@@ -219,8 +244,12 @@ def _fingerprint(kind: str, path: str) -> str:
     if os.path.islink(path):
         h.update(f"-> {os.readlink(path)}\n".encode())
         path = os.path.realpath(path)
+    top = _stat(path)
+    h.update(f". {top.st_mode:o} {top.st_uid}:{top.st_gid}\n".encode() if top else b". absent\n")  # its own mode
+    if kind == "stat" or top is None or not stat.S_ISDIR(top.st_mode):
+        return h.hexdigest()
     if kind == "entries":
-        for n in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        for n in sorted(os.listdir(path)):
             p = os.path.join(path, n)
             what = f"-> {os.readlink(p)}" if os.path.islink(p) else ("dir" if os.path.isdir(p) else "file")
             h.update(f"{n} {what}\n".encode())
@@ -229,28 +258,42 @@ def _fingerprint(kind: str, path: str) -> str:
         dirs.sort()
         for n in sorted(dirs + names):
             p = os.path.join(d, n)
-            st = os.lstat(p)
+            st = _stat(p)
+            if st is None:  # gone while read (a restart promoting its pending files): as absent
+                continue
             rel = os.path.relpath(p, path)
             if kind == "tree":
-                body = _link_or_content(p) if not os.path.isdir(p) or os.path.islink(p) else "dir"
+                body = "dir" if stat.S_ISDIR(st.st_mode) else _link_or_content(p)
                 h.update(f"{rel} {st.st_mode:o} {st.st_uid}:{st.st_gid} {body}\n".encode())
             else:
                 h.update(f"{rel} {st.st_mode:o} {st.st_size} {st.st_mtime_ns}\n".encode())
     return h.hexdigest()
 
 
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
 def _gpus() -> str:
     """The GPUs' indices and UUIDs as nvidia-smi lists them, or how it failed (sglang_deploy.gpu)."""
     try:
-        return hashlib.sha256(
-            gpu.run_nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader").encode()
-        ).hexdigest()
+        listed = gpu.run_nvidia_smi("--query-gpu=index,uuid,driver_version", "--format=csv,noheader")
+        return hashlib.sha256(listed.encode()).hexdigest()
     except gpu.NvidiaSmiError as exc:
         return f"failed: {exc}"
 
 
 def _link_or_content(path: str) -> str:
-    if os.path.islink(path):
+    """A link's target; a regular file's mode, owner and content; anything else (a FIFO, a device: never opened,
+    never waited on) its type and mode."""
+    st = _stat(path)
+    if st is None:
+        return "absent"
+    if stat.S_ISLNK(st.st_mode):
         return f"-> {os.readlink(path)}"
-    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{st.st_mode:o} {st.st_uid}:{st.st_gid} not a file"
     return f"{st.st_mode:o} {st.st_uid}:{st.st_gid} {_sha256(path)}"
