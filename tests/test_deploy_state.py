@@ -195,21 +195,21 @@ def test_the_module_checks_sets_aside_only_outside_check_mode_records_and_never_
     args = {"action": "check", "digest": "d1", "record": where, "forget": True}
     rc, out = run_module("sglang_state", args, tmp_path)
     assert rc == 0 and out["current"] is True and out["changed"] is False and out["forgotten"] is False, out
-    assert out["outcome"] == "current" and "token" not in out
+    assert out["outcome"] == "current" and "check_id" not in out
     rc, out = run_module("sglang_state", {**args, "digest": "d2"}, tmp_path, check_mode=True)
     assert out["current"] is False and out["forgotten"] is False and os.path.exists(where), out
     rc, out = run_module("sglang_state", {**args, "digest": "d2-secret"}, tmp_path)
     assert out["current"] is False and out["forgotten"] is True and not os.path.exists(where), out
     assert out["outcome"] == "drifted" and out["msg"].startswith("drifted: the desired state changed"), out
     assert "d2-secret" not in json.dumps(out)  # not in the result, not in its invocation
-    token = out["token"]
-    record = {"action": "record", "record": where, "paths": paths, "token": token}
+    token = out["check_id"]
+    record = {"action": "record", "record": where, "paths": paths, "check_id": token}
     rc, out = run_module("sglang_state", record, tmp_path, check_mode=True)
     assert rc == 0 and not os.path.exists(where) and out["recorded"] is False, out
-    rc, out = run_module("sglang_state", {**record, "token": "another"}, tmp_path)
+    rc, out = run_module("sglang_state", {**record, "check_id": "another"}, tmp_path)
     assert rc == 0 and out["recorded"] is False and not os.path.exists(where), out
     rc, out = run_module("sglang_state", {**args, "digest": "d2-secret"}, tmp_path)  # that attempt cost the pending
-    rc, out = run_module("sglang_state", {**record, "token": out["token"]}, tmp_path)
+    rc, out = run_module("sglang_state", {**record, "check_id": out["check_id"]}, tmp_path)
     assert rc == 0 and out["changed"] is False and out["recorded"] is True, out
     assert digest.check(where, "d2-secret") == (True, [])
     rc, out = run_module("sglang_state", {**args, "paths": [{"path": "x", "kind": "file"}]}, tmp_path)
@@ -218,7 +218,7 @@ def test_the_module_checks_sets_aside_only_outside_check_mode_records_and_never_
         "sglang_state", {**args, "paths": [{"path": "x", "kind": "file"}], "on_error": "warn"}, tmp_path
     )
     assert rc == 0 and out["current"] is False and "'x' is not absolute" in json.dumps(out["warnings"]), out
-    assert "token" not in out and os.path.exists(where)  # nothing set aside, nothing to record
+    assert "check_id" not in out and os.path.exists(where)  # nothing set aside, nothing to record
     rc, out = run_module("sglang_state", {"action": "record", "record": where}, tmp_path)
     assert rc == 1 and "record needs paths" in out["msg"], out
     rc, out = run_module("sglang_state", {"action": "forget", "record": where}, tmp_path, check_mode=True)

@@ -13,10 +13,10 @@ description:
     database, users, groups, the OS release and the GPUs nvidia-smi lists) to compare it with the record's. The host is C(current) when both
     match.
   - With I(forget), a C(check) that finds the host not current sets its record aside (not in check mode), so that a
-    deploy that stops half way leaves no record vouching for it, and keeps I(digest) on the host under a token it
-    returns.
+    deploy that stops half way leaves no record vouching for it, and keeps I(digest) on the host under a C(check_id)
+    it returns.
   - C(record) writes the record (root's alone, atomically) at the end of a complete deploy, with the digest its check
-    kept under I(token); none where another run began on the host since or at once (two controllers).
+    kept under I(check_id); none where another run began on the host since or at once (two controllers).
   - C(forget) sets the record aside, for a run that changes the host without the check (C(--tags), a part of a
     deploy, vouches for no whole state).
   - I(digest) is never returned (it hashes the host's secret variables among the rest).
@@ -33,8 +33,8 @@ options:
   digest:
     description: The desired state's digest (C(check)). Computed by the action plugin when unset.
     type: str
-  token:
-    description: The token the C(check) that set the record aside returned (C(record)).
+  check_id:
+    description: What the C(check) that set the record aside returned, naming this run's check (C(record)).
     type: str
   inputs:
     description: Files or directories on the controller that shape the deploy besides the collection's roles and
@@ -89,7 +89,7 @@ EXAMPLES = r"""
   become: true
   sglang.deploy.sglang_state:
     action: record
-    token: "{{ state.token }}"
+    check_id: "{{ state.check_id }}"
     paths:
       - {path: /etc/systemd/system/sglang-*.service, kind: glob}
       - {path: /opt/ml-env, kind: listing}
@@ -109,7 +109,7 @@ forgotten:
   description: Whether the record was set aside (C(check) with I(forget) on a host not current, C(forget)).
   type: bool
   returned: always
-token:
+check_id:
   description: What C(record) must be given to record this run's check (C(check) with I(forget) on a host not current).
   type: str
   returned: when the record was set aside
@@ -138,7 +138,7 @@ def main() -> None:
         argument_spec=dict(
             action=dict(type="str", required=True, choices=["check", "record", "forget"]),
             digest=dict(type="str", no_log=True),
-            token=dict(type="str"),
+            check_id=dict(type="str"),
             inputs=dict(type="list", elements="path", default=[]),
             paths=dict(
                 type="list",
@@ -160,10 +160,10 @@ def main() -> None:
         if p["action"] == "forget":
             out["forgotten"] = False if module.check_mode else state.forget(p["record"])
         elif p["action"] == "record":
-            if p["paths"] is None or not p["token"]:
-                module.fail_json(msg="record needs paths (what the deploy leaves) and its check's token", **out)
+            if p["paths"] is None or not p["check_id"]:
+                module.fail_json(msg="record needs paths (what the deploy leaves) and its check's check_id", **out)
             if not module.check_mode:
-                out["recorded"] = state.record(p["record"], p["token"], p["paths"])
+                out["recorded"] = state.record(p["record"], p["check_id"], p["paths"])
             out["current"] = out["recorded"]
             if not out["recorded"]:
                 out["why"] = ["another run checked the host since this one: nothing recorded"]
@@ -172,7 +172,7 @@ def main() -> None:
                 module.fail_json(msg="digest: the desired state's digest is required (the action plugin computes it)")
             out["current"], out["why"] = state.check(p["record"], p["digest"], p["paths"])
             if p["forget"] and not out["current"] and not module.check_mode:
-                out["forgotten"], out["token"] = True, state.begin(p["record"], p["digest"])
+                out["forgotten"], out["check_id"] = True, state.begin(p["record"], p["digest"])
     except (state.StateError, OSError) as exc:
         if p["on_error"] == "fail":
             module.fail_json(msg=f"sglang_state {p['action']}: {exc}", **out)  # a failure, not a drift
