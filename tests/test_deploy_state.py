@@ -96,7 +96,9 @@ def test_another_desired_state_or_no_record_or_a_broken_one_is_not_current(tmp_p
 
 def test_the_system_state_is_always_part_of_it(tmp_path):
     keys = digest.fingerprint([])
-    assert set(keys) == {f"{s['kind']}:{s['path']}" for s in digest.SYSTEM}
+    assert set(keys) == {
+        f"{s['kind']}:{os.path.realpath(s['path']) if s['kind'] == 'file' else s['path']}" for s in digest.SYSTEM
+    }
 
 
 def test_a_gpu_lost_or_a_driver_that_stopped_answering_makes_the_host_not_current(tmp_path, recorded, monkeypatch):
@@ -182,6 +184,9 @@ def test_a_run_records_only_the_digest_its_own_check_kept_and_two_at_once_record
     token = digest.begin(where, "d2")
     assert digest.record(where, token, paths) is True and digest.check(where, "d2") == (True, [])
     assert digest.record(where, token, paths) is False  # kept once
+    # A tagged run meanwhile makes the run in flight contended.
+    token = digest.begin(where, "d2")
+    assert digest.forget(where) is False and digest.record(where, token, paths) is False
     # Two runs at once (two controllers, or one stopped half way): neither records; the one after does.
     first, second = digest.begin(where, "d3"), digest.begin(where, "d4")
     assert digest.record(where, second, paths) is False and digest.record(where, first, paths) is False
@@ -191,6 +196,13 @@ def test_a_run_records_only_the_digest_its_own_check_kept_and_two_at_once_record
 
 
 def test_the_module_checks_sets_aside_only_outside_check_mode_records_and_never_returns_the_digest(tmp_path, recorded):
+    """And a current host the deploy runs every role on all the same (keep_current false) begins a run too."""
+    rc, out = run_module("sglang_state", {"action": "check", "digest": "d1", "record": recorded[0], "forget": True,
+                                          "keep_current": False}, tmp_path)  # fmt: skip
+    assert out["current"] is True and out["check_id"] and not os.path.exists(recorded[0]), out
+    rc, out = run_module("sglang_state", {"action": "record", "record": recorded[0], "paths": recorded[1],
+                                          "check_id": out["check_id"]}, tmp_path)  # fmt: skip
+    assert out["recorded"] is True, out
     where, paths = recorded
     args = {"action": "check", "digest": "d1", "record": where, "forget": True}
     rc, out = run_module("sglang_state", args, tmp_path)
@@ -218,9 +230,10 @@ def test_the_module_checks_sets_aside_only_outside_check_mode_records_and_never_
         "sglang_state", {**args, "paths": [{"path": "x", "kind": "file"}], "on_error": "warn"}, tmp_path
     )
     assert rc == 0 and out["current"] is False and "'x' is not absolute" in json.dumps(out["warnings"]), out
-    assert "check_id" not in out and os.path.exists(where)  # nothing set aside, nothing to record
+    assert "check_id" not in out and not os.path.exists(where)  # set aside all the same, nothing to record
     rc, out = run_module("sglang_state", {"action": "record", "record": where}, tmp_path)
     assert rc == 1 and "record needs paths" in out["msg"], out
+    digest.write(where, "d1", paths)
     rc, out = run_module("sglang_state", {"action": "forget", "record": where}, tmp_path, check_mode=True)
     assert rc == 0 and out["forgotten"] is False and os.path.exists(where), out
     rc, out = run_module("sglang_state", {"action": "forget", "record": where}, tmp_path)
@@ -272,3 +285,9 @@ def test_the_action_plugin_hashes_the_hosts_deploy_variables_as_written_not_the_
     keyed = digest_of()
     inventory["hosts"]["n1"]["lab_key"] = "k2"
     assert keyed != digest_of() and keyed != first
+    # Leaf by leaf: a neighbour that names a role's default does not keep the rotated value from counting.
+    env = {"TOKEN": "{{ lab_key }}", "HOME": "{{ sglang_own_default }}/hf"}
+    inventory["hosts"]["n1"].update(sglang_server_env=env)
+    before = digest_of()
+    inventory["hosts"]["n1"]["lab_key"] = "k3"
+    assert digest_of() != before

@@ -11,6 +11,7 @@ For a check, unless the task gives `digest`, it is the digest (sglang_deploy.dig
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from ansible.plugins.action import ActionBase
@@ -61,14 +62,22 @@ class ActionModule(ActionBase):
         return result
 
     def resolved(self, own: dict) -> dict:
-        """Each deploy variable templated with the host's own variables alone; as written where that fails."""
+        """Each deploy variable templated with the host's own variables alone, leaf by leaf; a leaf that does not
+        resolve so (a role's default, a fact) stays as written, its neighbours resolved all the same."""
         templar = self._templar.copy_with_new_env(available_variables=own)
-        out = {}
-        for name, value in own.items():
-            if not digest.DEPLOY_VARS.match(name) or name in digest.RUN_SCOPED:
-                continue
-            try:
-                out[name] = templar.template(value)
+
+        def leaf(value):
+            if isinstance(value, Mapping):
+                return {k: leaf(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [leaf(v) for v in value]
+            if isinstance(value, (bool, int, float)) or value is None:
+                return value
+            if isinstance(value, str) and "{" not in value and type(value) is str:
+                return value
+            try:  # a template, or a vaulted value
+                return templar.template(value)
             except Exception:  # any templating failure (undefined, a lookup's error): as written
-                out[name] = value
-        return out
+                return value
+
+        return {n: leaf(v) for n, v in own.items() if digest.DEPLOY_VARS.match(n) and n not in digest.RUN_SCOPED}

@@ -12,9 +12,9 @@ description:
     digest, and fingerprints what that deploy left (the record's I(paths) unless given, and always the package
     database, users, groups, the OS release and the GPUs nvidia-smi lists) to compare it with the record's. The host is C(current) when both
     match.
-  - With I(forget), a C(check) that finds the host not current sets its record aside (not in check mode), so that a
-    deploy that stops half way leaves no record vouching for it, and keeps I(digest) on the host under a C(check_id)
-    it returns.
+  - With I(forget), a C(check) that finds the host not current (or any, without I(keep_current)) sets its record
+    aside (not in check mode), so that a deploy that stops half way leaves no record vouching for it, and keeps
+    I(digest) on the host under a C(check_id) it returns.
   - C(record) writes the record (root's alone, atomically) at the end of a complete deploy, with the digest its check
     kept under I(check_id); none where another run began on the host since or at once (two controllers).
   - C(forget) sets the record aside, for a run that changes the host without the check (C(--tags), a part of a
@@ -68,6 +68,11 @@ options:
     description: With C(check), set the record aside when the host is not current (never in check mode).
     type: bool
     default: false
+  keep_current:
+    description: With C(check) and I(forget), whether a current host is left as it is (the deploy ends it); false, it
+      begins a run all the same (every role runs, then C(record)).
+    type: bool
+    default: true
   on_error:
     description: What a path that cannot be read does - C(fail) the task, or C(warn) and call the host not current
       (the deploy then runs every role, as without the check).
@@ -133,6 +138,15 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
 
 
+def _forget_quietly(module: AnsibleModule, record: str) -> None:
+    """A check that could not read the state sets the record aside all the same (every role runs; no record
+    vouches for what they leave), a failure to do so a warning too."""
+    try:
+        state.forget(record)
+    except OSError as exc:
+        module.warn(f"sglang_state: the record could not be set aside: {exc}")
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
@@ -150,6 +164,7 @@ def main() -> None:
             ),
             record=dict(type="path", default=state.RECORD),
             forget=dict(type="bool", default=False),
+            keep_current=dict(type="bool", default=True),
             on_error=dict(type="str", choices=["fail", "warn"], default="fail"),
         ),
         supports_check_mode=True,
@@ -171,13 +186,16 @@ def main() -> None:
             if not p["digest"]:  # the action plugin fills it in; the module run by itself must be given one
                 module.fail_json(msg="digest: the desired state's digest is required (the action plugin computes it)")
             out["current"], out["why"] = state.check(p["record"], p["digest"], p["paths"])
-            if p["forget"] and not out["current"] and not module.check_mode:
+            # Every role runs unless the host is current and kept so: the run begins (its record at the end).
+            if p["forget"] and not (out["current"] and p["keep_current"]) and not module.check_mode:
                 out["forgotten"], out["check_id"] = True, state.begin(p["record"], p["digest"])
-    except (state.StateError, OSError) as exc:
-        if p["on_error"] == "fail":
+    except Exception as exc:  # anything the host's state raises: a failure (drift), or every role (deploy)
+        if p["on_error"] == "fail" or not isinstance(exc, (state.StateError, OSError, ValueError, KeyError)):
             module.fail_json(msg=f"sglang_state {p['action']}: {exc}", **out)  # a failure, not a drift
         module.warn(f"sglang_state {p['action']}: {exc}: the host is taken as not current")
-        out["why"] = [f"the state could not be read: {exc}"]
+        out["current"], out["why"] = False, [f"the state could not be read: {exc}"]
+        if p["forget"] and not module.check_mode:
+            _forget_quietly(module, p["record"])
     out["outcome"] = outcomes.CURRENT if out["current"] else outcomes.DRIFTED
     out["msg"] = out["outcome"] if out["current"] else f"{out['outcome']}: " + "; ".join(out["why"])
     module.exit_json(**out)

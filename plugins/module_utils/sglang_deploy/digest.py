@@ -19,6 +19,8 @@ logs, and a run records only what it checked itself).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -30,6 +32,8 @@ from collections.abc import Iterable, Mapping
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import durable, gpu
 
 FORMAT = 1
+# File names as the OS gives them: bytes that are not UTF-8 come back as they are (os.fsencode's rule).
+NAMES = "surrogateescape"
 RECORD = "/var/lib/sglang-deploy/deploy-state.json"
 # The host's variables a deploy reads: its roles' (gpu_node, cuda, ml_env, sglang, sglang_service) and the fleet's
 # settings they are given (sglang_instances, sglang_profiles, ...). Underscored names are the roles' own facts.
@@ -98,9 +102,9 @@ def files_digest(roots: Iterable[str]) -> str:
     caches (__pycache__, *.pyc) left out."""
     h = hashlib.sha256()
     for root in sorted(set(roots)):
-        h.update(f"root {root}\n".encode())
+        h.update(f"root {root}\n".encode(errors=NAMES))
         for path in _files(root):
-            h.update(f"{os.path.relpath(path, root)}\n".encode())
+            h.update(f"{os.path.relpath(path, root)}\n".encode(errors=NAMES))
             h.update(_sha256(path).encode())
     return h.hexdigest()
 
@@ -114,7 +118,8 @@ def desired(variables: Mapping[str, object], tree: str) -> str:
 def fingerprint(paths: Iterable[Mapping[str, str]]) -> dict[str, str]:
     """What is on the host now at each path (SYSTEM's too), as {kind:path: digest}; "absent" where nothing is."""
     out = {f"{GPUS}:nvidia-smi": _gpus()}
-    for spec in [*SYSTEM[:-1], *paths]:
+    system = [{**sp, "path": os.path.realpath(sp["path"])} for sp in SYSTEM[:-1]]  # /etc/os-release: a link
+    for spec in [*system, *paths]:
         kind, path = spec["kind"], spec["path"]
         if kind not in KINDS:
             raise StateError(f"paths: {path}: kind {kind!r} is none of {', '.join(KINDS)}")
@@ -145,39 +150,88 @@ def read(record_path: str) -> dict | None:
     try:
         with open(record_path, encoding="utf-8") as f:
             doc = json.load(f)
-    except FileNotFoundError:
+    except (OSError, ValueError):  # none, or not readable as one
         return None
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+    return doc if _well_formed(doc) else None
+
+
+def _well_formed(doc: object) -> bool:
+    """A record this module wrote: its format, a digest, a list of {path, kind} and a {key: fingerprint} mapping."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("digest"), str):
+        return False
+    paths, prints = doc.get("paths"), doc.get("fingerprint")
+    return (
+        isinstance(paths, list)
+        and all(isinstance(p, dict) and isinstance(p.get("path"), str) and p.get("kind") in KINDS for p in paths)
+        and isinstance(prints, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in prints.items())
+    )
 
 
 def begin(record_path: str, digest: str) -> str:
     """A deploy is about to run every role: set the record aside (a deploy that stops half way vouches for nothing)
-    and keep the desired digest on the host, for the record at its end, under a token of this run's. The digest
+    and keep the desired digest on the host, for the record at its end, under a check id of this run's. The digest
     stays on the host: it never travels back through the controller's logs.
 
     Another run's digest still pending there (two deploys at once, from two controllers; or one that was stopped)
     makes both contended: neither records, and the next deploy runs every role again."""
-    forget(record_path)
-    token = os.urandom(8).hex()
-    pending = _read_json(_pending(record_path))
-    doc = {"contended": True} if pending is not None else {"digest": digest, "token": token}
-    os.makedirs(os.path.dirname(record_path), mode=0o700, exist_ok=True)
-    durable.write_atomic(_pending(record_path), json.dumps(doc) + "\n", mode=0o600)
-    return token
+    check_id = os.urandom(8).hex()
+    with _locked(record_path):
+        forget_locked(record_path)
+        pending = _read_json(_pending(record_path))
+        doc = {"contended": True} if pending is not None else {"digest": digest, "check_id": check_id}
+        durable.write_atomic(_pending(record_path), json.dumps(doc) + "\n", mode=0o600)
+    return check_id
 
 
-def record(record_path: str, token: str, paths: Iterable[Mapping[str, str]]) -> bool:
+def record(record_path: str, check_id: str, paths: Iterable[Mapping[str, str]]) -> bool:
     """Write the record of a complete deploy (root's alone, atomic): the digest its check kept and the fingerprint
-    of now. False, and nothing recorded, where another run began since or at once (begin); the pending digest is
-    gone either way."""
-    pending = _read_json(_pending(record_path))
-    durable.unlink(_pending(record_path), missing_ok=True)
-    if not isinstance(pending, dict) or pending.get("token") != token or not pending.get("digest"):
-        return False
-    write(record_path, pending["digest"], paths)
+    taken now. False, and nothing recorded, where another run began or set the record aside since, or at once
+    (begin, forget); the pending digest is gone either way."""
+    paths = [{"path": p["path"], "kind": p["kind"]} for p in paths]
+    prints = fingerprint(paths)  # before the lock: seconds for a virtualenv's listing
+    with _locked(record_path):
+        pending = _read_json(_pending(record_path))
+        durable.unlink(_pending(record_path), missing_ok=True)
+        if not isinstance(pending, dict) or pending.get("check_id") != check_id or not pending.get("digest"):
+            return False
+        doc = {"format": FORMAT, "digest": pending["digest"], "paths": paths, "fingerprint": prints}
+        durable.write_atomic(record_path, json.dumps(doc, sort_keys=True, indent=1) + "\n", mode=0o600)
     return True
+
+
+def forget(record_path: str) -> bool:
+    """The record set aside by a run that changes the host without the check (--tags), a run in flight made
+    contended (its record would vouch for these changes too); whether there was a record."""
+    with _locked(record_path):
+        if os.path.exists(_pending(record_path)):
+            durable.write_atomic(_pending(record_path), json.dumps({"contended": True}) + "\n", mode=0o600)
+        return forget_locked(record_path)
+
+
+def forget_locked(record_path: str) -> bool:
+    return durable.unlink(record_path, missing_ok=True)
+
+
+def write(record_path: str, digest: str, paths: Iterable[Mapping[str, str]]) -> dict:
+    """A record written as it stands (the tests' and a repair's; a deploy's goes through begin and record)."""
+    paths = [{"path": p["path"], "kind": p["kind"]} for p in paths]
+    doc = {"format": FORMAT, "digest": digest, "paths": paths, "fingerprint": fingerprint(paths)}
+    os.makedirs(os.path.dirname(record_path), mode=0o700, exist_ok=True)
+    durable.write_atomic(record_path, json.dumps(doc, sort_keys=True, indent=1) + "\n", mode=0o600)
+    return doc
+
+
+@contextlib.contextmanager
+def _locked(record_path: str):
+    """The record's lock: begin, record and forget one at a time on a host."""
+    os.makedirs(os.path.dirname(record_path), mode=0o700, exist_ok=True)
+    fd = os.open(f"{record_path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _read_json(path: str) -> object | None:
@@ -188,21 +242,6 @@ def _read_json(path: str) -> object | None:
         return None
     except (OSError, ValueError):
         return {}  # there, unreadable: as another run's
-
-
-def write(record_path: str, digest: str, paths: Iterable[Mapping[str, str]]) -> dict:
-    """The record itself: the digest, the paths and their fingerprint now."""
-    paths = [{"path": p["path"], "kind": p["kind"]} for p in paths]
-    doc = {"format": FORMAT, "digest": digest, "paths": paths, "fingerprint": fingerprint(paths)}
-    os.makedirs(os.path.dirname(record_path), mode=0o700, exist_ok=True)
-    durable.write_atomic(record_path, json.dumps(doc, sort_keys=True, indent=1) + "\n", mode=0o600)
-    return doc
-
-
-def forget(record_path: str) -> bool:
-    """The record set aside (also by a run that changes the host without the check: --tags, the lever off);
-    whether there was one."""
-    return durable.unlink(record_path, missing_ok=True)
 
 
 def _pending(record_path: str) -> str:
@@ -225,6 +264,8 @@ def _sha256(path: str) -> str:
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
+    except FileNotFoundError:
+        return "absent"  # gone while read (a restart promoting its pending files)
     except OSError as exc:
         raise StateError(f"{path}: {exc.strerror or exc}") from exc
     return h.hexdigest()
@@ -234,7 +275,7 @@ def _fingerprint(kind: str, path: str) -> str:
     if kind == "glob":
         h = hashlib.sha256()
         for p in sorted(glob.glob(path)):
-            h.update(f"{p}\n{_link_or_content(p)}\n".encode())
+            h.update(f"{p}\n{_link_or_content(p)}\n".encode(errors=NAMES))
         return h.hexdigest()
     if not os.path.lexists(path):
         return "absent"
@@ -242,7 +283,7 @@ def _fingerprint(kind: str, path: str) -> str:
         return _link_or_content(path)
     h = hashlib.sha256()
     if os.path.islink(path):
-        h.update(f"-> {os.readlink(path)}\n".encode())
+        h.update(f"-> {os.readlink(path)}\n".encode(errors=NAMES))
         path = os.path.realpath(path)
     top = _stat(path)
     h.update(f". {top.st_mode:o} {top.st_uid}:{top.st_gid}\n".encode() if top else b". absent\n")  # its own mode
@@ -252,9 +293,9 @@ def _fingerprint(kind: str, path: str) -> str:
         for n in sorted(os.listdir(path)):
             p = os.path.join(path, n)
             what = f"-> {os.readlink(p)}" if os.path.islink(p) else ("dir" if os.path.isdir(p) else "file")
-            h.update(f"{n} {what}\n".encode())
+            h.update(f"{n} {what}\n".encode(errors=NAMES))
         return h.hexdigest()
-    for d, dirs, names in os.walk(path):
+    for d, dirs, names in os.walk(path, onerror=_unreadable):
         dirs.sort()
         for n in sorted(dirs + names):
             p = os.path.join(d, n)
@@ -264,10 +305,14 @@ def _fingerprint(kind: str, path: str) -> str:
             rel = os.path.relpath(p, path)
             if kind == "tree":
                 body = "dir" if stat.S_ISDIR(st.st_mode) else _link_or_content(p)
-                h.update(f"{rel} {st.st_mode:o} {st.st_uid}:{st.st_gid} {body}\n".encode())
+                h.update(f"{rel} {st.st_mode:o} {st.st_uid}:{st.st_gid} {body}\n".encode(errors=NAMES))
             else:
-                h.update(f"{rel} {st.st_mode:o} {st.st_size} {st.st_mtime_ns}\n".encode())
+                h.update(f"{rel} {st.st_mode:o} {st.st_size} {st.st_mtime_ns}\n".encode(errors=NAMES))
     return h.hexdigest()
+
+
+def _unreadable(exc: OSError) -> None:
+    raise StateError(f"{exc.filename}: {exc.strerror or exc}")
 
 
 def _stat(path: str) -> os.stat_result | None:
@@ -293,7 +338,10 @@ def _link_or_content(path: str) -> str:
     if st is None:
         return "absent"
     if stat.S_ISLNK(st.st_mode):
-        return f"-> {os.readlink(path)}"
+        try:
+            return f"-> {os.readlink(path)}"
+        except FileNotFoundError:
+            return "absent"
     if not stat.S_ISREG(st.st_mode):
         return f"{st.st_mode:o} {st.st_uid}:{st.st_gid} not a file"
     return f"{st.st_mode:o} {st.st_uid}:{st.st_gid} {_sha256(path)}"
