@@ -175,24 +175,24 @@ def test_state_things_that_change_nothing_a_deploy_leaves_are_not_in_the_digest(
         assert digest.deploy_vars({**base, **other}) == digest.deploy_vars(base), other
 
 
-def test_a_run_records_only_the_digest_its_own_check_kept_and_two_at_once_record_nothing(tmp_path, recorded):
+def test_a_run_records_only_the_digest_its_own_check_kept_and_only_the_last_to_begin(tmp_path, recorded):
     where, paths = recorded
     token = digest.begin(where, "d2")
     assert digest.read(where) is None  # the record set aside
     assert digest.record(where, "another", paths) is False and digest.read(where) is None
-    assert digest.record(where, token, paths) is False  # the pending digest went with the failed attempt
-    token = digest.begin(where, "d2")
     assert digest.record(where, token, paths) is True and digest.check(where, "d2") == (True, [])
     assert digest.record(where, token, paths) is False  # kept once
     # A tagged run meanwhile makes the run in flight contended.
     token = digest.begin(where, "d2")
     assert digest.forget(where) is False and digest.record(where, token, paths) is False
-    # Two runs at once (two controllers, or one stopped half way): neither records; the one after does.
-    first, second = digest.begin(where, "d3"), digest.begin(where, "d4")
-    assert digest.record(where, second, paths) is False and digest.record(where, first, paths) is False
-    assert digest.read(where) is None
-    third = digest.begin(where, "d5")
-    assert digest.record(where, third, paths) is True and digest.check(where, "d5") == (True, [])
+    # A run that failed or was stopped left its digest pending: the next run's replaces it and records.
+    digest.begin(where, "d3")
+    latest = digest.begin(where, "d4")
+    assert digest.record(where, latest, paths) is True and digest.check(where, "d4") == (True, [])
+    # Two at once: only the last to begin records.
+    first, second = digest.begin(where, "d5"), digest.begin(where, "d6")
+    assert digest.record(where, first, paths) is False and digest.read(where) is None
+    assert digest.record(where, second, paths) is True and digest.check(where, "d6") == (True, [])
 
 
 def test_the_module_checks_sets_aside_only_outside_check_mode_records_and_never_returns_the_digest(tmp_path, recorded):

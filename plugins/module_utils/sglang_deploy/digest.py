@@ -173,28 +173,27 @@ def begin(record_path: str, digest: str) -> str:
     and keep the desired digest on the host, for the record at its end, under a check id of this run's. The digest
     stays on the host: it never travels back through the controller's logs.
 
-    Another run's digest still pending there (two deploys at once, from two controllers; or one that was stopped)
-    makes both contended: neither records, and the next deploy runs every role again."""
+    A digest still pending there is a run's that failed or was stopped (its host left the play before the
+    record), or one in flight from another controller: this run's replaces it, and only the last run to begin can
+    record (two deploys of one host at once from two controllers with different settings: docs/fleet-scale.md)."""
     check_id = os.urandom(8).hex()
     with _locked(record_path):
         forget_locked(record_path)
-        pending = _read_json(_pending(record_path))
-        doc = {"contended": True} if pending is not None else {"digest": digest, "check_id": check_id}
+        doc = {"digest": digest, "check_id": check_id}
         durable.write_atomic(_pending(record_path), json.dumps(doc) + "\n", mode=0o600)
     return check_id
 
 
 def record(record_path: str, check_id: str, paths: Iterable[Mapping[str, str]]) -> bool:
     """Write the record of a complete deploy (root's alone, atomic): the digest its check kept and the fingerprint
-    taken now. False, and nothing recorded, where another run began or set the record aside since, or at once
-    (begin, forget); the pending digest is gone either way."""
+    taken now. False, and nothing recorded, where another run began or set the record aside since (begin, forget)."""
     paths = [{"path": p["path"], "kind": p["kind"]} for p in paths]
     prints = fingerprint(paths)  # before the lock: seconds for a virtualenv's listing
     with _locked(record_path):
         pending = _read_json(_pending(record_path))
-        durable.unlink(_pending(record_path), missing_ok=True)
         if not isinstance(pending, dict) or pending.get("check_id") != check_id or not pending.get("digest"):
-            return False
+            return False  # another run's (its record to make), or a tagged run's mark
+        durable.unlink(_pending(record_path), missing_ok=True)
         doc = {"format": FORMAT, "digest": pending["digest"], "paths": paths, "fingerprint": prints}
         durable.write_atomic(record_path, json.dumps(doc, sort_keys=True, indent=1) + "\n", mode=0o600)
     return True
