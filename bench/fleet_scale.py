@@ -182,7 +182,7 @@ def main() -> int:
                 "median_cpu_per_host_s": round(statistics.median(cpu) / n, 3),
                 "median_wall_s": round(statistics.median(s["wall_s"] for s in samples), 2),
             }
-            print(f"{name} on {n} node(s): {per_size[n]['median_cpu_s']} s CPU, {per_size[n]['median_wall_s']} s wall")
+            print(f"{name} on {n} host(s): {per_size[n]['median_cpu_s']} s CPU, {per_size[n]['median_wall_s']} s wall")
         fixed, per_host = fit(sizes, [per_size[n]["median_cpu_s"] for n in sizes])
         ratio = per_size[sizes[-1]]["median_cpu_per_host_s"] / per_size[sizes[0]]["median_cpu_per_host_s"]
         results["playbooks"][name] = {

@@ -261,8 +261,8 @@ class Tracker:
             role is not None and kind in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors")
         ):
             role["failed"] = True
-        if kind == "runner_on_ok" and module_of(data) == STATE_MODULE and res.get("current") and "why" in res:
-            h.current = h.current or not h.roles  # the check before the roles (the record after them says so too)
+        if kind == "runner_on_ok" and module_of(data) == STATE_MODULE and res.get("current") and not h.roles:
+            h.current = True  # the check, before any role (the record after them says current too)
         if kind == "runner_on_start":
             self.on_start(h, data, now)
         elif kind in ("runner_item_on_ok", "runner_item_on_failed", "runner_on_ok"):

@@ -178,7 +178,7 @@ def begin(record_path: str, digest: str) -> str:
     record (two deploys of one host at once from two controllers with different settings: docs/fleet-scale.md)."""
     check_id = os.urandom(8).hex()
     with _locked(record_path):
-        forget_locked(record_path)
+        durable.unlink(record_path, missing_ok=True)
         doc = {"digest": digest, "check_id": check_id}
         durable.write_atomic(_pending(record_path), json.dumps(doc) + "\n", mode=0o600)
     return check_id
@@ -194,8 +194,7 @@ def record(record_path: str, check_id: str, paths: Iterable[Mapping[str, str]]) 
         if not isinstance(pending, dict) or pending.get("check_id") != check_id or not pending.get("digest"):
             return False  # another run's (its record to make), or a tagged run's mark
         durable.unlink(_pending(record_path), missing_ok=True)
-        doc = {"format": FORMAT, "digest": pending["digest"], "paths": paths, "fingerprint": prints}
-        durable.write_atomic(record_path, json.dumps(doc, sort_keys=True, indent=1) + "\n", mode=0o600)
+        _write(record_path, pending["digest"], paths, prints)
     return True
 
 
@@ -205,20 +204,19 @@ def forget(record_path: str) -> bool:
     with _locked(record_path):
         if os.path.exists(_pending(record_path)):
             durable.write_atomic(_pending(record_path), json.dumps({"contended": True}) + "\n", mode=0o600)
-        return forget_locked(record_path)
+        return durable.unlink(record_path, missing_ok=True)
 
 
-def forget_locked(record_path: str) -> bool:
-    return durable.unlink(record_path, missing_ok=True)
-
-
-def write(record_path: str, digest: str, paths: Iterable[Mapping[str, str]]) -> dict:
-    """A record written as it stands (the tests' and a repair's; a deploy's goes through begin and record)."""
+def write(record_path: str, digest: str, paths: Iterable[Mapping[str, str]]) -> None:
+    """A record written as things stand (a repair's; a deploy's goes through begin and record)."""
     paths = [{"path": p["path"], "kind": p["kind"]} for p in paths]
-    doc = {"format": FORMAT, "digest": digest, "paths": paths, "fingerprint": fingerprint(paths)}
     os.makedirs(os.path.dirname(record_path), mode=0o700, exist_ok=True)
+    _write(record_path, digest, paths, fingerprint(paths))
+
+
+def _write(record_path: str, digest: str, paths: list[dict], prints: dict[str, str]) -> None:
+    doc = {"format": FORMAT, "digest": digest, "paths": paths, "fingerprint": prints}
     durable.write_atomic(record_path, json.dumps(doc, sort_keys=True, indent=1) + "\n", mode=0o600)
-    return doc
 
 
 @contextlib.contextmanager
