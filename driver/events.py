@@ -266,7 +266,7 @@ class Tracker:
         if kind == "runner_on_start":
             self.on_start(h, data, now)
         elif kind in ("runner_item_on_ok", "runner_item_on_failed", "runner_on_ok"):
-            record_instance(h, res)
+            record_instance(h, res, module_of(data))
             report = (res.get("ansible_facts") or {}).get(REPORT_FACT)
             if kind == "runner_on_ok" and isinstance(report, list):
                 self.report = [str(line) for line in report]
@@ -276,7 +276,7 @@ class Tracker:
             if kind == "runner_item_on_failed" and not data.get("ignore_errors"):
                 self.fail(h, data, now)
         elif kind == "runner_on_failed" and not data.get("ignore_errors"):
-            record_instance(h, res)
+            record_instance(h, res, module_of(data))
             if not res.get("results") or not h.failures:  # a loop task's items said why, unless none did
                 self.fail(h, data, now)
         elif kind == "runner_on_failed":
@@ -455,10 +455,13 @@ def host_row(h: HostState) -> dict:
     }
 
 
-def record_instance(h: HostState, res: dict) -> None:
-    """Keep an instance's result: whatever module reported on it (validate, stage, server), the latest wins."""
-    if res.get("instance") and res.get("outcome"):
-        h.instances[res["instance"]] = res
+def record_instance(h: HostState, res: dict, module: str = "") -> None:
+    """Keep an instance's result: whatever module reported on it (validate, stage, server), the latest wins; a
+    status of every instance in one task (plugins/action/sglang_server.py, render) lists each under `instances`."""
+    each = res.get("instances") if module == SERVER_MODULE and isinstance(res.get("instances"), list) else [res]
+    for one in each:
+        if isinstance(one, dict) and one.get("instance") and one.get("outcome"):
+            h.instances[one["instance"]] = one
 
 
 def record_not_begun(h: HostState, res: dict) -> None:

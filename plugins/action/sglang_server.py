@@ -13,6 +13,12 @@ the first failed poll; meanwhile the progress file says connection_lost_s. The w
 way: once the budget is out the task is unreachable, naming the job and its last phase. sglang_job answers an
 ended job's result on every call until the plugin acknowledges it (ack), so an answer lost on the way is asked
 for again.
+
+status with this plugin's option render=true (roles/sglang_service/tasks/status.yml): no `instance`; the plugin
+renders every instance of sglang_service_instances_selected from the host's variables on the controller, as the role's
+render.yml does (sglang_deploy.render: the software generation's id, then each instance's record), and runs the
+module once per instance; the result lists each instance's under `instances`, failed when one failed. A status is
+then one task a host, not the render's include, facts and loop (docs/fleet-scale.md).
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 from ansible.errors import AnsibleConnectionFailure, AnsibleError
 from ansible.plugins.action import ActionBase
 from ansible.utils.display import Display
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import render
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.progress import (
     DETACHED_ACTIONS,
     PROGRESS_DIR_ENV,
@@ -40,6 +48,41 @@ RECONNECT_FIRST_S = 2.0
 RECONNECT_MAX_S = 10.0
 
 display = Display()
+# The sglang role (its defaults and lock files) beside this plugin: status names the generation as its preflight does.
+SGLANG_ROLE = Path(__file__).resolve().parents[2] / "roles" / "sglang"
+MISSING = object()
+# The sglang_service role's expression for every instance's record (its vars/main.yml; render.yml keeps it as a fact),
+# and the entry point whose arguments a status checks.
+SERVICE_ROLE = SGLANG_ROLE.parent / "sglang_service"
+RECORDS = "__sglang_service_records"
+ENTRY_POINT = "status"
+# The module's arguments a status takes from the role's variables (the task may name them itself).
+ROLE_ARGS = {"service_user": "sglang_service_user", "state_dir": "sglang_service_state_dir"}
+
+
+def _role_file(path: Path, trusted: bool = False):
+    from ansible.parsing.dataloader import DataLoader
+
+    return DataLoader().load_from_file(str(path), trusted_as_template=trusted)
+
+
+# Read when the strategy loads this class, in ansible-playbook's own process, so that each host's worker (a fork)
+# finds them parsed: the argument spec alone is about 26 ms of YAML a host otherwise (docs/fleet-scale.md).
+SGLANG_DEFAULTS = _role_file(SGLANG_ROLE / "defaults" / "main.yml", trusted=True) or {}
+STATUS_SPEC = _role_file(SERVICE_ROLE / "meta" / "argument_specs.yml")["argument_specs"][ENTRY_POINT]["options"]
+# The filters the records' expression calls, loaded here for the same reason: loading them in each worker was about
+# 0.1 CPU-s a host (the collection's filter module and what it imports).
+RECORD_FILTERS = ("sglang.deploy.sglang_instances", "sglang.deploy.sglang_with_tuned", "ansible.builtin.default")
+
+
+def _load_filters() -> None:
+    from ansible.plugins.loader import filter_loader
+
+    for name in RECORD_FILTERS:
+        filter_loader.get(name)
+
+
+_load_filters()
 
 
 class ActionModule(ActionBase):
@@ -53,6 +96,8 @@ class ActionModule(ActionBase):
         result = super().run(tmp, task_vars)
         args = dict(self._task.args)
         reconnect_s = max(0.0, float(args.pop("reconnect_s", RECONNECT_S)))  # this plugin's, not the module's
+        if args.pop("render", False):
+            return {**result, **self._status_all(args, task_vars or {})}
         where = os.environ.get(PROGRESS_DIR_ENV)
         if not where or args.get("action") not in DETACHED_ACTIONS or self._play_context.check_mode:
             result.update(
@@ -85,6 +130,96 @@ class ActionModule(ActionBase):
                 self._ack(job, task_vars)
         result.update(res)
         return result
+
+    def _status_all(self, args: dict, task_vars: dict) -> dict:
+        """status of every selected instance, each rendered here (render.yml's records), one module call each."""
+        if args.get("action") != "status":
+            return {"failed": True, "msg": f"sglang_server: render is for action status, not {args.get('action')}"}
+        try:
+            records, given = self._rendered(task_vars)
+        except (render.ConfigError, OSError, AnsibleError) as exc:
+            return {"failed": True, "msg": f"sglang_server: rendering the instances: {exc}"}
+        # The role's service user and state directory, unless the task names others.
+        own = {arg: given[var] for arg, var in ROLE_ARGS.items() if var in given}
+        out = []
+        for record in records:
+            res = self._execute_module(
+                module_name="sglang.deploy.sglang_server",
+                module_args={**own, **args, "instance": record},
+                task_vars=task_vars,
+            )
+            out.append({"instance": record["name"], **res})
+            if res.get("unreachable"):  # the host: its other instances are not asked
+                break
+        failed = [r for r in out if r.get("failed") or r.get("unreachable")]
+        if any(r.get("unreachable") for r in failed):
+            return {"unreachable": True, "instances": out, "msg": failed[0].get("msg")}
+        msg = "; ".join(str(r.get("msg") or r["instance"]) for r in (failed or out))
+        return {"changed": False, "failed": bool(failed), "instances": out, "msg": msg}
+
+    def _rendered(self, task_vars: dict) -> tuple[list[dict], dict]:
+        """The selected instances' records, as render.yml renders them: the software generation named as the sglang
+        role's preflight names it (its defaults under the host's variables, role_path its own), then the role's own
+        expression for the records (RECORDS) with it; those of sglang_service_instances_selected, in order. With
+        them, the entry point's variables as checked (_check_arguments)."""
+        ours = self._templar.copy_with_new_env(
+            available_variables={**SGLANG_DEFAULTS, **task_vars, "role_path": str(SGLANG_ROLE)}
+        )
+
+        def var(templar, name, default=MISSING):
+            value = templar.available_variables.get(name, MISSING)
+            if value is MISSING:
+                if default is MISSING:
+                    raise AnsibleError(f"{name} is not defined")
+                return default
+            return templar.template(value)
+
+        software = var(ours, "sglang_software", None)
+        if software is None:  # a run's own preflight (deploy's sglang role) named it already otherwise
+            version, profile = var(ours, "sglang_version"), var(ours, "sglang_install_profile")
+            lock_file = SGLANG_ROLE / "files" / "locks" / f"{version}-{profile}.txt"
+            lock_text = lock_file.read_text(encoding="utf-8") if lock_file.is_file() else ""
+            series = Path(var(ours, "sglang_patch_series_dir"))
+            names = sorted(series.glob("*.patch")) if var(ours, "sglang_patches_enabled") else []
+            software = render.software(
+                var(ours, "sglang_python_version"),
+                version,
+                profile,
+                render.lock_requirements(var(ours, "sglang_requirements", []), lock_text),
+                var(ours, "ml_env_requirements", []),
+                [{"name": f.name, "content": f.read_text(encoding="utf-8")} for f in names if f.is_file()],
+                var(ours, "ml_env_generations_dir", None) or f"{var(ours, 'ml_env_path', '/opt/ml-env')}.d",
+            )
+            software["manifest"] = var(
+                self._templar.copy_with_new_env(
+                    available_variables={**ours.available_variables, "sglang_software": software}
+                ),
+                "sglang_patch_manifest",
+            )
+        host = self._templar.copy_with_new_env(available_variables={**task_vars, "sglang_software": software})
+        given = self._check_arguments(host, var)
+        # The expression over the values just checked (templated once: no template compiled twice in this worker).
+        host = self._templar.copy_with_new_env(available_variables={**host.available_variables, **given})
+        records = var(host, RECORDS)
+        selected = var(host, "sglang_service_instances_selected")
+        return [r for r in records if r["name"] in selected], given
+
+    def _check_arguments(self, host, var) -> dict:
+        """The role's status entry point's argument spec, checked here as Ansible checks it before a role's tasks
+        (playbooks/status.yml imports the role with rolespec_validate false: no task a host for it); the values
+        checked, as templated (not as the spec would convert them: the role reads them as they are)."""
+        from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+
+        given = {}
+        for name in (n for n in STATUS_SPEC if n in host.available_variables):
+            try:
+                given[name] = var(host, name)
+            except AnsibleError as exc:
+                raise AnsibleError(f"{name}: {exc}") from exc
+        errors = ArgumentSpecValidator(STATUS_SPEC).validate(given).error_messages
+        if errors:
+            raise AnsibleError(f"Validating arguments against arg spec '{ENTRY_POINT}': {'; '.join(errors)}")
+        return given
 
     def _poll(
         self, path: str, job: str, seen: int, prog: dict, every: float, budget: float, task_vars, boot=None

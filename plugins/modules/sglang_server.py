@@ -243,6 +243,10 @@ options:
 notes:
   - The action plugin of the same name takes one option of its own, C(reconnect_s) (default 120), never passed to
     the module - how long a detached job's progress is asked for again after the connection failed (0, no retry).
+  - And one more, C(render) (default false), for I(action=status) only - without I(instance), the plugin renders
+    every instance of C(sglang_service_instances_selected) from the host's variables as the role
+    P(sglang.deploy.sglang_service#role) does and runs the module once for each; the result lists each one's under
+    C(instances), and fails when one failed (roles/sglang_service/tasks/status.yml).
 author: sglang-deploy maintainers (!UNKNOWN)
 """
 
@@ -276,6 +280,13 @@ EXAMPLES = r"""
     action: status
     instance: "{{ item }}"
   loop: "{{ sglang_rendered_instances }}"
+  register: status
+
+- name: Report every selected instance of the host in one task, rendered by the action plugin
+  become: true
+  sglang.deploy.sglang_server:
+    action: status
+    render: true
   register: status
 """
 
@@ -436,6 +447,11 @@ jobs:
   type: list
   elements: dict
   returned: status
+instances:
+  description: With the action plugin's C(render) (notes), each instance's result above, in order.
+  type: list
+  elements: dict
+  returned: status with render
 errors:
   description: Each part of the status that could not be read, and why.
   type: list
