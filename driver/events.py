@@ -284,6 +284,7 @@ class Tracker:
         elif kind == "runner_item_on_skipped" and module_of(data) == SERVER_MODULE:
             record_not_begun(h, res)
         elif kind == "runner_on_unreachable":
+            record_instance(h, res, module_of(data))  # a status's instances asked before the host went
             if res.get("results") and h.failures:
                 return  # a loop task's summary of the items already recorded
             h.status = "unreachable"

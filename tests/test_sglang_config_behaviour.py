@@ -399,7 +399,8 @@ def used_filters() -> set[str]:
 def test_every_filter_the_roles_call_is_provided_under_its_name():
     filters = FilterModule().filters()
     assert used_filters() == {
-        "sglang_instance",
+        "sglang_instance",  # tune_plan.yml's, one combination
+        "sglang_instances",  # sglang_service's vars/main.yml
         "sglang_tune_plan",
         "sglang_with_tuned",
         "sglang_worker_url",

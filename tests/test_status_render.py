@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, render
+from driver import exitcodes
 from driver.events import Tracker
 from support import REPO
 
@@ -54,9 +55,9 @@ def inventory(tmp_path: Path, **more) -> dict:
     return {**own, **more}
 
 
-def probe(own: dict, args: dict = STATUS, answers: dict | None = None) -> dict:
+def probe(own: dict, args: dict = STATUS, answers: dict | None = None, **env_more) -> dict:
     """{roles: render.yml's records (or its error), result: the plugin's, calls: the module's args, one a call}."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env_more}
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "support" / "render_probe.py")],
         input=json.dumps({"own": own, "args": args, "answers": answers or {}}),
@@ -133,7 +134,7 @@ def test_one_instance_failing_fails_the_task_and_keeps_every_answer(tmp_path):
 
 def test_an_unreachable_host_is_unreachable_and_asked_once(tmp_path):
     out = probe(inventory(tmp_path), answers={"a": {"unreachable": True, "msg": "ssh: gone"}})
-    assert out["result"]["unreachable"] and out["result"]["msg"] == "ssh: gone"
+    assert out["result"]["unreachable"] and out["result"]["msg"] == "a: ssh: gone"
     assert len(out["calls"]) == 1, "an unreachable host is not asked again for its other instances"
 
 
@@ -169,3 +170,94 @@ def test_the_status_entry_points_arguments_are_checked_in_the_one_call(tmp_path)
     del own["sglang_instances"]
     out = probe(own)
     assert out["result"]["failed"] and "sglang_instances" in out["result"]["msg"] and out["calls"] == []
+
+
+def same_as_the_roles(out: dict) -> str:
+    assert not out["result"].get("failed"), out["result"]
+    assert [c["instance"] for c in out["calls"]] == out["roles"]
+    return out["calls"][0]["instance"]["python"]
+
+
+def test_patches_are_read_as_the_file_lookup_reads_them(tmp_path):
+    """Their bytes as they are: a carriage return kept, bytes not UTF-8 hashed as bytes; hidden files and
+    directories not patches."""
+    first = same_as_the_roles(probe(inventory(tmp_path)))
+    (tmp_path / "series" / "0003-crlf.patch").write_bytes(b"+x\r\n+y\r")
+    crlf = same_as_the_roles(probe(inventory(tmp_path)))
+    (tmp_path / "series" / "0004-latin1.patch").write_bytes(b"+caf\xe9\n")
+    latin = same_as_the_roles(probe(inventory(tmp_path)))
+    assert len({first, crlf, latin}) == 3
+    (tmp_path / "series" / "._0001-a.patch").write_bytes(b"resource fork")
+    (tmp_path / "series" / "0005-dir.patch").mkdir()
+    assert same_as_the_roles(probe(inventory(tmp_path))) == latin
+
+
+def test_a_series_directory_is_found_as_ansible_finds_a_roles_file(tmp_path):
+    """Relative: in the sglang role's files/ (the default's own series, named relatively); ~: the home's."""
+    default = same_as_the_roles(
+        probe(inventory(tmp_path, sglang_patch_series_dir=str(REPO / "roles/sglang/files/patches/0.5.23")))
+    )
+    assert same_as_the_roles(probe(inventory(tmp_path, sglang_patch_series_dir="files/patches/0.5.23"))) == default
+    assert same_as_the_roles(probe(inventory(tmp_path, sglang_patch_series_dir="patches/0.5.23"))) == default
+    home = same_as_the_roles(probe(inventory(tmp_path, sglang_patch_series_dir="~/series"), HOME=str(tmp_path)))
+    assert home == same_as_the_roles(probe(inventory(tmp_path)))
+    assert same_as_the_roles(probe(inventory(tmp_path, sglang_patch_series_dir="nowhere/at/all"))) not in (
+        home,
+        default,
+    )
+
+
+def test_null_and_wrong_values_mean_what_they_mean_to_the_roles(tmp_path):
+    assert same_as_the_roles(probe(inventory(tmp_path, sglang_software=None))) == "/opt/ml-env/bin/python"
+    assert same_as_the_roles(probe(inventory(tmp_path, ml_env_generations_dir="/g"))).startswith("/g/")
+    for bad in ({"ml_env_requirements": None}, {"sglang_requirements": "sglang==0.5.23"}):
+        out = probe(inventory(tmp_path, **bad))
+        assert isinstance(out["roles"], str), "the roles refuse it too"
+        name = next(iter(bad))
+        assert out["result"]["failed"] and name in out["result"]["msg"] and out["calls"] == [], out["result"]
+        assert out["result"]["outcome"] == outcomes.INVALID_CONFIG
+    out = probe(inventory(tmp_path, sglang_version="{{ nope_undefined }}"))
+    assert out["result"]["failed"] and "sglang_version:" in out["result"]["msg"], out["result"]
+
+
+def test_a_refused_setting_is_the_drivers_exit_3_and_an_instances_outcome_its_own(tmp_path):
+    out = probe(inventory(tmp_path, sglang_service_instance_profiles={"a": "nope"}))
+    t = Tracker("status")
+    t.handle({"event": "runner_on_failed", "event_data": {"host": HOST, "task": "status", "res": out["result"]}})
+    assert [f.code for f in t.hosts[HOST].failures] == [exitcodes.INVALID_CONFIG]
+    failed = {"failed": True, "msg": "not a rendered instance record", "outcome": outcomes.INVALID_CONFIG}
+    out = probe(inventory(tmp_path), answers={"b": failed})
+    assert (
+        out["result"]["outcome"] == outcomes.INVALID_CONFIG
+        and out["result"]["msg"] == "b: not a rendered instance record"
+    )
+
+
+def test_each_instances_answer_without_what_ansible_keeps_for_itself(tmp_path):
+    noisy = {
+        "outcome": "status",
+        "instance": "a",
+        "msg": "a: active",
+        "invocation": {"module_args": {"instance": {"argv": ["x"]}}},
+        "_ansible_no_log": False,
+        "warnings": ["w1"],
+    }
+    out = probe(
+        inventory(tmp_path), answers={"a": noisy, "b": {**noisy, "instance": "b", "msg": "", "warnings": ["w1", "w2"]}}
+    )
+    assert [sorted(r) for r in out["result"]["instances"]] == [["instance", "msg", "outcome"]] * 2
+    assert out["result"]["warnings"] == ["w1", "w2"] and out["result"]["instances"][1]["msg"] == "b: no answer"
+
+
+def test_the_instances_asked_before_the_host_went_unreachable_are_kept(tmp_path):
+    out = probe(inventory(tmp_path), answers={"b": {"unreachable": True, "msg": "ssh: gone"}})
+    assert out["result"]["unreachable"] and out["result"]["msg"] == "b: ssh: gone"
+    t = Tracker("status")
+    data = {"host": HOST, "task": "status", "resolved_action": "sglang.deploy.sglang_server", "res": out["result"]}
+    t.handle({"event": "runner_on_unreachable", "event_data": data})
+    assert list(t.hosts[HOST].instances) == ["a"] and t.hosts[HOST].status == "unreachable"
+
+
+def test_render_false_as_a_string_is_false(tmp_path):
+    out = probe(inventory(tmp_path), {**STATUS, "render": "false", "instance": {"name": "x"}})
+    assert [c["instance"] for c in out["calls"]] == [{"name": "x"}] and "instances" not in out["result"]

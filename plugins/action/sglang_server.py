@@ -23,16 +23,19 @@ then one task a host, not the render's include, facts and loop (docs/fleet-scale
 
 from __future__ import annotations
 
+import functools
+import glob
 import json
 import os
 import time
 from pathlib import Path
 
-from ansible.errors import AnsibleConnectionFailure, AnsibleError
+from ansible.errors import AnsibleConnectionFailure, AnsibleError, AnsibleFileNotFound
+from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.plugins.action import ActionBase
 from ansible.utils.display import Display
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import render
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, render
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.progress import (
     DETACHED_ACTIONS,
     PROGRESS_DIR_ENV,
@@ -50,7 +53,8 @@ RECONNECT_MAX_S = 10.0
 display = Display()
 # The sglang role (its defaults and lock files) beside this plugin: status names the generation as its preflight does.
 SGLANG_ROLE = Path(__file__).resolve().parents[2] / "roles" / "sglang"
-MISSING = object()
+MISSING = object()  # a variable not defined at all
+REQUIRED = object()  # _var's default: a variable not defined is an error
 # The sglang_service role's expression for every instance's record (its vars/main.yml; render.yml keeps it as a fact),
 # and the entry point whose arguments a status checks.
 SERVICE_ROLE = SGLANG_ROLE.parent / "sglang_service"
@@ -58,31 +62,39 @@ RECORDS = "__sglang_service_records"
 ENTRY_POINT = "status"
 # The module's arguments a status takes from the role's variables (the task may name them itself).
 ROLE_ARGS = {"service_user": "sglang_service_user", "state_dir": "sglang_service_state_dir"}
+# The filters the records' expression calls.
+RECORD_FILTERS = ("sglang.deploy.sglang_instances", "sglang.deploy.sglang_with_tuned", "ansible.builtin.default")
+# What Ansible keeps on a module's result for itself (each instance's own result is returned whole otherwise).
+NOT_REPORTED = ("invocation", "warnings", "deprecations")
 
 
 def _role_file(path: Path, trusted: bool = False):
     from ansible.parsing.dataloader import DataLoader
 
-    return DataLoader().load_from_file(str(path), trusted_as_template=trusted)
+    try:
+        return DataLoader().load_from_file(str(path), trusted_as_template=trusted)
+    except TypeError:  # ansible-core before 2.19: no template trust, every template is templated
+        return DataLoader().load_from_file(str(path))
 
 
-# Read when the strategy loads this class, in ansible-playbook's own process, so that each host's worker (a fork)
-# finds them parsed: the argument spec alone is about 26 ms of YAML a host otherwise (docs/fleet-scale.md).
-SGLANG_DEFAULTS = _role_file(SGLANG_ROLE / "defaults" / "main.yml", trusted=True) or {}
-STATUS_SPEC = _role_file(SERVICE_ROLE / "meta" / "argument_specs.yml")["argument_specs"][ENTRY_POINT]["options"]
-# The filters the records' expression calls, loaded here for the same reason: loading them in each worker was about
-# 0.1 CPU-s a host (the collection's filter module and what it imports).
-RECORD_FILTERS = ("sglang.deploy.sglang_instances", "sglang.deploy.sglang_with_tuned", "ansible.builtin.default")
-
-
-def _load_filters() -> None:
+@functools.cache
+def preloaded() -> tuple[dict, dict]:
+    """(the sglang role's defaults, the status entry point's argument spec), the records' filters loaded: once a
+    process. Loaded when the strategy loads this class, in ansible-playbook's own process, each host's worker (a
+    fork) inherits them: parsed and loaded in each worker they were about 0.13 CPU-s a host (docs/fleet-scale.md)."""
     from ansible.plugins.loader import filter_loader
 
+    defaults = _role_file(SGLANG_ROLE / "defaults" / "main.yml", trusted=True) or {}
+    spec = _role_file(SERVICE_ROLE / "meta" / "argument_specs.yml")["argument_specs"][ENTRY_POINT]["options"]
     for name in RECORD_FILTERS:
         filter_loader.get(name)
+    return defaults, spec
 
 
-_load_filters()
+try:
+    preloaded()
+except Exception:
+    pass
 
 
 class ActionModule(ActionBase):
@@ -96,7 +108,7 @@ class ActionModule(ActionBase):
         result = super().run(tmp, task_vars)
         args = dict(self._task.args)
         reconnect_s = max(0.0, float(args.pop("reconnect_s", RECONNECT_S)))  # this plugin's, not the module's
-        if args.pop("render", False):
+        if boolean(args.pop("render", False), strict=False):
             return {**result, **self._status_all(args, task_vars or {})}
         where = os.environ.get(PROGRESS_DIR_ENV)
         if not where or args.get("action") not in DETACHED_ACTIONS or self._play_context.check_mode:
@@ -132,91 +144,128 @@ class ActionModule(ActionBase):
         return result
 
     def _status_all(self, args: dict, task_vars: dict) -> dict:
-        """status of every selected instance, each rendered here (render.yml's records), one module call each."""
+        """status of every selected instance, each rendered here (render.yml's records), one module call each. A
+        setting refused is invalid_config (the driver's exit 3), before any host is asked."""
         if args.get("action") != "status":
             return {"failed": True, "msg": f"sglang_server: render is for action status, not {args.get('action')}"}
         try:
             records, given = self._rendered(task_vars)
-        except (render.ConfigError, OSError, AnsibleError) as exc:
-            return {"failed": True, "msg": f"sglang_server: rendering the instances: {exc}"}
+        except (render.ConfigError, AnsibleError, OSError, TypeError, ValueError) as exc:
+            msg = f"sglang_server: rendering the instances: {exc}"
+            return {"failed": True, "outcome": outcomes.INVALID_CONFIG, "msg": msg}
         # The role's service user and state directory, unless the task names others.
         own = {arg: given[var] for arg, var in ROLE_ARGS.items() if var in given}
-        out = []
+        out, said = [], []
         for record in records:
             res = self._execute_module(
                 module_name="sglang.deploy.sglang_server",
                 module_args={**own, **args, "instance": record},
                 task_vars=task_vars,
             )
-            out.append({"instance": record["name"], **res})
+            said += [w for w in res.get("warnings") or [] if w not in said]
+            one = {"instance": record["name"], **{k: v for k, v in res.items() if not self._hidden(k)}}
+            msg = str(one.get("msg") or "")
+            one["msg"] = msg if msg.startswith(f"{record['name']}:") else f"{record['name']}: {msg or 'no answer'}"
+            out.append(one)
             if res.get("unreachable"):  # the host: its other instances are not asked
-                break
-        failed = [r for r in out if r.get("failed") or r.get("unreachable")]
-        if any(r.get("unreachable") for r in failed):
-            return {"unreachable": True, "instances": out, "msg": failed[0].get("msg")}
-        msg = "; ".join(str(r.get("msg") or r["instance"]) for r in (failed or out))
-        return {"changed": False, "failed": bool(failed), "instances": out, "msg": msg}
+                return {"unreachable": True, "instances": out, "msg": one["msg"], "warnings": said}
+        failed = [r for r in out if r.get("failed")]
+        result = {"changed": False, "failed": bool(failed), "instances": out, "warnings": said}
+        result["msg"] = "; ".join(r["msg"] for r in (failed or out))
+        if failed and failed[0].get("outcome"):  # the driver's exit code: the first failed instance's outcome
+            result["outcome"] = failed[0]["outcome"]
+        return result
+
+    @staticmethod
+    def _hidden(key: str) -> bool:
+        return key in NOT_REPORTED or key.startswith("_ansible")
 
     def _rendered(self, task_vars: dict) -> tuple[list[dict], dict]:
         """The selected instances' records, as render.yml renders them: the software generation named as the sglang
         role's preflight names it (its defaults under the host's variables, role_path its own), then the role's own
         expression for the records (RECORDS) with it; those of sglang_service_instances_selected, in order. With
         them, the entry point's variables as checked (_check_arguments)."""
+        defaults, _ = preloaded()
         ours = self._templar.copy_with_new_env(
-            available_variables={**SGLANG_DEFAULTS, **task_vars, "role_path": str(SGLANG_ROLE)}
+            available_variables={**defaults, **task_vars, "role_path": str(SGLANG_ROLE)}
         )
-
-        def var(templar, name, default=MISSING):
-            value = templar.available_variables.get(name, MISSING)
-            if value is MISSING:
-                if default is MISSING:
-                    raise AnsibleError(f"{name} is not defined")
-                return default
-            return templar.template(value)
-
-        software = var(ours, "sglang_software", None)
-        if software is None:  # a run's own preflight (deploy's sglang role) named it already otherwise
-            version, profile = var(ours, "sglang_version"), var(ours, "sglang_install_profile")
-            lock_file = SGLANG_ROLE / "files" / "locks" / f"{version}-{profile}.txt"
-            lock_text = lock_file.read_text(encoding="utf-8") if lock_file.is_file() else ""
-            series = Path(var(ours, "sglang_patch_series_dir"))
-            names = sorted(series.glob("*.patch")) if var(ours, "sglang_patches_enabled") else []
-            software = render.software(
-                var(ours, "sglang_python_version"),
-                version,
-                profile,
-                render.lock_requirements(var(ours, "sglang_requirements", []), lock_text),
-                var(ours, "ml_env_requirements", []),
-                [{"name": f.name, "content": f.read_text(encoding="utf-8")} for f in names if f.is_file()],
-                var(ours, "ml_env_generations_dir", None) or f"{var(ours, 'ml_env_path', '/opt/ml-env')}.d",
-            )
-            software["manifest"] = var(
-                self._templar.copy_with_new_env(
-                    available_variables={**ours.available_variables, "sglang_software": software}
-                ),
-                "sglang_patch_manifest",
-            )
+        software = self._var(ours, "sglang_software", MISSING)
+        if software is MISSING:  # a run's own preflight (deploy's sglang role) named it already otherwise
+            software = self._software(ours)
         host = self._templar.copy_with_new_env(available_variables={**task_vars, "sglang_software": software})
-        given = self._check_arguments(host, var)
+        given = self._check_arguments(host)
         # The expression over the values just checked (templated once: no template compiled twice in this worker).
         host = self._templar.copy_with_new_env(available_variables={**host.available_variables, **given})
-        records = var(host, RECORDS)
-        selected = var(host, "sglang_service_instances_selected")
+        records = self._var(host, RECORDS)
+        selected = self._var(host, "sglang_service_instances_selected")
         return [r for r in records if r["name"] in selected], given
 
-    def _check_arguments(self, host, var) -> dict:
+    def _software(self, ours) -> dict:
+        """sglang_software as roles/sglang/tasks/preflight.yml names it: the lock (sglang_requirements, else the
+        role's lock file for the version and profile, unreadable as none), the patch series as the fileglob and
+        file lookups read it (the directory found as Ansible finds a role's file, the files' bytes as they are),
+        the generations' directory with default()'s meaning (unset only)."""
+        var = self._var
+        version, profile = var(ours, "sglang_version"), var(ours, "sglang_install_profile")
+        try:
+            lock_text = (SGLANG_ROLE / "files" / "locks" / f"{version}-{profile}.txt").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):  # the lookup's errors='ignore': no lock (deploy's assert says so)
+            lock_text = ""
+        patches = self._patches(var(ours, "sglang_patch_series_dir")) if var(ours, "sglang_patches_enabled") else []
+        gens = var(ours, "ml_env_generations_dir", MISSING)
+        software = render.software(
+            var(ours, "sglang_python_version"),
+            version,
+            profile,
+            render.lock_requirements(var(ours, "sglang_requirements", []), lock_text),
+            var(ours, "ml_env_requirements", []),
+            patches,
+            f"{var(ours, 'ml_env_path', '/opt/ml-env')}.d" if gens is MISSING else gens,
+        )
+        manifest = self._templar.copy_with_new_env(
+            available_variables={**ours.available_variables, "sglang_software": software}
+        )
+        return {**software, "manifest": var(manifest, "sglang_patch_manifest")}
+
+    def _patches(self, series) -> list[dict]:
+        """[{name, content}] of <series>/*.patch in name order, as the fileglob lookup finds them (a relative
+        directory in the sglang role's files/ or the playbook's, ~ expanded, no hidden file, files only)."""
+        where = os.path.expanduser(str(series))
+        if not os.path.isabs(where):
+            try:
+                where = self._loader.path_dwim_relative_stack([str(SGLANG_ROLE)], "files", where, is_role=True)
+            except AnsibleFileNotFound:
+                return []
+        found = sorted(f for f in glob.glob(os.path.join(glob.escape(where), "*.patch")) if os.path.isfile(f))
+        out = []
+        for path in found:
+            with open(path, "rb") as f:  # the file lookup's text: the bytes as they are (\r kept), undecodable kept
+                out.append({"name": os.path.basename(path), "content": f.read().decode("utf-8", "surrogateescape")})
+        return out
+
+    @staticmethod
+    def _var(templar, name: str, default=REQUIRED):
+        """A variable templated, `default` when it is not defined at all (Jinja's default(): null is a value); an
+        error names the variable."""
+        value = templar.available_variables.get(name, MISSING)
+        if value is MISSING:
+            if default is REQUIRED:
+                raise AnsibleError(f"{name} is not defined")
+            return default
+        try:
+            return templar.template(value)
+        except AnsibleError as exc:
+            raise AnsibleError(f"{name}: {exc}") from exc
+
+    def _check_arguments(self, host) -> dict:
         """The role's status entry point's argument spec, checked here as Ansible checks it before a role's tasks
         (playbooks/status.yml imports the role with rolespec_validate false: no task a host for it); the values
         checked, as templated (not as the spec would convert them: the role reads them as they are)."""
         from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 
-        given = {}
-        for name in (n for n in STATUS_SPEC if n in host.available_variables):
-            try:
-                given[name] = var(host, name)
-            except AnsibleError as exc:
-                raise AnsibleError(f"{name}: {exc}") from exc
-        errors = ArgumentSpecValidator(STATUS_SPEC).validate(given).error_messages
+        _, spec = preloaded()
+        given = {name: self._var(host, name) for name in spec if name in host.available_variables}
+        errors = ArgumentSpecValidator(spec).validate(given).error_messages
         if errors:
             raise AnsibleError(f"Validating arguments against arg spec '{ENTRY_POINT}': {'; '.join(errors)}")
         return given

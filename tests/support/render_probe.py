@@ -68,14 +68,26 @@ def roles(own: dict) -> list[dict] | str:
     """render.yml's records after the sglang role's preflight names the generation (identity only)."""
     from ansible.errors import AnsibleError
 
-    variables = {**load(SGLANG / "defaults" / "main.yml"), **service(own), "role_path": str(SGLANG)}
+    # The preflight's task as render.yml includes it: in the sglang role (its files/ first in the search path).
+    search = [str(SGLANG), str(SGLANG / "tasks")]
+    variables = {
+        **load(SGLANG / "defaults" / "main.yml"),
+        **service(own),
+        "role_path": str(SGLANG),
+        "ansible_search_path": search,
+    }
     preflight = SGLANG / "tasks" / "preflight.yml"
-    try:
-        for name in (
+    names = (
+        ()
+        if "sglang_software" in own
+        else (  # render.yml's include: when sglang_software is not defined
             "Choose the lock and read the patch series",
             "Name the software generation (sglang_software, with its patch manifest)",
             "Add the generation's patch manifest to sglang_software",
-        ):
+        )
+    )
+    try:
+        for name in names:
             variables.update(set_fact(preflight, name, variables))
         render = SERVICE / "tasks" / "render.yml"
         facts = set_fact(render, "Render each instance's record", {**variables, "role_path": str(SERVICE)})
@@ -99,7 +111,7 @@ def plugin(own: dict, args: dict, answers: dict) -> tuple[dict, list[dict]]:
 
     def execute(module_name, module_args, task_vars):
         calls.append({"module": module_name, **module_args})
-        name = module_args["instance"]["name"]
+        name = (module_args.get("instance") or {}).get("name", "?")
         return answers.get(name) or {"changed": False, "outcome": "status", "instance": name, "msg": f"{name}: active"}
 
     action._execute_module = execute

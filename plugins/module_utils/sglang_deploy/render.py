@@ -313,6 +313,8 @@ LOCK_HASHES = re.compile(r" +--hash=[^ ]+")
 def lock_requirements(requirements, lock_text: str) -> list[str]:
     """The sglang role's lock: sglang_requirements when it lists any, else the lock file's items without hashes,
     comments or blank lines (roles/sglang/tasks/preflight.yml reads it the same)."""
+    if not isinstance(requirements, (list, tuple)):
+        raise ConfigError(f"sglang_requirements: a list of \"name==version\" items, not {type(requirements).__name__}")
     if requirements:
         return list(requirements)
     lines = (LOCK_HASHES.sub("", line).strip() for line in lock_text.splitlines())
@@ -327,11 +329,13 @@ def software(
     [{name, content}] in the series' order)."""
     from .software import generation_id, lock_sha256, patch_series_sha256
 
+    if not isinstance(env_lock, (list, tuple)):
+        raise ConfigError(f"ml_env_requirements: a list of \"name==version\" items, not {type(env_lock).__name__}")
     identity = {
         "python_version": str(python_version),
         "sglang_version": str(sglang_version),
         "install_profile": install_profile,
-        "lock_sha256": lock_sha256([*(env_lock or []), *lock]),
+        "lock_sha256": lock_sha256([*env_lock, *lock]),
         "patch_series_sha256": patch_series_sha256(patches),
     }
     generation = generation_id(identity)

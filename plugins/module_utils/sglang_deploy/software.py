@@ -56,7 +56,8 @@ class SoftwareError(Exception):
 
 
 def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    # surrogateescape: a file read as Ansible's file lookup reads it (bytes not UTF-8 kept) hashes as its bytes.
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def lock_sha256(requirements: list[str]) -> str:
