@@ -26,7 +26,7 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.softwa
     plan,
     prune,
 )
-from support import COLLECTIONS, code_lines, env_with_pythonpath
+from support import COLLECTIONS, code_lines, env_with_pythonpath, trusted
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,18 +57,6 @@ def by_name(entries: list[dict]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- the id
-
-
-def trusted(x):
-    from ansible.template import trust_as_template
-
-    if isinstance(x, str):
-        return trust_as_template(x)
-    if isinstance(x, dict):
-        return {k: trusted(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [trusted(v) for v in x]
-    return x
 
 
 @functools.cache

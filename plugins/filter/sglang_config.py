@@ -24,56 +24,6 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.tune i
 )
 
 
-def sglang_server_config(
-    instance, profiles, profile, model_path, common_flags=None, common_env=None, listen_host="0.0.0.0", instance_index=0
-):
-    from ansible.errors import AnsibleFilterError
-
-    try:
-        return server_config(
-            instance, profiles, profile, model_path, common_flags, common_env, listen_host, instance_index
-        )
-    except ConfigError as exc:
-        raise AnsibleFilterError(str(exc)) from exc
-
-
-def sglang_instance(
-    instance,
-    index,
-    profiles,
-    profile,
-    model_path,
-    common_flags=None,
-    common_env=None,
-    listen_host="0.0.0.0",
-    venv="/opt/ml-env",
-    launch_module="sglang.launch_server",
-    config_dir="/etc/sglang",
-    launcher="/usr/local/libexec/sglang-deploy/sglang-launch",
-):
-    """The instance's record, rendered once: what the unit template, validation and the modules read."""
-    from ansible.errors import AnsibleFilterError
-
-    try:
-        return instance_record(
-            instance,
-            index,
-            profiles,
-            profile,
-            model_path,
-            common_flags,
-            common_env,
-            listen_host,
-            venv,
-            launch_module,
-            config_dir,
-            launcher,
-        )
-    except ConfigError as exc:
-        raise AnsibleFilterError(str(exc)) from exc
-
-
-# Directories under the state dir that are sglang-deploy's: StateDirectory=sglang/<name> must not be one.
 def tune_plan(
     instances, name, profiles, profile, common_flags=None, common_env=None, grid=None, identity=None, software=None
 ):
@@ -134,8 +84,9 @@ def _filter_error(fn, errors: tuple[type[Exception], ...] = (ConfigError,)):
 class FilterModule:
     def filters(self):
         return {
-            "sglang_server_config": sglang_server_config,
-            "sglang_instance": sglang_instance,
+            "sglang_server_config": _filter_error(server_config),
+            # the instance's record, rendered once: what the unit template, validation and the modules read
+            "sglang_instance": _filter_error(instance_record),
             # sglang_instances | sglang_instances(profiles, ...): every instance's record (sglang_deploy.render).
             "sglang_instances": _filter_error(render.instances),
             "systemd_quote": systemd_quote,

@@ -25,6 +25,19 @@ COLLECTIONS = REPO / "collections"
 T = TypeVar("T")
 
 
+def trusted(x):
+    """Data as Ansible holds a playbook's or a role's: every string trusted as a template (ansible-core 2.19)."""
+    from ansible.template import trust_as_template
+
+    if isinstance(x, str):
+        return trust_as_template(x)
+    if isinstance(x, dict):
+        return {k: trusted(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [trusted(v) for v in x]
+    return x
+
+
 def lab_standin():
     """The lab's SGLang stand-in (lab/standin/lab_sglang_standin.py) as a module, imported from its path."""
     spec = importlib.util.spec_from_file_location(

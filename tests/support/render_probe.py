@@ -18,21 +18,13 @@ from types import SimpleNamespace
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # support, as pytest's pythonpath has it
+
+from support import trusted  # noqa: E402
+
 SGLANG = REPO / "roles" / "sglang"
 SERVICE = REPO / "roles" / "sglang_service"
 HOST = "gpu-node-01.example.internal"
-
-
-def trusted(x):
-    from ansible.template import trust_as_template
-
-    if isinstance(x, str):
-        return trust_as_template(x)
-    if isinstance(x, dict):
-        return {k: trusted(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [trusted(v) for v in x]
-    return x
 
 
 def load(path: Path) -> dict:

@@ -155,14 +155,15 @@ def instance_record(
     profiles,
     profile,
     model_path,
-    common_flags,
-    common_env,
-    listen_host,
-    venv,
-    launch_module,
-    config_dir,
-    launcher,
+    common_flags=None,
+    common_env=None,
+    listen_host="0.0.0.0",
+    venv="/opt/ml-env",
+    launch_module="sglang.launch_server",
+    config_dir="/etc/sglang",
+    launcher="/usr/local/libexec/sglang-deploy/sglang-launch",
 ) -> dict[str, Any]:
+    """The instance's record, rendered once: what the unit template, validation and the modules read."""
     name = str(instance.get("name") or "")
     if not NAME.match(name) or name in RESERVED_NAMES:
         raise ConfigError(
@@ -314,7 +315,7 @@ def lock_requirements(requirements, lock_text: str) -> list[str]:
     """The sglang role's lock: sglang_requirements when it lists any, else the lock file's items without hashes,
     comments or blank lines (roles/sglang/tasks/preflight.yml reads it the same)."""
     if not isinstance(requirements, (list, tuple)):
-        raise ConfigError(f"sglang_requirements: a list of \"name==version\" items, not {type(requirements).__name__}")
+        raise ConfigError(f'sglang_requirements: a list of "name==version" items, not {type(requirements).__name__}')
     if requirements:
         return list(requirements)
     lines = (LOCK_HASHES.sub("", line).strip() for line in lock_text.splitlines())
@@ -330,7 +331,7 @@ def software(
     from .software import generation_id, lock_sha256, patch_series_sha256
 
     if not isinstance(env_lock, (list, tuple)):
-        raise ConfigError(f"ml_env_requirements: a list of \"name==version\" items, not {type(env_lock).__name__}")
+        raise ConfigError(f'ml_env_requirements: a list of "name==version" items, not {type(env_lock).__name__}')
     identity = {
         "python_version": str(python_version),
         "sglang_version": str(sglang_version),
