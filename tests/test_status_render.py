@@ -187,9 +187,12 @@ def test_patches_are_read_as_the_file_lookup_reads_them(tmp_path):
     (tmp_path / "series" / "0004-latin1.patch").write_bytes(b"+caf\xe9\n")
     latin = same_as_the_roles(probe(inventory(tmp_path)))
     assert len({first, crlf, latin}) == 3
+    (tmp_path / "series" / "0004-Upper.patch").write_bytes(b"+U\n")  # Jinja's sort: case-insensitive
+    mixed = same_as_the_roles(probe(inventory(tmp_path)))
+    assert mixed != latin
     (tmp_path / "series" / "._0001-a.patch").write_bytes(b"resource fork")
     (tmp_path / "series" / "0005-dir.patch").mkdir()
-    assert same_as_the_roles(probe(inventory(tmp_path))) == latin
+    assert same_as_the_roles(probe(inventory(tmp_path))) == mixed
 
 
 def test_a_series_directory_is_found_as_ansible_finds_a_roles_file(tmp_path):
@@ -249,8 +252,10 @@ def test_each_instances_answer_without_what_ansible_keeps_for_itself(tmp_path):
     assert out["result"]["warnings"] == ["w1", "w2"] and out["result"]["instances"][1]["msg"] == "b: no answer"
 
 
-def test_the_instances_asked_before_the_host_went_unreachable_are_kept(tmp_path):
-    out = probe(inventory(tmp_path), answers={"b": {"unreachable": True, "msg": "ssh: gone"}})
+@pytest.mark.parametrize("lost", [{"unreachable": True, "msg": "ssh: gone"}, {"raise": "ssh: gone"}])
+def test_the_instances_asked_before_the_host_went_unreachable_are_kept(tmp_path, lost):
+    """The connection lost as a result marked unreachable, or as the ssh plugin's AnsibleConnectionFailure."""
+    out = probe(inventory(tmp_path), answers={"b": lost})
     assert out["result"]["unreachable"] and out["result"]["msg"] == "b: ssh: gone"
     t = Tracker("status")
     data = {"host": HOST, "task": "status", "resolved_action": "sglang.deploy.sglang_server", "res": out["result"]}

@@ -65,7 +65,7 @@ ROLE_ARGS = {"service_user": "sglang_service_user", "state_dir": "sglang_service
 # The filters the records' expression calls.
 RECORD_FILTERS = ("sglang.deploy.sglang_instances", "sglang.deploy.sglang_with_tuned", "ansible.builtin.default")
 # What Ansible keeps on a module's result for itself (each instance's own result is returned whole otherwise).
-NOT_REPORTED = ("invocation", "warnings", "deprecations")
+NOT_REPORTED = ("invocation", "warnings", "deprecations")  # the last two lifted to the task's result
 
 
 def _role_file(path: Path, trusted: bool = False):
@@ -73,7 +73,9 @@ def _role_file(path: Path, trusted: bool = False):
 
     try:
         return DataLoader().load_from_file(str(path), trusted_as_template=trusted)
-    except TypeError:  # ansible-core before 2.19: no template trust, every template is templated
+    except TypeError as exc:  # ansible-core before 2.19: no template trust, every template is templated
+        if "trusted_as_template" not in str(exc):
+            raise
         return DataLoader().load_from_file(str(path))
 
 
@@ -150,27 +152,37 @@ class ActionModule(ActionBase):
             return {"failed": True, "msg": f"sglang_server: render is for action status, not {args.get('action')}"}
         try:
             records, given = self._rendered(task_vars)
-        except (render.ConfigError, AnsibleError, OSError, TypeError, ValueError) as exc:
+        except (render.ConfigError, AnsibleError, OSError, TypeError, ValueError, KeyError) as exc:
             msg = f"sglang_server: rendering the instances: {exc}"
             return {"failed": True, "outcome": outcomes.INVALID_CONFIG, "msg": msg}
         # The role's service user and state directory, unless the task names others.
         own = {arg: given[var] for arg, var in ROLE_ARGS.items() if var in given}
-        out, said = [], []
+        out, said, told = [], [], []
         for record in records:
-            res = self._execute_module(
-                module_name="sglang.deploy.sglang_server",
-                module_args={**own, **args, "instance": record},
-                task_vars=task_vars,
-            )
+            try:
+                res = self._execute_module(
+                    module_name="sglang.deploy.sglang_server",
+                    module_args={**own, **args, "instance": record},
+                    task_vars=task_vars,
+                )
+            except AnsibleConnectionFailure as exc:  # as Ansible reports it, with the instances asked before
+                res = {"unreachable": True, "msg": str(exc)}
             said += [w for w in res.get("warnings") or [] if w not in said]
+            told += [d for d in res.get("deprecations") or [] if d not in told]
             one = {"instance": record["name"], **{k: v for k, v in res.items() if not self._hidden(k)}}
             msg = str(one.get("msg") or "")
             one["msg"] = msg if msg.startswith(f"{record['name']}:") else f"{record['name']}: {msg or 'no answer'}"
             out.append(one)
             if res.get("unreachable"):  # the host: its other instances are not asked
-                return {"unreachable": True, "instances": out, "msg": one["msg"], "warnings": said}
+                return {
+                    "unreachable": True,
+                    "instances": out,
+                    "msg": one["msg"],
+                    "warnings": said,
+                    "deprecations": told,
+                }
         failed = [r for r in out if r.get("failed")]
-        result = {"changed": False, "failed": bool(failed), "instances": out, "warnings": said}
+        result = {"changed": False, "failed": bool(failed), "instances": out, "warnings": said, "deprecations": told}
         result["msg"] = "; ".join(r["msg"] for r in (failed or out))
         if failed and failed[0].get("outcome"):  # the driver's exit code: the first failed instance's outcome
             result["outcome"] = failed[0]["outcome"]
@@ -208,9 +220,10 @@ class ActionModule(ActionBase):
         var = self._var
         version, profile = var(ours, "sglang_version"), var(ours, "sglang_install_profile")
         try:
-            lock_text = (SGLANG_ROLE / "files" / "locks" / f"{version}-{profile}.txt").read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):  # the lookup's errors='ignore': no lock (deploy's assert says so)
-            lock_text = ""
+            lock = (SGLANG_ROLE / "files" / "locks" / f"{version}-{profile}.txt").read_bytes()
+        except OSError:  # the lookup's errors='ignore': no lock (deploy's assert says so)
+            lock = b""
+        lock_text = lock.decode("utf-8", "surrogateescape")
         patches = self._patches(var(ours, "sglang_patch_series_dir")) if var(ours, "sglang_patches_enabled") else []
         gens = var(ours, "ml_env_generations_dir", MISSING)
         software = render.software(
@@ -236,7 +249,8 @@ class ActionModule(ActionBase):
                 where = self._loader.path_dwim_relative_stack([str(SGLANG_ROLE)], "files", where, is_role=True)
             except AnsibleFileNotFound:
                 return []
-        found = sorted(f for f in glob.glob(os.path.join(glob.escape(where), "*.patch")) if os.path.isfile(f))
+        # As fileglob globs (the directory a pattern too) and as Jinja's sort orders (case-insensitively).
+        found = sorted((f for f in glob.glob(os.path.join(where, "*.patch")) if os.path.isfile(f)), key=str.lower)
         out = []
         for path in found:
             with open(path, "rb") as f:  # the file lookup's text: the bytes as they are (\r kept), undecodable kept

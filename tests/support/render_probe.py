@@ -104,6 +104,10 @@ def plugin(own: dict, args: dict, answers: dict) -> tuple[dict, list[dict]]:
     def execute(module_name, module_args, task_vars):
         calls.append({"module": module_name, **module_args})
         name = (module_args.get("instance") or {}).get("name", "?")
+        if (answers.get(name) or {}).get("raise"):  # the connection failing as Ansible's ssh plugin fails it
+            from ansible.errors import AnsibleConnectionFailure
+
+            raise AnsibleConnectionFailure(answers[name]["raise"])
         return answers.get(name) or {"changed": False, "outcome": "status", "instance": name, "msg": f"{name}: active"}
 
     action._execute_module = execute
