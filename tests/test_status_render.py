@@ -57,7 +57,8 @@ def inventory(tmp_path: Path, **more) -> dict:
 
 def probe(own: dict, args: dict = STATUS, answers: dict | None = None, **env_more) -> dict:
     """{roles: render.yml's records (or its error), result: the plugin's, calls: the module's args, one a call}."""
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env_more}
+    # support on the path, the collection not: Ansible's collection loader must import it first (render_probe).
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), **env_more}
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "support" / "render_probe.py")],
         input=json.dumps({"own": own, "args": args, "answers": answers or {}}),

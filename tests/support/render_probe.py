@@ -17,10 +17,9 @@ from types import SimpleNamespace
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))  # support, as pytest's pythonpath has it
+from support import trusted  # tests/ on PYTHONPATH (tests/test_status_render.py), the collections not
 
-from support import trusted  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 SGLANG = REPO / "roles" / "sglang"
 SERVICE = REPO / "roles" / "sglang_service"
