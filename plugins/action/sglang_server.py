@@ -93,6 +93,7 @@ def preloaded() -> tuple[dict, dict]:
     return defaults, spec
 
 
+# Without a collection loader set up (ansible-doc, a test importing this file) it is loaded on first use instead.
 try:
     preloaded()
 except Exception:
