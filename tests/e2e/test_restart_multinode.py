@@ -19,8 +19,8 @@ pytestmark = pytest.mark.lab
 PORT = 30002
 
 
-def inventory_with_multinode(the_lab, tmp_path, rank1_env: dict | None = None):
-    """The lab's inventory, each node given its rank of the instance `mn` (host variables)."""
+def inventory_with_multinode(the_lab, tmp_path, rank1_env: dict | None = None, env: dict | None = None):
+    """The lab's inventory, each node given its rank of the instance `mn` (host variables); `env` on both ranks."""
     text = the_lab.inventory.read_text()
     for rank, host in enumerate(("lab-node1", "lab-node2")):
         inst = {
@@ -30,7 +30,7 @@ def inventory_with_multinode(the_lab, tmp_path, rank1_env: dict | None = None):
             "nnodes": 2,
             "node_rank": rank,
             "dist_init_addr": "lab-node1:5757",
-            "env": (rank1_env or {}) if rank == 1 else {},
+            "env": {**(env or {}), **((rank1_env or {}) if rank == 1 else {})},
         }
         text = text.replace(
             f"        {host}:\n", f"        {host}:\n          sglang_instances: {json.dumps([inst])}\n", 1
@@ -219,7 +219,9 @@ def test_a_controller_gone_between_the_groups_phases_leaves_a_lease_that_refuses
     are refused, locked (the driver's exit 9), naming the lease, and touch nothing; once the operator removes the
     lease files (docs/restart.md), a restart brings the group back, and a successful run leaves no lease behind."""
     the_lab, containers = nodes
-    inv = inventory_with_multinode(the_lab, tmp_path)
+    # Each stop phase then waits 3 s for its GPUs (the stand-in's memory freed late): the controller is killed within
+    # it, not after it, on a busy machine too (the rehearsal of 2026-12-06 killed it once the start phase had begun).
+    inv = inventory_with_multinode(the_lab, tmp_path, env={"LAB_STANDIN_RELEASE_S": "3"})
     try:
         good = restart(the_lab, inv)
         assert good.returncode == 0, good.stdout[-3000:]
