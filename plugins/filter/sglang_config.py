@@ -4,10 +4,8 @@ variables) and sglang_deploy.tune (autotune's plan): thin adapters turning a Con
 from __future__ import annotations
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import render
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.render import (  # noqa: F401 (the tests')
-    RESERVED_NAMES,
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.render import (
     ConfigError,
-    check_profile_names,
     env_file_line,
     instance_record,
     server_config,
