@@ -129,7 +129,7 @@ def test_a_bad_instance_name_is_refused_not_joined_into_a_path(host):
 
 
 def test_the_machine_marks_where_the_guard_looks():
-    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import Machine, Ports
+    from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.machine import Machine, Ports
 
     class Bare:
         ports = Ports()

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, restart
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, phases
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import FAILED_DIR, Store
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import Machine, Ports, Settings
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.machine import Machine, Ports, Settings
 
 UNIT = "sglang-m.service"
 GOOD = {"unit": "[Service]\nExecStart=/venv-good/bin/python -m sglang.launch_server\n", "env": 'PROFILE="good"\n'}
@@ -109,8 +109,8 @@ def test_the_rollbacks_restore_phase_keeps_the_failed_files_then_reloads_systemd
         return subprocess.CompletedProcess(["systemctl", *args], 0, "", "")
 
     m = Machine(inst, Settings(), Ports(systemctl=systemctl, lock_dir=str(tmp_path / "locks")))
-    m.target = record
-    assert m.restore()["failed_kept_in"] == os.path.join(inst.kg_dir, FAILED_DIR)
+    m.retarget(record)
+    assert phases.restore(m)["failed_kept_in"] == os.path.join(inst.kg_dir, FAILED_DIR)
     assert Path(inst.kg_dir, FAILED_DIR, UNIT).read_text() == BAD["unit"]
     assert calls == [("daemon-reload",)]
-    assert restart.ROLLBACK[0] is restart.RESTORE and restart.RESTORE.phase == outcomes.RESTORE
+    assert phases.ROLLBACK[0] is phases.RESTORE and phases.RESTORE.phase == outcomes.RESTORE

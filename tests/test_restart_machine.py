@@ -1,6 +1,7 @@
-"""sglang_deploy.restart (the state machine) against fakes of systemd, SGLang's HTTP server and nvidia-smi.
+"""The safe restart's state machine (sglang_deploy.restart, machine, phases, operate, failure) against fakes of systemd,
+SGLang's HTTP server and nvidia-smi.
 
-The fakes, all behind restart.Ports:
+The fakes, all behind machine.Ports:
 
     Host        one instance's systemd unit (ActiveState/SubState, MainPID, NRestarts, an
                 InvocationID per start, UnitFileState, the exit timestamp), its journal, the
@@ -44,11 +45,15 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import
     bench,
     boot,
     checks,
+    failure,
     gpu,
     http,
     known_good,
     lock,
+    machine,
+    operate,
     outcomes,
+    phases,
     procinfo,
     restart,
     stage,
@@ -62,7 +67,7 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instan
 )
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.known_good import Store
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.lock import InstanceLock, peek
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import Machine, Ports, Settings
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.machine import Machine, Ports, Settings
 from support import COLLECTIONS, env_with_pythonpath
 
 UNIT = "sglang-m.service"
@@ -309,7 +314,7 @@ class Host:
         return [c for c in self.calls if c[0] == "systemctl" and (not verbs or c[1] in verbs)]
 
     def sigterm(self, thread: threading.Thread | None = None) -> None:
-        assert signal.getsignal(signal.SIGTERM) in (restart.sigterm, signal.SIG_IGN), "install the handlers first"
+        assert signal.getsignal(signal.SIGTERM) in (failure.sigterm, signal.SIG_IGN), "install the handlers first"
         self.sigterms += 1
         if thread is None:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -675,8 +680,8 @@ class World:
     running: dict[str, list[str]]  # profile -> argv as the process runs (the secret expanded)
     boot_invocation: str = ""
 
-    def machine(self, **kw) -> Machine:
-        return Machine(self.inst, replace(self.settings, **kw), self.host.ports())
+    def machine(self, action: str = "restart", **kw) -> Machine:
+        return Machine(self.inst, replace(self.settings, **kw), self.host.ports(), action)
 
     def live(self) -> dict[str, str]:
         return {p: Path(p).read_text() for p in self.inst.config_files}
@@ -866,7 +871,7 @@ def _isolated(monkeypatch):
 def handlers():
     """The module's signal handlers (SIGTERM fails the phase), the test runner's restored afterwards."""
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGINT)
-    restart.install_signal_handlers()
+    failure.install_signal_handlers()
     yield
     signal.signal(signal.SIGTERM, old[0])
     signal.signal(signal.SIGHUP, old[1])
@@ -1693,9 +1698,9 @@ def test_sigint_is_a_failure_of_the_phase_too(world, handlers):
 
 def test_a_failure_raised_in_another_phase_is_reported_under_the_phase_that_ran(world, monkeypatch, handlers):
     def raises(*a):
-        raise restart.Failure("gpus", "raised by a helper")
+        raise failure.Failure("gpus", "raised by a helper")
 
-    monkeypatch.setattr(restart, "promote", lambda inst, reload: raises())
+    monkeypatch.setattr(phases, "promote_pending", lambda inst, reload: raises())
     res = restart.restart(world.machine())
     assert res["failure"] == {"phase": "promote", "cause": "raised by a helper", "raised_in": "gpus"}
 
@@ -1728,15 +1733,15 @@ def test_a_sigterm_during_containment_is_ignored_and_the_handler_restored(world,
 
 def test_install_signal_handlers_ignores_sighup(handlers):
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-    with pytest.raises(restart.Terminated):
-        restart.sigterm(signal.SIGTERM, None)
+    with pytest.raises(failure.Terminated):
+        failure.sigterm(signal.SIGTERM, None)
 
 
 def test_containment_outside_the_main_thread_still_contains(world):
     """signal.signal raises ValueError off the main thread: containment goes on without masking."""
     m = world.machine()
     res: dict = {}
-    t = threading.Thread(target=m.contain, args=(res,))
+    t = threading.Thread(target=restart.contain, args=(m, res))
     t.start()
     t.join(5)
     assert res["outcome"] == N and res["contained"]["stop"] is None
@@ -1765,7 +1770,7 @@ def test_a_sigterm_between_two_phases_still_ends_in_a_defined_outcome(world, han
 
 INTERRUPTS = {
     "sigint": (KeyboardInterrupt(), "interrupted (SIGINT)"),
-    "sigterm": (restart.Terminated("terminated (SIGTERM)"), "terminated (SIGTERM)"),
+    "sigterm": (failure.Terminated("terminated (SIGTERM)"), "terminated (SIGTERM)"),
     "bug": (RuntimeError("a bug between phases"), "unexpected RuntimeError: a bug between phases"),
 }
 
@@ -1788,7 +1793,7 @@ def raise_around(mp, steps, exc, *, before: bool = False) -> None:
 @pytest.mark.parametrize("kind", sorted(INTERRUPTS))
 def test_an_exception_before_the_first_phase_is_a_refusal_under_the_lock_phase(world, monkeypatch, handlers, kind):
     exc, cause = INTERRUPTS[kind]
-    raise_around(monkeypatch, restart.REFUSALS, exc, before=True)
+    raise_around(monkeypatch, phases.REFUSALS, exc, before=True)
     res = restart.restart(world.machine())
     assert res["outcome"] == outcomes.REFUSED and res["changed"] is False and res["phases"] == []
     assert res["failure"]["phase"] == "lock" and res["failure"]["cause"] == cause
@@ -1801,7 +1806,7 @@ def test_an_exception_after_the_preflight_before_the_stop_is_a_refusal_naming_th
     world, monkeypatch, handlers, kind
 ):
     exc, cause = INTERRUPTS[kind]
-    raise_around(monkeypatch, restart.REFUSALS, exc)
+    raise_around(monkeypatch, phases.REFUSALS, exc)
     res = restart.restart(world.machine())
     assert [p["phase"] for p in res["phases"]] == ["lock", "validate", "stage", "preflight"]
     assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
@@ -1814,7 +1819,7 @@ def test_an_exception_after_the_preflight_before_the_stop_is_a_refusal_naming_th
 @pytest.mark.parametrize("kind", sorted(INTERRUPTS))
 def test_an_exception_after_verifying_before_the_record_is_restarted_with_a_note(world, monkeypatch, handlers, kind):
     exc, cause = INTERRUPTS[kind]
-    raise_around(monkeypatch, restart.RESTART, exc)
+    raise_around(monkeypatch, phases.RESTART, exc)
     res = restart.restart(world.machine())
     assert res["outcome"] == REST and res["changed"] is True and "failure" not in res
     assert res["note"] == f"after verifying: {cause}"
@@ -1825,7 +1830,7 @@ def test_an_exception_after_verifying_before_the_record_is_restarted_with_a_note
 
 
 def test_an_exception_after_the_record_keeps_the_outcome_and_says_it_in_a_note(world, monkeypatch, handlers):
-    raise_around(monkeypatch, (restart.RECORD,), KeyboardInterrupt())
+    raise_around(monkeypatch, (phases.RECORD,), KeyboardInterrupt())
     res = restart.restart(world.machine())
     assert res["outcome"] == REST and "failure" not in res
     assert res["note"] == "after the outcome: interrupted (SIGINT)"
@@ -1838,7 +1843,7 @@ def test_an_exception_after_the_record_keeps_the_outcome_and_says_it_in_a_note(w
 def test_an_exception_between_a_failed_start_and_the_rollback_contains(world, monkeypatch, handlers, kind):
     exc, cause = INTERRUPTS[kind]
     world.host.behave("new", crash_at_start=True)
-    raise_around(monkeypatch, restart.RESTART, exc)
+    raise_around(monkeypatch, phases.RESTART, exc)
     res = restart.restart(world.machine())
     assert res["outcome"] == N and res["changed"] is True and "rollback" not in res
     assert res["failure"]["phase"] == "start" and res["failure"]["cause"] == cause  # the phase that ran last
@@ -1849,11 +1854,11 @@ def test_an_exception_between_a_failed_start_and_the_rollback_contains(world, mo
 
 def test_an_exception_after_the_rollback_verified_contains_and_keeps_the_start_failure(world, monkeypatch, handlers):
     world.host.behave("new", crash_at_start=True)
-    raise_around(monkeypatch, restart.ROLLBACK, KeyboardInterrupt())
+    raise_around(monkeypatch, phases.ROLLBACK, KeyboardInterrupt())
     res = restart.restart(world.machine())
     assert res["outcome"] == N
     assert res["failure"]["phase"] == "start" and "interrupted" not in res["failure"]  # the crash, not the signal
-    assert [p["ok"] for p in res["rollback"]["phases"]] == [True] * len(restart.ROLLBACK)
+    assert [p["ok"] for p in res["rollback"]["phases"]] == [True] * len(phases.ROLLBACK)
     stopped(world)
     assert world.lock_free()
 
@@ -1862,8 +1867,8 @@ def test_an_operators_rollback_interrupted_after_its_lock_is_refused_and_touches
     tmp_path, monkeypatch, handlers
 ):
     w = build(tmp_path, new="live-running")
-    raise_around(monkeypatch, (restart.LOCK,), KeyboardInterrupt())
-    res = restart.rollback(w.machine())
+    raise_around(monkeypatch, (phases.LOCK,), KeyboardInterrupt())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
     assert res["failure"] == {"phase": "lock", "cause": "interrupted (SIGINT)", "interrupted": True}
     assert w.host.systemctl_calls() == []
@@ -1876,8 +1881,8 @@ def test_an_operators_rollback_interrupted_after_verifying_is_contained_not_call
 ):
     """Only a restart's verified start outlives a signal as its outcome; the rollback's contains (stopped)."""
     w = build(tmp_path, new="live-running")
-    raise_around(monkeypatch, restart.ROLLBACK, KeyboardInterrupt())
-    res = restart.rollback(w.machine())
+    raise_around(monkeypatch, phases.ROLLBACK, KeyboardInterrupt())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == N and res["changed"] is True
     assert res["failure"] == {"phase": "verify", "cause": "interrupted (SIGINT)", "interrupted": True}
     stopped(w)
@@ -1886,8 +1891,8 @@ def test_an_operators_rollback_interrupted_after_verifying_is_contained_not_call
 
 def test_an_operators_rollback_interrupted_after_its_record_keeps_rolled_back(tmp_path, monkeypatch, handlers):
     w = build(tmp_path, new="live-running")
-    raise_around(monkeypatch, (restart.RECORD,), KeyboardInterrupt())
-    res = restart.rollback(w.machine())
+    raise_around(monkeypatch, (phases.RECORD,), KeyboardInterrupt())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == R and res["note"] == "after the outcome: interrupted (SIGINT)"
     serving(w, "good")
     assert w.lock_free()
@@ -1929,7 +1934,7 @@ def test_an_operators_rollback_holds_the_lock_as_a_rollback(tmp_path, handlers):
     w = build(tmp_path, new="live-running")
     seen: dict = {}
     w.host.hook("stop", lambda h: seen.update(peek("m", h.lock_dir) or {}))
-    assert restart.rollback(w.machine())["outcome"] == R
+    assert operate.rollback(w.machine("rollback"))["outcome"] == R
     assert seen["operation"] == "rollback m"  # its target is chosen under the lock: no profile to name yet
 
 
@@ -1973,7 +1978,7 @@ def test_a_restart_validating_in_its_own_call_refuses_a_bad_setting_naming_it_an
 
 
 def test_a_validation_that_cannot_run_is_a_refusal_with_its_cause(world, handlers):
-    m, _ = validating(world, restart.ValidateError("SGLang's parser failed: exit 1"))
+    m, _ = validating(world, phases.ValidateError("SGLang's parser failed: exit 1"))
     res = restart.restart(m)
     assert res["outcome"] == outcomes.REFUSED and res["changed"] is False
     assert res["failure"] == {"phase": "validate", "cause": "SGLang's parser failed: exit 1. Nothing was stopped."}
@@ -2481,10 +2486,10 @@ def test_a_rank_above_0_reaches_an_ipv6_rank_0_in_brackets_with_the_instances_ke
     rank0 = rank0_serving(w.inst.port, "::1", key=KEY)  # 401 without the key: not serving
     try:
         if has_key:
-            assert w.machine().rank0_serving() == {"rank0": f"[::1]:{w.inst.port}"}
+            assert phases.rank0_serving(w.machine()) == {"rank0": f"[::1]:{w.inst.port}"}
         else:
-            with pytest.raises(restart.Failure, match=r"rank 0 of m \(\[::1\]:\d+\) does not serve"):
-                w.machine().rank0_serving()
+            with pytest.raises(failure.Failure, match=r"rank 0 of m \(\[::1\]:\d+\) does not serve"):
+                phases.rank0_serving(w.machine())
     finally:
         rank0.shutdown()
         rank0.server_close()
@@ -2497,8 +2502,8 @@ def test_a_rank_above_0_reaches_an_ipv6_rank_0_in_brackets_with_the_instances_ke
 def test_a_rank_above_0_without_a_readable_dist_init_addr_is_not_confirmed(tmp_path, addr, why):
     w = build(tmp_path, nnodes=2, node_rank=1, running=False)
     w.inst.dist_init_addr = addr
-    with pytest.raises(restart.Failure) as caught:
-        w.machine().rank0_serving()
+    with pytest.raises(failure.Failure) as caught:
+        phases.rank0_serving(w.machine())
     assert caught.value.phase == outcomes.VERIFY and str(caught.value) == f"m: {why}: rank 0 cannot be reached"
 
 
@@ -2593,7 +2598,7 @@ def test_a_multinode_stop_failure_is_contained(tmp_path, handlers):
 
 def test_operator_rollback_is_refused_for_an_instance_spanning_nodes(tmp_path):
     w = build(tmp_path, nnodes=2, node_rank=0)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     cause = (
         "m spans 2 nodes: rolling its ranks back one node at a time would start them out of step. Put the known-good "
         "settings back in group_vars and run restart (all its nodes at once)."
@@ -2605,7 +2610,7 @@ def test_operator_rollback_is_refused_for_an_instance_spanning_nodes(tmp_path):
 
 def test_operator_rollback_is_refused_with_no_generation(tmp_path):
     w = build(tmp_path, new="live-running", known_good=False)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == outcomes.REFUSED and res["failure"] == {
         "phase": "restore",
         "cause": f"no known-good generation of m is recorded in {Store(w.inst).dir}: a restart records one when it "
@@ -2619,7 +2624,7 @@ def test_operator_rollback_rolls_back_and_records(tmp_path, handlers):
     w = build(tmp_path, new="live-running")
     serving(w, "new")
     good = Store(w.inst).latest()
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == R and res["profile"] == "good" and res["changed"] is True
     assert res["rollback"] == {
         "attempted": True,
@@ -2640,7 +2645,7 @@ def test_operator_rollback_rolls_back_and_records(tmp_path, handlers):
 def test_operator_rollback_whose_record_fails_still_serves(tmp_path, handlers):
     w = build(tmp_path, new="live-running")
     w.host.inject("enable", "rc")
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == R and res["known_good"]["enabled"] is False and res["known_good"]["generation"]
     serving(w, "good")
 
@@ -2652,7 +2657,7 @@ def test_operator_rollback_whose_record_cannot_be_written_says_why_and_still_ser
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(Store, "record", full)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == R
     assert res["known_good"] == {"recorded": False, "why": "OSError: [Errno 28] No space left on device"}
     assert "Not recorded as known-good (OSError: [Errno 28] No space left on device)" in res["msg"]
@@ -2662,7 +2667,7 @@ def test_operator_rollback_whose_record_cannot_be_written_says_why_and_still_ser
 def test_operator_rollback_failing_ends_stopped(tmp_path, handlers):
     w = build(tmp_path, new="live-running")
     w.host.behave("good", crash_at_start=True)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == N and res["failure"]["phase"] == "start" and res["rollback"]["outcome"] == "failed"
     assert res["contained"]["stop"] is None and res["contained"]["unit_state"] in ("inactive/dead", "failed/failed")
     assert len(w.host.systemctl_calls("stop")) == 2  # the rollback's stop, then the containment's: once each
@@ -2672,11 +2677,11 @@ def test_operator_rollback_failing_ends_stopped(tmp_path, handlers):
 
 def test_operator_rollback_check_mode_and_lock(tmp_path, handlers):
     w = build(tmp_path, new="live-running")
-    res = restart.rollback(w.machine(check_mode=True))
+    res = operate.rollback(w.machine("rollback", check_mode=True))
     assert res["outcome"] == outcomes.WOULD_ROLL_BACK and res["changed"] is False
     assert res["rollback"]["to_profile"] == "good"
     hold_lock(w, None)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     w.other_lock.release()
     assert res["outcome"] == outcomes.LOCKED and res["lock"]["holder"]["controller"] == "ctl-b"
     assert w.host.systemctl_calls() == []
@@ -2690,7 +2695,7 @@ def test_verify_verified(tmp_path):
     w = build(tmp_path, new=None)
     w.settings.thresholds.baseline_tokens_per_s = 1.0
     w.settings.thresholds.no_spec_tokens_per_s = 1.0
-    res = restart.verify(w.machine())
+    res = operate.verify(w.machine())
     assert res["outcome"] == outcomes.VERIFIED and res["msg"] == "m: verified" and res["verify"]["ok"]
     assert (res["changed"], res["instance"], res["profile"]) == (False, "m", "good")
     assert w.host.bundles == [] and "evidence" not in res
@@ -2713,7 +2718,7 @@ def test_verify_verified(tmp_path):
 def test_verify_failed_names_the_failed_checks(tmp_path):
     w = build(tmp_path, new="pending")  # configured: new; running: good
     w.host.foreign = True
-    res = restart.verify(w.machine())
+    res = operate.verify(w.machine())
     assert res["outcome"] == outcomes.VERIFY_FAILED
     failed = " ".join(res["verify"]["failed_checks"])
     assert (
@@ -2734,7 +2739,7 @@ def test_verify_failed_names_the_failed_checks(tmp_path):
 def test_verify_with_an_exception_inside_is_verify_failed_never_raised(tmp_path, kind):
     w = build(tmp_path, new=None)
     w.host.inject("snapshot" if kind == "nvsmi" else "show", kind)
-    res = restart.verify(w.machine())
+    res = operate.verify(w.machine())
     assert res["outcome"] == outcomes.VERIFY_FAILED and res["changed"] is False
     (check,) = res["verify"]["checks"]
     cause = check["detail"]
@@ -2778,16 +2783,16 @@ def test_a_restarts_verify_phase_says_how_many_checks_ran_and_their_warnings(wor
 def test_verify_reads_the_patch_manifest_its_settings_name(tmp_path):
     w = build(tmp_path, new=None)
     manifest = write_manifest(tmp_path, tmp_path / "elsewhere.json", matches=False)
-    res = restart.verify(w.machine(patch_manifest=manifest))
+    res = operate.verify(w.machine(patch_manifest=manifest))
     assert any("installed files differ from the patch manifest" in x for x in res["verify"]["failed_checks"])
-    res = restart.verify(w.machine(patch_manifest=str(tmp_path / "none-here.json")))
+    res = operate.verify(w.machine(patch_manifest=str(tmp_path / "none-here.json")))
     assert not any("patch manifest" in x for x in res["verify"]["failed_checks"]), res["verify"]["failed_checks"]
 
 
 def test_verify_of_a_stopped_unit_and_a_patch_mismatch(tmp_path):
     w = build(tmp_path, new=None, running=False)
     write_manifest(tmp_path, tmp_path / "venv-good" / "sglang-deploy" / "patches.json", matches=False)
-    res = restart.verify(w.machine())
+    res = operate.verify(w.machine())
     failed = res["verify"]["failed_checks"]
     assert any(x.startswith("unit: sglang-m.service inactive/dead") for x in failed)
     assert any(
@@ -2799,7 +2804,7 @@ def test_verify_of_a_stopped_unit_and_a_patch_mismatch(tmp_path):
 
 def test_status_reports_every_part(tmp_path):
     w = build(tmp_path, api_key=True)  # new pending; good running
-    out = restart.status(w.machine())
+    out = operate.status(w.machine())
     assert out["errors"] == []
     assert out == {
         **out,
@@ -2827,7 +2832,7 @@ def test_status_shows_the_lock_holder_and_the_accept_length_from_metrics(tmp_pat
     w.host.unit.server.b = Behaviour(server_info="no_states", accept=3.25)
     hold_lock(w, None)
     try:
-        out = restart.status(w.machine())
+        out = operate.status(w.machine())
     finally:
         w.other_lock.release()
     assert out["lock"]["controller"] == "ctl-b" and out["accept_length"] == 3.25 and out["drift"] is False
@@ -2843,7 +2848,7 @@ def test_status_puts_each_parts_exception_in_errors(tmp_path):
         p.unlink()
     gens.rmdir()
     gens.write_text("a file where a directory belongs")
-    out = restart.status(w.machine())
+    out = operate.status(w.machine())
     errors = out["errors"]
     assert [e.split(":")[0] for e in errors] == ["unit", "gpus", "http", "known_good"]
     assert "TimeoutExpired" in errors[0] and "NvidiaSmiError" in errors[1]
@@ -2854,7 +2859,7 @@ def test_status_puts_each_parts_exception_in_errors(tmp_path):
 def test_status_says_state_and_running_profile_in_one_line_and_rounds_the_accept_length(tmp_path):
     w = build(tmp_path, new=None, api_key=True)
     w.host.unit.server.b = Behaviour(server_info="no_states", accept=2.34567)  # from /metrics, with the key
-    out = restart.status(w.machine())
+    out = operate.status(w.machine())
     assert out["errors"] == [] and out["unit"] == UNIT and out["accept_length"] == 2.346 and out["instance"] == "m"
     assert out["msg"] == "m: active/running, profile good"
 
@@ -2862,14 +2867,14 @@ def test_status_says_state_and_running_profile_in_one_line_and_rounds_the_accept
 def test_status_of_a_server_without_a_draft_model_reads_no_accept_length(tmp_path):
     w = build(tmp_path, new=None)
     w.host.unit.server.b = Behaviour(server_info="no_spec")
-    out = restart.status(w.machine())
+    out = operate.status(w.machine())
     assert out["errors"] == [] and out["health"] is True and out["accept_length"] is None
     assert "/metrics" not in w.host.unit.server.requests
 
 
 def test_status_with_nothing_recorded_and_nothing_running(tmp_path):
     w = build(tmp_path, new=None, known_good=False, running=False)
-    out = restart.status(w.machine())
+    out = operate.status(w.machine())
     assert out["errors"] == [] and out["known_good"] is None
     assert (out["state"], out["main_pid"], out["running_profile"], out["drift"]) == ("inactive/dead", 0, None, False)
     assert out["msg"] == "m: inactive/dead, profile ?"
@@ -2882,8 +2887,8 @@ def test_status_names_each_failing_part_in_its_one_line(tmp_path, monkeypatch):
     def jobs_fail(name, directory):
         raise OSError(errno.EACCES, "Permission denied", directory)
 
-    monkeypatch.setattr(restart.job, "of_instance", jobs_fail)
-    out = restart.status(w.machine())
+    monkeypatch.setattr(operate.job, "of_instance", jobs_fail)
+    out = operate.status(w.machine())
     assert [e.split(":")[0] for e in out["errors"]] == ["unit", "jobs"]
     assert out["errors"][1].startswith("jobs: PermissionError: [Errno 13] Permission denied")
     assert out["msg"] == "m: ?, profile ?; errors: " + "; ".join(out["errors"])
@@ -2891,7 +2896,7 @@ def test_status_names_each_failing_part_in_its_one_line(tmp_path, monkeypatch):
 
 def test_status_of_a_rank_above_0_has_no_http(tmp_path):
     w = build(tmp_path, new=None, nnodes=2, node_rank=1)
-    out = restart.status(w.machine())
+    out = operate.status(w.machine())
     assert out["errors"] == [] and out["health"] is None and out["accept_length"] is None
     assert out["running_profile"] == "good" and out["known_good"]["profile"] == "good"
 
@@ -3115,7 +3120,8 @@ def test_a_restart_given_its_configuration_stages_it_under_the_lock_it_holds_the
     assert stage_phase["detail"]["outcome"] == outcomes.STAGED and stage_phase["detail"]["pending"] is True
     # what the staging wrote: the pending copies of the unit's files
     assert sorted(stage_phase["detail"]["wrote"]) == sorted(w.inst.pending_path(f) for f in w.inst.config_files)
-    assert m.s.expected_config_hash == known_good.content_hash(w.files["new"]) == stage_phase["detail"]["config_hash"]
+    assert m.target.config_hash == known_good.content_hash(w.files["new"]) == stage_phase["detail"]["config_hash"]
+    assert m.s.expected_config_hash is None  # the machine's target holds it: the settings stay as given
     serving(w, "new")
     assert w.live() == w.files["new"] and w.pending() == []
     assert Path(w.inst.secrets_path).read_text() == f'SGLANG_API_KEY="{KEY}-rotated"\n'
@@ -3652,12 +3658,12 @@ def test_the_processes_a_restart_stopped_are_gathered_with_the_phase_that_stoppe
     res = restart.restart(w.machine())
     assert res["outcome"] == REST, res.get("failure")
     gpus = next(p for p in res["phases"] if p["phase"] == outcomes.GPUS)
-    assert Machine.stopped_in(res) == [{**p, "phase": "gpus"} for p in gpus["detail"]["stopped_processes"]]
-    assert [p["pid"] for p in Machine.stopped_in(res)] == [52001]
+    assert restart.stopped_in(res) == [{**p, "phase": "gpus"} for p in gpus["detail"]["stopped_processes"]]
+    assert [p["pid"] for p in restart.stopped_in(res)] == [52001]
     # a rollback's own GPU wait, labelled as the rollback logs it; a phase whose detail is text is passed over
     res["rollback"] = {"phases": [{"phase": "rollback-gpus", "detail": {"stopped_processes": [{"pid": 7}]}}]}
     res["phases"].append({"phase": "verify", "detail": "accept length 1.0"})
-    assert [(p["pid"], p["phase"]) for p in Machine.stopped_in(res)] == [(52001, "gpus"), (7, "rollback-gpus")]
+    assert [(p["pid"], p["phase"]) for p in restart.stopped_in(res)] == [(52001, "gpus"), (7, "rollback-gpus")]
 
 
 @pytest.mark.parametrize("unit", [None, "session-4.scope", UNIT], ids=["no-unit", "login-session", "this-unit"])
@@ -3831,7 +3837,7 @@ def test_a_single_node_restart_given_a_token_takes_no_lease(tmp_path, handlers):
 def test_status_names_a_groups_lease(tmp_path, handlers):
     w = build(tmp_path, nnodes=2, node_rank=0)
     group(w, "stop")
-    st = restart.status(w.machine())
+    st = operate.status(w.machine())
     assert st["lock"]["group_lease"]["token"] == TOKEN and st["lock"]["group_lease"]["expired"] is False
     assert st["lock"]["controller"] == "ctl-a"
 
@@ -3881,7 +3887,7 @@ def test_a_restart_cut_short_after_promote_leaves_the_mark_and_a_boot_puts_the_k
 ):
     w = build(tmp_path)
     m = w.machine()
-    m.promote()  # then the host goes down: the worker's defined ending never runs
+    phases.promote(m)  # then the host goes down: the worker's defined ending never runs
     assert w.live() == w.files["new"] and Path(m.unverified_dir, "m").exists()
     reloads = []
     put_back = boot.beside(m.ports.lock_dir, boot.PUT_BACK_DIR)  # never this machine's /run/sglang-deploy
@@ -3910,10 +3916,10 @@ def test_a_restart_cut_short_after_promote_leaves_the_mark_and_a_boot_puts_the_k
 def test_a_mark_a_killed_run_left_is_ended_by_the_next_run_that_holds_the_lock(tmp_path, handlers):
     w = build(tmp_path)
     m = w.machine()
-    m.promote()  # the worker SIGKILLed here, no boot: the mark stays, the unverified files live
+    phases.promote(m)  # the worker SIGKILLed here, no boot: the mark stays, the unverified files live
     marker = Path(m.unverified_dir, "m")
     assert marker.exists()
-    res = restart.rollback(w.machine())  # the operator's rollback, under the lock
+    res = operate.rollback(w.machine("rollback"))  # the operator's rollback, under the lock
     assert res["outcome"] == outcomes.ROLLED_BACK and not marker.exists()
     boot.mark("m", m.unverified_dir)  # another killed run's
     assert restart.restart(w.machine(check_mode=True))["outcome"] == outcomes.WOULD_RESTART
@@ -3957,7 +3963,7 @@ def test_status_names_the_instances_restart_workers_running_ended_uncollected_or
     odd = made("m", 2_500_000_000, 999_999_999)  # its files not JSON objects: read as absent, never fatal
     Path(odd.progress).write_text("[1]")
     Path(odd.result).write_text('["not", "a", "result"]')
-    out = restart.status(m)
+    out = operate.status(m)
     assert out["errors"] == []
     assert [(j["job"], j["state"]) for j in out["jobs"]] == [
         (ended.dir, "ended"), (lost.dir, "lost"), (odd.dir, "lost"), (running.dir, "running")
@@ -3975,17 +3981,17 @@ def test_operator_rollback_after_a_verified_restart_puts_the_generation_before_i
     w = build(tmp_path)
     assert restart.restart(w.machine())["outcome"] == REST  # new verified and recorded: the newest generation
     serving(w, "new")
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", res  # not new again: nothing to undo
     serving(w, "good")
     assert w.live() == w.files["good"] and Store(w.inst).latest()["profile"] == "good"  # recorded anew
     # Rolled back once more: the newest not on disk is new's generation (the good one on disk now is skipped).
-    assert restart.rollback(w.machine())["rollback"]["to_profile"] == "new"
+    assert operate.rollback(w.machine("rollback"))["rollback"]["to_profile"] == "new"
 
 
 def test_operator_rollback_with_only_the_live_configuration_recorded_is_refused(tmp_path, handlers):
     w = build(tmp_path, new=None)  # one generation: the good files, on disk and running
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     gen = Store(w.inst).latest()["generation"]
     assert res["outcome"] == outcomes.REFUSED and res["failure"] == {
         "phase": "restore",
@@ -4001,7 +4007,7 @@ def test_operator_rollback_skips_a_damaged_older_generation_and_touches_nothing(
     older = Path(Store(w.inst).records()[0])
     older.write_text(json.dumps({**json.loads(older.read_text()), "files": ["x"]}))  # damaged by hand
     calls = len(w.host.systemctl_calls())
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
     assert w.host.systemctl_calls()[calls:] == [] and w.lock_free()  # never stopped nor disabled
     serving(w, "new")
@@ -4012,7 +4018,7 @@ def test_operator_rollback_of_a_contained_instance_starts_the_newest_generation_
     w.host.behave("new", crash_at_start=True)
     assert restart.restart(w.machine())["outcome"] == N  # contained: stopped, the known-good files on disk
     stopped(w)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", (res.get("failure"), res.get("contained"))
     serving(w, "good")
 
@@ -4026,7 +4032,7 @@ def test_operator_rollback_of_a_contained_instance_started_since_by_hand_is_refu
     w.host.systemctl("start", UNIT)
     while w.host.show(UNIT)["ActiveState"] != "active":  # the start job runs (the fake's lag: a few reads)
         assert w.host.unit.pending_start, "the start never ran"
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == outcomes.REFUSED and "there is no other to roll back to" in res["failure"]["cause"]
     serving(w, "good")
 
@@ -4055,10 +4061,10 @@ def test_a_containment_that_cannot_put_the_files_back_disables_the_unit_and_leav
     w = build(tmp_path, rollback=False)
     w.host.behave("new", crash_at_start=True)
 
-    def restore_fails(self):
+    def restore_fails(m):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(Machine, "restore", restore_fails)
+    monkeypatch.setattr(restart, "restore", restore_fails)  # the containment's
     res = restart.restart(w.machine())
     assert res["outcome"] == N
     assert res["contained"]["files"] == "failed: OSError: [Errno 30] Read-only file system"
@@ -4070,8 +4076,8 @@ def test_a_containment_that_cannot_put_the_files_back_disables_the_unit_and_leav
 def test_a_containment_restores_the_callers_sigterm_handler_and_says_unknown_without_systemd(world, handlers):
     world.host.inject("show", "timeout", 0)
     res: dict = {}
-    world.machine().contain(res)
-    assert signal.getsignal(signal.SIGTERM) is restart.sigterm
+    restart.contain(world.machine(), res)
+    assert signal.getsignal(signal.SIGTERM) is failure.sigterm
     assert res["outcome"] == N and res["contained"]["unit_state"] == "unknown"
 
 
@@ -4084,9 +4090,9 @@ def test_operator_rollback_of_a_verified_generation_that_now_crashes_puts_the_on
     server = w.host.unit.server
     w.host.crash(CRASH_AT_START)  # Restart=on-failure: activating/auto-restart, new's files on disk
     server.close()  # the dead server's port is free again
-    check = restart.rollback(w.machine(check_mode=True))
+    check = operate.rollback(w.machine("rollback", check_mode=True))
     assert check["outcome"] == outcomes.WOULD_ROLL_BACK and check["rollback"]["to_profile"] == "good"
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == R and res["rollback"]["to_profile"] == "good", (res.get("failure"), res.get("contained"))
     serving(w, "good")
 
@@ -4098,7 +4104,7 @@ def test_operator_rollback_to_a_generation_whose_software_is_gone_is_refused_bef
     assert restart.restart(w.machine())["outcome"] == REST
     calls = len(w.host.systemctl_calls())
     (tmp_path / "venv-good" / "bin" / "python").unlink()  # its software generation removed by hand
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == outcomes.REFUSED and res["changed"] is False and res["failure"]["phase"] == "restore"
     gen = json.loads(Path(Store(w.inst).records()[0]).read_text())["generation"]
     assert res["failure"]["cause"] == (
@@ -4121,7 +4127,7 @@ def test_operator_rollback_whose_restore_fails_before_writing_is_refused_and_the
         raise PermissionError(13, "Permission denied", directory)
 
     monkeypatch.setattr(boot, "mark", denied)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == outcomes.REFUSED and res["failure"]["phase"] == "restore" and res["changed"] is False
     assert "Permission denied" in res["failure"]["cause"] and "contained" not in res
     assert res["rollback"]["outcome"] == "not attempted: nothing was touched"
@@ -4137,7 +4143,7 @@ def test_operator_rollback_not_recorded_says_the_next_start_puts_the_newest_back
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Store, "record", full)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     assert res["outcome"] == R and res["known_good"]["recorded"] is False
     assert res["msg"] == (
         f"m: rolled back to generation {res['rollback']['to_generation']} (profile good): serving. Not recorded as "
@@ -4159,7 +4165,7 @@ def test_operator_rollback_to_a_generation_recorded_without_a_command_line_says_
     good.record(good.snapshot(), [], {"ok": True, "checks": []})  # no main process's argv was read
     for path, content in w.files["new"].items():  # another configuration on disk: the recorded one is the target
         Path(path).write_text(content)
-    res = restart.rollback(w.machine())
+    res = operate.rollback(w.machine("rollback"))
     gen = Store(w.inst).latest()["generation"]
     assert res["outcome"] == outcomes.REFUSED and res["failure"] == {
         "phase": "restore",
@@ -4248,7 +4254,7 @@ def test_status_gives_the_server_5_s_to_answer_health_and_server_info(tmp_path, 
     w = build(tmp_path, new=None)
     w.host.unit.server.b = Behaviour(server_info="no_states", accept=3.25)  # the accept length from /metrics too
     seen = deadlines(monkeypatch)
-    out = restart.status(w.machine())
+    out = operate.status(w.machine())
     assert (out["health"], out["accept_length"], out["errors"]) == (True, 3.25, [])
     base = w.inst.base
     assert seen == [(f"{base}/health", 5), (f"{base}/server_info", 5), (f"{base}/metrics", 10)]
@@ -4278,7 +4284,7 @@ def test_a_reporting_rank_above_0_reads_its_journal_once_more_when_its_start_end
     logged since (here its weights loading) is read then, the step and line the controller is shown."""
     from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import progress
 
-    monkeypatch.setattr(restart.LoadFollower, "READ_S", 60.0)  # reads rarer than the 2 s: the first, then the last
+    monkeypatch.setattr(machine.LoadFollower, "READ_S", 60.0)  # reads rarer than the 2 s: the first, then the last
     w = build(tmp_path, nnodes=2, node_rank=1)
     restart.restart(w.machine(phase="stop"))
     h, show = w.host, w.host.show
@@ -4401,4 +4407,4 @@ def test_an_operation_refused_by_a_groups_lease_is_told_the_phase_of_the_run_tha
         "phase": "start",
         "path": str(lease_file(w)),
     }
-    assert restart.status(w.machine())["lock"]["group_lease"]["phase"] == "start"
+    assert operate.status(w.machine())["lock"]["group_lease"]["phase"] == "start"

@@ -67,7 +67,7 @@ def node(tmp_path):
 def prelude(lock_dir: Path) -> str:
     """The state machine's ports as on a host, but for the lock directory."""
     return (
-        "import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart as r; _ports = r.Ports; "
+        "import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.machine as r; _ports = r.Ports; "
         f"r.Ports = lambda: _ports(lock_dir={str(lock_dir)!r})"
     )
 

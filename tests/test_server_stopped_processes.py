@@ -29,8 +29,10 @@ RESULT = {
 
 
 def fake_action(name: str, result: dict) -> str:
-    """run_module's prelude: the state machine's `name` returns `result` (before the module imports it)."""
-    return f"import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart as r, json; r.{name} = lambda m: json.loads({json.dumps(result)!r})"
+    """run_module's prelude: the state machine's `name` returns `result` (before the module imports it): restart is
+    restart.py's, rollback and verify operate.py's."""
+    where = "restart" if name == "restart" else "operate"
+    return f"import ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.{where} as r, json; r.{name} = lambda m: json.loads({json.dumps(result)!r})"
 
 
 def test_a_restart_lists_every_process_its_gpu_waits_stopped_with_the_phase_that_stopped_it(tmp_path):

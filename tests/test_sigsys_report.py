@@ -23,14 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, unit
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, phases, unit
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.failure import Failure
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import (
-    Failure,
-    Machine,
-    Ports,
-    Settings,
-)
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.machine import Machine, Ports, Settings
 
 UNIT = "sglang-m.service"
 OLD, NEW = "0" * 31 + "1", "f" * 31 + "2"  # the invocation before the start, and the one killed by SIGSYS
@@ -199,7 +195,7 @@ def test_a_start_killed_by_the_system_call_filter_fails_with_that_cause(journal,
         lock_dir=str(tmp_path / "locks"),
     )
     with pytest.raises(Failure) as exc:
-        Machine(inst, Settings(), ports).start()
+        phases.start(Machine(inst, Settings(), ports))
     f = exc.value
     assert (f.phase, f.cause) == (outcomes.START, SIGSYS_CAUSE)
     assert f.details["exit"] == "2/31" and f.details["invocation"] == NEW

@@ -2,7 +2,7 @@
 lab stand-in's throughput model and its known optimum measured through the real benchmark (bench.py against the
 stand-in's HTTP server on a loopback port), the ranking, the winner's profile file, the plot, tuned profiles in
 the render, the ledger's sweep records, and plugins/modules/sglang_tune.py run as Ansible runs it. The benchmark inside
-the safe restart (restart.measure, under its lock): test_restart_machine.py and test_server_module.py."""
+the safe restart (sglang_deploy.restart.measure, under its lock): test_restart_machine.py and test_server_module.py."""
 
 from __future__ import annotations
 

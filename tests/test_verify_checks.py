@@ -23,16 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes, restart
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import operate, outcomes, phases
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.checks import Thresholds
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.checks import verify as run_checks
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.failure import Failure
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import (
-    Failure,
-    Machine,
-    Ports,
-    Settings,
-)
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.machine import Machine, Ports, Settings
 from driver import exitcodes
 
 UNIT = "sglang-m.service"
@@ -284,7 +280,7 @@ def test_the_check_fails_alone_with_its_message(world, case, change, failed):
 @pytest.mark.parametrize("case,change,failed", CASES, ids=IDS)
 def test_verify_ends_verify_failed_naming_the_check_and_bundles_the_evidence(world, case, change, failed):
     change(world)
-    res = restart.verify(world.machine())
+    res = operate.verify(world.machine())
     assert res["outcome"] == outcomes.VERIFY_FAILED
     assert exitcodes.OUTCOME_CODES[res["outcome"]] == exitcodes.VERIFY_FAILED == 7
     assert res["msg"] == f"m: verification failed: {failed}"
@@ -298,11 +294,11 @@ def test_the_restarts_verify_phase_fails_with_the_check(world, case, change, fai
     change(world)
     m = world.machine()
     with pytest.raises(Failure) as exc:
-        m.verify()
+        phases.verify(m)
     assert exc.value.phase == outcomes.VERIFY
     assert exc.value.cause == f"verification failed: {failed}"
     assert exc.value.details["verify"]["failed_checks"] == [failed]
-    assert restart.VERIFY in restart.RESTART and restart.VERIFY in restart.ROLLBACK
+    assert phases.VERIFY in phases.RESTART and phases.VERIFY in phases.ROLLBACK
 
 
 def test_a_process_of_another_unit_on_a_gpu_the_instance_does_not_use_is_not_its_business(world):

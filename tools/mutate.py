@@ -46,14 +46,15 @@ SCOPE = [
     *(
         f"sglang_deploy/{name}.py"
         for name in (
-            "restart", "known_good", "stage", "software", "lock", "gpu", "checks", "validate", "router",
+            "restart", "machine", "phases", "operate", "failure", "known_good", "stage", "software", "lock", "gpu", "checks", "validate", "router",
             "rendezvous", "evidence", "boot", "durable", "secret_rule",
         )
     ),
     *(f"driver/{name}.py" for name in ("redact", "exitcodes", "inventory", "interrupts", "ledger")),
     "plugins/filter/sglang_config.py",
 ]  # fmt: skip
-CORE = ["sglang_deploy/restart.py", "sglang_deploy/known_good.py", "sglang_deploy/stage.py",
+CORE = ["sglang_deploy/restart.py", "sglang_deploy/machine.py", "sglang_deploy/phases.py", "sglang_deploy/operate.py",
+        "sglang_deploy/failure.py", "sglang_deploy/known_good.py", "sglang_deploy/stage.py",
         "sglang_deploy/gpu.py", "sglang_deploy/checks.py"]  # fmt: skip
 # A class of survivors, told apart by the mutant's code (prose_only), not listed by name: the wording of a message.
 PROSE = "the wording of a message to a person (a string with a space, wrapped in XX or its case changed)"

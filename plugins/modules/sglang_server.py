@@ -8,8 +8,8 @@ DOCUMENTATION = r"""
 module: sglang_server
 short_description: Safe restart, rollback, verification and status of one SGLang systemd instance
 description:
-  - A thin adapter over the state machine in plugins/module_utils/sglang_deploy/restart.py, which says
-    what each phase does and what a failure in it leads to.
+  - A thin adapter over the state machine in plugins/module_utils/sglang_deploy/ (restart.py says what a
+    failure in each phase leads to, phases.py what each phase does, operate.py the rollback, verify and status).
   - C(restart) - lock -> preflight -> stop -> clean GPUs -> promote the pending configuration ->
     start and wait until ready (failing fast) -> a real generation -> verify -> record a known-good
     generation. A failure after the stop puts the newest known-good generation back, started and
@@ -469,22 +469,16 @@ from ansible_collections.sglang.deploy.plugins.module_utils import sglang_deploy
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench, metrics, outcomes
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import job as jobs
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.checks import Thresholds
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.failure import install_signal_handlers
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import (
     Instance,
     env_secrets,
     parse_env,
 )
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import (
-    GROUP_ENDS,
-    MULTINODE_PHASES,
-    Machine,
-    Settings,
-    install_signal_handlers,
-    restart,
-    rollback,
-    status,
-    verify,
-)
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.machine import Machine, Settings
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.operate import rollback, status, verify
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.phases import GROUP_ENDS, MULTINODE_PHASES
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import restart, stopped_in
 
 # The module's parameters that are the state machine's settings as they are (the rest it builds itself).
 THRESHOLDS = [f.name for f in fields(Thresholds)]
@@ -494,7 +488,7 @@ SETTINGS = [f.name for f in fields(Settings) if f.name not in BUILT]
 
 def with_stopped(action):
     """The action, its result also listing every process its GPU waits stopped (for the driver to name)."""
-    return lambda m: (res := action(m)) | {"stopped_processes": Machine.stopped_in(res)}
+    return lambda m: (res := action(m)) | {"stopped_processes": stopped_in(res)}
 
 
 ACTIONS = {"restart": with_stopped(restart), "rollback": with_stopped(rollback), "verify": verify, "status": status}
@@ -579,7 +573,7 @@ def main() -> None:
         bench=p["bench"] if p["action"] == "restart" else None,
         **{k: p[k] for k in SETTINGS},
     )
-    machine = Machine(inst, settings)
+    machine = Machine(inst, settings, action=p["action"])
     if settings.bench:  # the benchmark port measures each level `repeat` times (the state machine passes the rest)
         machine.ports.bench = functools.partial(bench.run, repeat=settings.bench["repeat"])
     # A multi-node group's phases each see part of its restart: a whole one is written (phase all), and a group's
