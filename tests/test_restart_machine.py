@@ -4408,3 +4408,31 @@ def test_an_operation_refused_by_a_groups_lease_is_told_the_phase_of_the_run_tha
         "path": str(lease_file(w)),
     }
     assert operate.status(w.machine())["lock"]["group_lease"]["phase"] == "start"
+
+
+def test_a_rollback_retargets_the_machine_never_the_instance_or_the_settings(world, handlers):
+    """The known-good generation a failed restart puts back is the machine's target: it is what the rollback
+    verifies (drift judged against it) and records (its profile, its software), while the Instance stays the
+    rendered one and the Settings the ones given."""
+    world.host.behave("new", crash_at_start=True)
+    m = world.machine()
+    configured, settings = list(m.inst.argv), replace(m.s)
+    res = restart.restart(m)
+    assert res["outcome"] == R and res["rollback"]["to_profile"] == "good"
+    assert m.inst.argv == configured and m.inst.profile == "new" and m.s == settings
+    assert m.target.profile == "good" and m.target.argv == world.argv["good"] and m.target.record is not None
+    assert m.running.argv == world.argv["good"] and m.running.name == m.inst.name
+    assert m.verified["ok"]  # verified as the known-good one: no drift against the rendered "new"
+    summary = {k: res["rollback"][k] for k in ("attempted", "to_generation", "to_profile", "config_hash")}
+    assert summary == m.target.summary() == {
+        "attempted": True,
+        "to_generation": m.target.record["generation"],
+        "to_profile": "good",
+        "config_hash": m.target.record["config_hash"],
+    }
+
+
+def test_a_machine_built_for_a_restart_refuses_the_operators_rollback_before_taking_the_lock(world):
+    with pytest.raises(ValueError, match="action='rollback'"):
+        operate.rollback(world.machine())
+    assert world.lock_free() and world.host.systemctl_calls() == []
