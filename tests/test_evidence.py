@@ -22,7 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import evidence, gpu, secret_rule
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import (
+    evidence,
+    evidence_items,
+    gpu,
+    secret_rule,
+)
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
 
 REPO = Path(__file__).resolve().parent.parent
@@ -276,7 +281,7 @@ def test_every_item_is_in_the_bundle(tmp_path):
     assert res["path"] == os.path.join(inst.state_dir, "evidence", "main", os.path.basename(res["path"]))
     assert os.path.basename(res["path"]) == f"20251201T000000.000Z-{INVOCATION}.tar.gz"
     assert res["bytes"] == os.path.getsize(res["path"]) > 0
-    assert [i["name"] for i in res["items"]] == list(evidence.ITEMS)
+    assert [i["name"] for i in res["items"]] == list(evidence_items.ITEMS)
     assert all(i["ok"] for i in res["items"]), res["items"]
     assert res["truncated"] is False and res["host"] == "gpu-node-01"
     files = members(res["path"])
@@ -395,7 +400,7 @@ def test_a_slow_item_gets_its_own_timeout_only(tmp_path):
     ports.workers = 1  # the fake clock is one for all threads: one dump at a time keeps its arithmetic exact
     res = evidence.collect(inst, invocation=INVOCATION, failure=FAILURE, request=REQUEST, ports=ports)
     items = {i["name"]: i for i in res["items"]}
-    assert items["py-spy"]["ok"] is False and items["py-spy"]["seconds"] <= evidence.CAPS["py-spy"]
+    assert items["py-spy"]["ok"] is False and items["py-spy"]["seconds"] <= evidence_items.CAPS["py-spy"]
     assert res["seconds"] <= evidence.BUDGET_S
     files = members(res["path"])
     first = files[f"py-spy/{MAIN}.txt"]
@@ -561,7 +566,7 @@ def test_module_collects_on_the_host(tmp_path):
     rc, out = run_module(tmp_path, {"instance": record, "state_dir": str(tmp_path / "state"), "budget_s": 3})
     assert rc == 0, out
     assert out["changed"] is True and out["path"].startswith(str(tmp_path / "state" / "evidence" / "main"))
-    assert [i["name"] for i in out["items"]] == list(evidence.ITEMS)
+    assert [i["name"] for i in out["items"]] == list(evidence_items.ITEMS)
     assert "unit-state" in out["msg"] and os.path.exists(out["path"])
     rc, out = run_module(tmp_path, {"instance": record, "_ansible_check_mode": True})
     assert rc == 0 and out["path"] is None and out["changed"] is False

@@ -22,7 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import evidence, gpu, secret_rule
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import (
+    evidence,
+    evidence_items,
+    gpu,
+    secret_rule,
+)
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instance import Instance
 
 MASK = secret_rule.MASK
@@ -708,7 +713,7 @@ def test_the_nonblocking_dump_with_little_time_left(tmp_path, unit_state_s, ok, 
     ],
 )
 def test_py_spys_reason(dump, reason):
-    assert evidence.py_spy_reason(dump) == reason
+    assert evidence_items.py_spy_reason(dump) == reason
 
 
 # --------------------------------------------------------------------------- the journal
@@ -1251,13 +1256,16 @@ def test_an_oversized_file_is_cut_and_said_so(tmp_path):
     bounded), what is kept ends with a note of the cut, and the bundle says it is truncated."""
     inst = make_instance(tmp_path)
     manifest = Path(inst.venv) / "sglang-deploy" / "patches.json"
-    manifest.write_text("a" * evidence.MAX_ITEM_BYTES)
+    manifest.write_text("a" * evidence_items.MAX_ITEM_BYTES)
     res = collect(tmp_path, Host(tmp_path), inst=inst)
-    assert members(res["path"])["patches.json"] == "a" * evidence.MAX_ITEM_BYTES  # at the cap: whole
+    assert members(res["path"])["patches.json"] == "a" * evidence_items.MAX_ITEM_BYTES  # at the cap: whole
     assert res["truncated"] is False
-    manifest.write_text("a" * (evidence.MAX_ITEM_BYTES + 1) + "Z" + "b" * 10)
+    manifest.write_text("a" * (evidence_items.MAX_ITEM_BYTES + 1) + "Z" + "b" * 10)
     res = collect(tmp_path, Host(tmp_path / "2"), inst=inst)
-    assert members(res["path"])["patches.json"] == "a" * evidence.MAX_ITEM_BYTES + "\n[cut: only the last part kept]\n"
+    assert (
+        members(res["path"])["patches.json"]
+        == "a" * evidence_items.MAX_ITEM_BYTES + "\n[cut: only the last part kept]\n"
+    )
     assert res["truncated"] is True
 
 

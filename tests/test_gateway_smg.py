@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import worker_load as wl
 from support import wait_for
 from support.smg import (
     KEY,
@@ -279,7 +279,7 @@ def test_smg_removal_drains_for_five_seconds_and_lets_the_request_in_flight_run_
     for t in threads:
         t.start()
     try:
-        wait_for("a request running on w0", lambda: rt.running_requests(w0) == 1, timeout=10)
+        wait_for("a request running on w0", lambda: wl.running_requests(w0) == 1, timeout=10)
         assert per_worker(gw.metrics(), w0)["smg_worker_requests_active"] == 1.0
         assert gw.by_url()[w0]["load"] == 1  # the listing's load is its in-flight count (0.3.2's stays 0)
         code, doc = call("DELETE", f"{gw.url}/workers/{wid}")
@@ -297,7 +297,7 @@ def test_smg_removal_drains_for_five_seconds_and_lets_the_request_in_flight_run_
         assert per_worker(gw.metrics(), w1)["smg_worker_requests_total"] == before + 1  # w0 is out of rotation
 
         wait_for("w0 gone from the listing", lambda: w0 not in gw.by_url(), timeout=12, interval=0.05)
-        assert rt.running_requests(w0) == 1  # its request still runs: the removal did not wait for it
+        assert wl.running_requests(w0) == 1  # its request still runs: the removal did not wait for it
         assert call("GET", f"{gw.url}/workers/{wid}")[0] == 404
         assert per_worker(gw.metrics(), w0) == {}  # and its series are gone: no in-flight count to read
         for t in threads:
@@ -387,7 +387,7 @@ def test_smg_sigterm_reports_not_ready_keeps_serving_five_seconds_then_drains(ve
         tokens = 7 * TOKENS_PER_S  # 7 s: outlasts the settle window
         t = threading.Thread(target=lambda: results.append(http.generate(gw.url, "finish me", tokens, api_key=KEY)))
         t.start()
-        wait_for("a request running on w0", lambda: rt.running_requests(w0) == 1, timeout=10)
+        wait_for("a request running on w0", lambda: wl.running_requests(w0) == 1, timeout=10)
         gw.proc.terminate()
         wait_for("readiness 503", lambda: call("GET", f"{gw.url}/readiness", key=None)[0] == 503, timeout=3)
         assert http.generate(gw.url, "still served", 2, api_key=KEY)["completion_tokens"] == 2

@@ -15,6 +15,7 @@ from ansible.template import Templar, trust_as_template
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import gateways as gws
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import outcomes
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router_actions as ra
 from support import REPO
 from support.fake_gateway import KEY, W1, W2, Gateway, closed_port, deletes, params, serving, worker
 from support.modules import http_server, run_module
@@ -41,7 +42,7 @@ def test_one_gateway_given_as_routers_is_the_single_gateways_action_unchanged(pa
     a, _, routers = pair
     a.add_now(W1)
     one = gws.act_all(params(action="list", routers=routers[:1], api_key=KEY))
-    assert one == rt.act(params(action="list", router_url=routers[0]["url"], api_key=KEY))
+    assert one == ra.act(params(action="list", router_url=routers[0]["url"], api_key=KEY))
     assert "gateways" not in one
 
 
@@ -74,7 +75,7 @@ def test_a_gateway_down_fails_the_step_with_what_the_others_did_and_no_drain(pai
     gone = down()
     with worker(0.0) as (w, url):
         ida = a.add_now(url)
-        with pytest.raises(rt.ActionFailed) as err:
+        with pytest.raises(ra.ActionFailed) as err:
             gws.act_all(
                 params(action="remove", routers=[routers[0], gone], api_key=KEY, worker_url=url, drain=True, timeout=5)
             )
@@ -107,7 +108,7 @@ def test_a_gateway_that_does_not_list_the_worker_fails_its_part(pair):
     a, _, routers = pair
     with worker(0.0) as (_, url):
         a.add_now(url)  # gw-b never had it
-        with pytest.raises(rt.ActionFailed) as err:
+        with pytest.raises(ra.ActionFailed) as err:
             gws.act_all(params(action="remove", routers=routers, api_key=KEY, worker_url=url, timeout=5))
         assert str(err.value).endswith(
             f"gw-b: {routers[1]['url']} does not list {url} under any spelling; it lists: no worker"
@@ -141,9 +142,9 @@ def test_inspect_says_each_gateways_view_and_a_worker_missing_from_one_is_a_prob
         assert second["listed"] is False and second["healthy_in_router"] is None  # listed by gw-a only: each view below
         assert second["gateways"]["gw-b"] == {"listed": False, "healthy_in_router": None}
         assert out["problems"] == [
-            f"{u2}: not listed by the router {routers[1]['url']} (it lists: {u1}{rt.SENTINEL_HINT})"
+            f"{u2}: not listed by the router {routers[1]['url']} (it lists: {u1}{ra.SENTINEL_HINT})"
         ]
-        with pytest.raises(rt.ActionFailed) as err:
+        with pytest.raises(ra.ActionFailed) as err:
             gws.act_all(
                 params(action="inspect", routers=routers, api_key=KEY, worker_urls=[u1, u2], fail_on_problems=True)
             )
@@ -156,7 +157,7 @@ def test_inspect_with_a_gateway_down_fails_unless_the_quorum_allows_it(pair):
     with worker(0.0) as (_, url):
         a.add_now(url)
         p = params(action="inspect", routers=[routers[0], down()], api_key=KEY, worker_urls=[url], timeout=5)
-        with pytest.raises(rt.ActionFailed, match=r"^1 of 2 gateways carried it out, 2 wanted"):
+        with pytest.raises(ra.ActionFailed, match=r"^1 of 2 gateways carried it out, 2 wanted"):
             gws.act_all(p)
         out = gws.act_all({**p, "quorum": 1})
         assert out["workers"][0]["listed"] is True and out["problems"] == []
@@ -204,7 +205,7 @@ def test_drain_alone_sums_every_smg_gateways_own_count_beside_the_workers_gauges
 def test_drain_alone_that_does_not_drain_fails_with_its_result(pair):
     _, _, routers = pair
     with worker(5.0) as (_, url):
-        with pytest.raises(rt.ActionFailed, match=r"^not drained: drain timeout \(0.3 s\)") as err:
+        with pytest.raises(ra.ActionFailed, match=r"^not drained: drain timeout \(0.3 s\)") as err:
             gws.act_all(params(action="drain", routers=routers, api_key=KEY, worker_url=url, drain_timeout=0.3))
         assert err.value.result["drain"]["drained"] is False and err.value.result["drain"]["running"] == 5.0
 
@@ -268,7 +269,7 @@ def test_a_group_removed_from_one_gateway_but_refused_by_another_goes_back_into_
     a, _, routers = pair
     with worker(0.0) as (_, url):
         a.add_now(url)
-        with pytest.raises(rt.ActionFailed) as err:
+        with pytest.raises(ra.ActionFailed) as err:
             gws.act_all(
                 params(api_key=KEY, action="remove", routers=[routers[0], down("gw-down")], worker_url=url, timeout=5)
             )
@@ -296,7 +297,7 @@ def test_an_accepted_removal_whose_wait_timed_out_still_names_its_id_for_the_res
     with worker(0.0) as (_, url):
         ida = a.add_now(url)
         a.on_delete = lambda wid: (202, {"status": "accepted", "worker_id": wid})  # queued, listed a while yet
-        with pytest.raises(rt.ActionFailed) as err:
+        with pytest.raises(ra.ActionFailed) as err:
             gws.act_all(
                 params(api_key=KEY, action="remove", routers=[routers[0], down("gw-down")], worker_url=url, timeout=0.3)
             )
@@ -312,7 +313,7 @@ def test_inspect_with_no_gateway_answering_does_not_say_the_workers_do_not_serve
             gws.act_all(
                 params(api_key=KEY, action="inspect", routers=[down("g1"), down("g2")], worker_urls=[url], timeout=5)
             )
-        assert not isinstance(err.value, rt.ActionFailed)  # no result: nothing said of the worker
+        assert not isinstance(err.value, ra.ActionFailed)  # no result: nothing said of the worker
         assert str(err.value).startswith("0 of 2 gateways carried it out, 2 wanted (--gateway-quorum): g1: ")
 
 
@@ -322,7 +323,7 @@ def test_inspect_with_no_gateway_answering_does_not_say_the_workers_do_not_serve
 @pytest.mark.parametrize("action", ["drain", "inspect"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_wait_that_could_never_end_is_refused_with_several_gateways_too(pair, monkeypatch, action, value):
-    """A wait that would never end is refused before any request, as router.act refuses it."""
+    """A wait that would never end is refused before any request, as router_actions.act refuses it."""
     _, _, routers = pair
     monkeypatch.setattr(gws, "drain", lambda *a, **k: pytest.fail("drain started with an endless timeout"))
     name = "drain_timeout" if action == "drain" else "timeout"
@@ -415,11 +416,11 @@ def test_an_unexpected_error_on_one_gateway_keeps_what_the_others_did(pair):
     def run(p, check_mode):
         if p["router_url"] == routers[1]["url"]:
             raise TypeError("unhashable type: 'list'")
-        return rt.act(p, check_mode)
+        return ra.act(p, check_mode)
 
     with worker(0.0) as (_, url):
         a.add_now(url)
-        with pytest.raises(rt.ActionFailed) as err:
+        with pytest.raises(ra.ActionFailed) as err:
             gws.act_all(params(api_key=KEY, action="remove", routers=routers, worker_url=url, timeout=5), run=run)
         assert url not in a.workers and err.value.result["worker_id"]
 
@@ -469,7 +470,7 @@ def test_a_gateway_with_a_discovery_file_among_several_is_edited_not_called(pair
     path = tmp_path / "workers.json"
     path.write_text(json.dumps({"version": 1, "workers": [{"url": W1}, {"url": W2}]}))
     routers[1]["discovery_file"] = str(path)
-    with pytest.raises(rt.ActionFailed) as failed:
+    with pytest.raises(ra.ActionFailed) as failed:
         gws.act_all(params(action="remove", routers=routers, api_key=KEY, worker_url=W1, timeout=0.5))
     assert deletes(a) == [ida] and deletes(b) == []
     assert json.loads(path.read_text())["workers"] == [{"url": W2}]

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import metrics, monitoring, router
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import metrics, monitoring
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import worker_urls as wu
 from support import REPO
 
 ROLE = REPO / "roles" / "sglang_monitoring"
@@ -49,7 +50,7 @@ def test_each_instance_is_a_target_labelled_as_the_textfile_metrics_and_the_gate
     assert servers[0]["labels"] == {
         "host": "n1",
         "sglang_instance": "main",
-        "worker": router.worker_url("n1", 30000),  # smg_worker_health{worker=...}: one spelling
+        "worker": wu.worker_url("n1", 30000),  # smg_worker_health{worker=...}: one spelling
         "gateway_worker": "true",
     }
     assert servers[2]["labels"]["worker"] == "http://[fd00::2]:30000"

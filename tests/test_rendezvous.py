@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import meeting, network
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import rendezvous as rdv
 from support.rendezvous import checked
 
@@ -54,7 +55,7 @@ IFACES = {
     ],
 )
 def test_nccl_ifname_is_parsed_as_nccl_parses_it(value, parsed):
-    assert rdv.parse_nccl_ifname(value) == parsed
+    assert network.parse_nccl_ifname(value) == parsed
 
 
 @pytest.mark.parametrize(
@@ -80,13 +81,13 @@ def test_nccl_ifname_is_parsed_as_nccl_parses_it(value, parsed):
     ],
 )
 def test_nccl_selects_interfaces_by_nccls_rules(value, selected):
-    assert rdv.nccl_selects(value, IFACES) == selected
+    assert network.nccl_selects(value, IFACES) == selected
 
 
 def test_nccl_socket_family_restricts_the_addresses():
-    assert rdv.nccl_selects("e", IFACES, "AF_INET6") == ["enp1s0f0", "eth0"]
-    assert rdv.nccl_selects("e", IFACES, "AF_INET") == ["eth0", "eth1"]
-    assert rdv.nccl_selects("lo", {"lo": ["::1"]}) == []  # IPv6 loopback never counts
+    assert network.nccl_selects("e", IFACES, "AF_INET6") == ["enp1s0f0", "eth0"]
+    assert network.nccl_selects("e", IFACES, "AF_INET") == ["eth0", "eth1"]
+    assert network.nccl_selects("lo", {"lo": ["::1"]}) == []  # IPv6 loopback never counts
 
 
 def inst(rank=0, env=None, addr="node1:5757", **kw):
@@ -301,16 +302,16 @@ def test_port_state_tells_the_units_own_listener_from_anothers():
         return lambda inodes: pids
 
     own = {7: ("sglang-mn.service", "python launch"), 8: ("sglang-mn.service", "python rank1")}
-    got = rdv.port_state(5757, "sglang-mn.service", inodes=lambda p: {"123"}, holders=holders(own))
+    got = network.port_state(5757, "sglang-mn.service", inodes=lambda p: {"123"}, holders=holders(own))
     assert got["state"] == "own" and [h["pid"] for h in got["holders"]] == [7, 8]
     mixed = {**own, 9: ("session-3.scope", "nc -l 5757")}
-    got = rdv.port_state(5757, "sglang-mn.service", inodes=lambda p: {"123"}, holders=holders(mixed))
+    got = network.port_state(5757, "sglang-mn.service", inodes=lambda p: {"123"}, holders=holders(mixed))
     assert got["state"] == "taken" and [h["pid"] for h in got["holders"]] == [9]
-    got = rdv.port_state(5757, "sglang-mn.service", inodes=lambda p: {"123"}, holders=holders({}))
+    got = network.port_state(5757, "sglang-mn.service", inodes=lambda p: {"123"}, holders=holders({}))
     assert got["state"] == "taken" and got["holders"] == []  # a listener whose holder is not visible
-    got = rdv.port_state(5757, "u", inodes=lambda p: set(), bind=lambda p, f: None)
+    got = network.port_state(5757, "u", inodes=lambda p: set(), bind=lambda p, f: None)
     assert got == {"state": "free", "holders": [], "error": None}
-    got = rdv.port_state(5757, "u", inodes=lambda p: set(), bind=lambda p, f: "Address already in use")
+    got = network.port_state(5757, "u", inodes=lambda p: set(), bind=lambda p, f: "Address already in use")
     assert got["state"] == "taken" and got["error"] == "Address already in use"
 
 
@@ -319,15 +320,15 @@ def test_port_state_for_real_sees_a_listener_of_this_process():
         s.bind(("0.0.0.0", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert rdv.port_state(port, "no-such.service")["state"] == "taken"
-    assert rdv.port_state(port, "no-such.service")["state"] == "free"
+        assert network.port_state(port, "no-such.service")["state"] == "taken"
+    assert network.port_state(port, "no-such.service")["state"] == "free"
 
 
 def test_this_hosts_interfaces_and_local_addresses():
-    ifaces = rdv.list_interfaces()
+    ifaces = network.list_interfaces()
     assert "127.0.0.1" in ifaces["lo"]
-    assert rdv.is_local("127.0.0.1") and not rdv.is_local("192.0.2.254")
-    assert rdv.resolve("localhost", 1)
+    assert network.is_local("127.0.0.1") and not network.is_local("192.0.2.254")
+    assert network.resolve("localhost", 1)
 
 
 # --- meeting: who is there ------------------------------------------------------------------------------------------
@@ -358,37 +359,37 @@ def test_peers_each_rank_once_all_passed_same_address():
 
 
 def _port():
-    return rdv.free_port()
+    return network.free_port()
 
 
 def test_handshake_for_real_even_when_the_other_rank_comes_first():
     port = _port()
     hello = {}
     t = threading.Thread(
-        target=lambda: hello.update(rdv.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 10)), daemon=True
+        target=lambda: hello.update(meeting.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 10)), daemon=True
     )
     t.start()  # rank 1 first: refused, retried until rank 0 listens
     threading.Event().wait(0.6)
-    served = rdv.serve_hello(port, socket.AF_INET, "mn", {1}, 10)
+    served = meeting.serve_hello(port, socket.AF_INET, "mn", {1}, 10)
     t.join(10)
     assert served == {"joined": {1: "node2"}, "missing": [], "error": None}
     assert hello["ok"] and hello["address"] == "127.0.0.1" and hello["attempts"] > 1
-    assert rdv.port_state(port, None)["state"] == "free"  # the listener is gone, the port free for torch's store
+    assert network.port_state(port, None)["state"] == "free"  # the listener is gone, the port free for torch's store
 
 
 def test_handshake_nobody_comes_and_nobody_listens():
     port = _port()
-    served = rdv.serve_hello(port, socket.AF_INET, "mn", {1, 2}, 0.5)
+    served = meeting.serve_hello(port, socket.AF_INET, "mn", {1, 2}, 0.5)
     assert served == {"joined": {}, "missing": [1, 2], "error": None}
-    got = rdv.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 0.6)
+    got = meeting.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 0.6)
     assert not got["ok"] and got["error"] == "Connection refused"
 
 
 def test_handshake_refuses_another_instances_listener_and_a_foreign_one():
     port = _port()
-    t = threading.Thread(target=rdv.serve_hello, args=(port, socket.AF_INET, "other", {1}, 2), daemon=True)
+    t = threading.Thread(target=meeting.serve_hello, args=(port, socket.AF_INET, "other", {1}, 2), daemon=True)
     t.start()
-    got = rdv.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 1.0)
+    got = meeting.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 1.0)
     t.join(5)
     assert not got["ok"] and "for instance other, not mn: two instances share dist_init_addr?" in got["error"]
     with socket.socket() as srv:  # a server that speaks first, but not our protocol
@@ -402,7 +403,7 @@ def test_handshake_refuses_another_instances_listener_and_a_foreign_one():
                 conn.sendall(b"SSH-2.0-OpenSSH_9.2\n")
 
         threading.Thread(target=speak, daemon=True).start()
-        got = rdv.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 0.5)
+        got = meeting.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 0.5)
         assert not got["ok"] and got["error"].startswith("something else answers there (it said 'SSH-2.0-OpenSSH_9.2'")
 
 
@@ -411,7 +412,7 @@ def test_without_a_banner_a_connect_is_the_proof_and_nothing_is_sent():
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen()
-        got = rdv.say_hello(["127.0.0.1"], srv.getsockname()[1], "mn", 1, "node2", 2, banner=False)
+        got = meeting.say_hello(["127.0.0.1"], srv.getsockname()[1], "mn", 1, "node2", 2, banner=False)
         conn, _ = srv.accept()
         with conn:
             conn.settimeout(2)
@@ -423,7 +424,7 @@ def test_handshake_serve_on_a_port_in_use_says_so():
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         s.listen()
-        got = rdv.serve_hello(s.getsockname()[1], socket.AF_INET, "mn", {1}, 1)
+        got = meeting.serve_hello(s.getsockname()[1], socket.AF_INET, "mn", {1}, 1)
     assert got["error"].startswith("cannot listen on port") and got["missing"] == [1]
 
 
@@ -534,7 +535,7 @@ class FakeRun:
 
 def test_allreduce_rank_runs_the_worker_in_rank_mode_on_cpu_with_master_addr():
     fake = FakeRun({"rank": 1, "results": [{"bytes": 1 << 20, "iters": 4, "seconds": 0.002}], "sum_ok": True})
-    got = rdv.run_allreduce(
+    got = meeting.run_allreduce(
         "/venv/bin/python", {"GLOO_SOCKET_IFNAME": "eth0"}, 1, 2, "node1", 5757, 20, run=fake, base_env={}
     )
     cmd, kw = fake.calls[0]
@@ -548,20 +549,20 @@ def test_allreduce_rank_runs_the_worker_in_rank_mode_on_cpu_with_master_addr():
 
 
 def test_allreduce_rank_failures():
-    got = rdv.run_allreduce(
+    got = meeting.run_allreduce(
         "py", {}, 0, 2, "n", 1, 5, run=FakeRun(raises=subprocess.TimeoutExpired("py", 5)), base_env={}
     )
     assert not got["ok"] and got["timed_out"] and got["error"] is None
     err = {"rank": 0, "error": "RuntimeError: Unable to find address for: nosuch0"}
-    got = rdv.run_allreduce("py", {}, 0, 2, "n", 1, 5, run=FakeRun(err, rc=1), base_env={})
+    got = meeting.run_allreduce("py", {}, 0, 2, "n", 1, 5, run=FakeRun(err, rc=1), base_env={})
     assert not got["ok"] and got["error"] == err["error"]
-    got = rdv.run_allreduce(
+    got = meeting.run_allreduce(
         "py", {}, 0, 2, "n", 1, 5, run=FakeRun(rc=1, stdout="boom\nModuleNotFoundError: torch"), base_env={}
     )
     assert got["error"] == "exit 1: ModuleNotFoundError: torch"
-    got = rdv.run_allreduce("py", {}, 0, 2, "n", 1, 5, run=FakeRun({"results": [], "sum_ok": False}), base_env={})
+    got = meeting.run_allreduce("py", {}, 0, 2, "n", 1, 5, run=FakeRun({"results": [], "sum_ok": False}), base_env={})
     assert not got["ok"] and got["error"] == "the all-reduce gave wrong sums"
-    got = rdv.run_allreduce(
+    got = meeting.run_allreduce(
         "/no/python", {}, 0, 2, "n", 1, 5, run=FakeRun(raises=FileNotFoundError(2, "No such file")), base_env={}
     )
     assert got["error"].startswith("could not run /no/python:")
@@ -640,5 +641,5 @@ def test_handshake_against_a_silent_listener_says_it_is_not_rank0s_check():
     with socket.socket() as srv:  # as the running server's torch store would be, were rank 0 to expect a banner
         srv.bind(("127.0.0.1", 0))
         srv.listen()
-        got = rdv.say_hello(["127.0.0.1"], srv.getsockname()[1], "mn", 1, "node2", 1.2)
+        got = meeting.say_hello(["127.0.0.1"], srv.getsockname()[1], "mn", 1, "node2", 1.2)
     assert not got["ok"] and got["error"] == "a process answers there without a word: not rank 0's check"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import meeting, network
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import rendezvous as rdv
 from support.rendezvous import checked
 
@@ -218,7 +219,7 @@ def test_check_without_interfaces_reads_this_hosts_own():
         pick_port=h.pick,
         hostname="node1",
     )
-    assert got["interfaces"] == rdv.list_interfaces() and "127.0.0.1" in got["interfaces"]["lo"]
+    assert got["interfaces"] == network.list_interfaces() and "127.0.0.1" in got["interfaces"]["lo"]
     assert got["problems"][0].startswith(f"{GVAR} names 'lo', loopback on node1: the other ranks cannot reach it")
 
 
@@ -314,7 +315,7 @@ def test_nccl_selecting_only_loopback_lists_each_interface_it_selects():
 
 
 def test_nccl_ifname_items_end_at_their_first_colon():
-    assert rdv.parse_nccl_ifname("eth0:1:2,ib0") == (False, False, ["eth0", "ib0"])
+    assert network.parse_nccl_ifname("eth0:1:2,ib0") == (False, False, ["eth0", "ib0"])
 
 
 @pytest.mark.parametrize(
@@ -359,11 +360,11 @@ def test_interfaces_read_from_sys_and_if_inet6(tmp_path):
         "\n"
         "fe800000000000000000000000000001 05 40 20 80      ib9\n"
     )
-    assert rdv.list_interfaces(str(net), str(inet6)) == {"ib9": ["fe80::1"], "lo": ["127.0.0.1", "::1"]}
+    assert network.list_interfaces(str(net), str(inet6)) == {"ib9": ["fe80::1"], "lo": ["127.0.0.1", "::1"]}
 
 
 def test_interfaces_without_sys_are_the_kernels_index(tmp_path):
-    got = rdv.list_interfaces(str(tmp_path / "none"), str(tmp_path / "none6"))
+    got = network.list_interfaces(str(tmp_path / "none"), str(tmp_path / "none6"))
     assert sorted(got) == sorted(name for _, name in socket.if_nameindex())
     assert got["lo"] == ["127.0.0.1"]
 
@@ -372,11 +373,11 @@ def test_interfaces_without_sys_are_the_kernels_index(tmp_path):
 def test_this_hosts_interfaces_carry_their_ipv6_addresses():
     if " lo\n" not in Path("/proc/net/if_inet6").read_text():
         pytest.skip("lo has no IPv6 address here")
-    assert "::1" in rdv.list_interfaces()["lo"]
+    assert "::1" in network.list_interfaces()["lo"]
 
 
 def test_an_address_resolves_to_itself():
-    assert rdv.resolve("192.0.2.7", 5757) == ["192.0.2.7"]
+    assert network.resolve("192.0.2.7", 5757) == ["192.0.2.7"]
 
 
 def test_a_name_listed_twice_resolves_to_each_address_once_in_order(monkeypatch):
@@ -388,13 +389,13 @@ def test_a_name_listed_twice_resolves_to_each_address_once_in_order(monkeypatch)
         types_ = [type] if type else [socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_RAW]
         return [(fam, t, 6, "", sa) for fam, sa in rows for t in types_]
 
-    monkeypatch.setattr(rdv.socket, "getaddrinfo", getaddrinfo)
-    assert rdv.resolve("node1", 5757) == ["fd00::1", "10.0.0.1"]
+    monkeypatch.setattr(network.socket, "getaddrinfo", getaddrinfo)
+    assert network.resolve("node1", 5757) == ["fd00::1", "10.0.0.1"]
 
 
 @ipv6
 def test_an_ipv6_address_of_this_host_is_local():
-    assert rdv.is_local("::1") and not rdv.is_local("fd00::dead:beef")
+    assert network.is_local("::1") and not network.is_local("fd00::dead:beef")
 
 
 def test_an_address_of_this_host_is_local_whatever_holds_a_low_port():
@@ -403,12 +404,12 @@ def test_an_address_of_this_host_is_local_whatever_holds_a_low_port():
             low.bind(("127.0.0.1", 1))  # as root: port 1 taken; as anyone else it cannot be bound at all
         except OSError:
             pass
-        assert rdv.is_local("127.0.0.1")
+        assert network.is_local("127.0.0.1")
 
 
 def test_a_free_port_is_one_the_kernel_hands_out():
     lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    port = rdv.free_port()
+    port = network.free_port()
     assert lo <= port <= hi
     with socket.socket() as s:
         s.bind(("0.0.0.0", port))
@@ -416,15 +417,19 @@ def test_a_free_port_is_one_the_kernel_hands_out():
 
 @ipv6
 def test_an_ipv6_port_is_free_on_ipv6():
-    port = rdv.free_port(socket.AF_INET6)
-    assert rdv.port_state(port, "sglang-mn.service", socket.AF_INET6) == {"state": "free", "holders": [], "error": None}
+    port = network.free_port(socket.AF_INET6)
+    assert network.port_state(port, "sglang-mn.service", socket.AF_INET6) == {
+        "state": "free",
+        "holders": [],
+        "error": None,
+    }
 
 
 def test_a_port_bound_but_not_listening_is_taken_with_the_kernels_reason():
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         port = s.getsockname()[1]
-        got = rdv.port_state(port, "sglang-mn.service")
+        got = network.port_state(port, "sglang-mn.service")
     assert got == {"state": "taken", "holders": [], "error": "Address already in use"}
 
 
@@ -434,7 +439,7 @@ def test_port_state_lists_holders_masked_and_cut_and_asks_about_its_own_port():
     mixed = {**own, 9: ("session-3.scope", "nc -l 5757")}
 
     def state(port, held):
-        return rdv.port_state(
+        return network.port_state(
             port,
             "sglang-mn.service",
             inodes=lambda p: {"4242"} if p == 5757 else set(),
@@ -674,7 +679,7 @@ def test_meet_unreachable_rank0_lists_every_address_tried():
 
 @ipv6
 def test_rank0_whose_address_is_ipv6_listens_on_ipv6_and_the_other_rank_reaches_it():
-    port = rdv.free_port(socket.AF_INET6)
+    port = network.free_port(socket.AF_INET6)
     ranks = [checked(0, "node1", resolved=["::1"], store_port=port), checked(1, "node2")]
     i = inst(0, addr=f"node1:{port}")
     with Client(["::1"], port, "mn", 1, "node2", 3) as rank1:
@@ -758,7 +763,7 @@ class Net:
         return conn
 
     def hello(self, addrs, timeout_s, banner=True):
-        return rdv.say_hello(
+        return meeting.say_hello(
             addrs,
             5757,
             "mn",
@@ -867,7 +872,7 @@ class Client:
         return float("inf") if self.stop.is_set() else time.monotonic()
 
     def run(self):
-        self.result = rdv.say_hello(*self.args, self.timeout_s, clock=self.clock)
+        self.result = meeting.say_hello(*self.args, self.timeout_s, clock=self.clock)
 
     def __enter__(self):
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -889,7 +894,7 @@ class Serving:
         self.thread.start()
 
     def run(self):
-        self.result = rdv.serve_hello(*self.args, clock=self.clock)
+        self.result = meeting.serve_hello(*self.args, clock=self.clock)
 
 
 def connect_when_listening(port, family=socket.AF_INET, host="127.0.0.1"):
@@ -912,16 +917,16 @@ def read_all(conn) -> bytes:
 
 @ipv6
 def test_rank0_on_ipv6_listens_on_ipv6_and_stops_as_soon_as_every_rank_said_hello():
-    port = rdv.free_port(socket.AF_INET6)
+    port = network.free_port(socket.AF_INET6)
     start = time.monotonic()
     with Client(["::1"], port, "mn", 1, "node2", 10) as rank1:
-        got = rdv.serve_hello(port, socket.AF_INET6, "mn", {1}, 10)
+        got = meeting.serve_hello(port, socket.AF_INET6, "mn", {1}, 10)
     assert got == {"joined": {1: "node2"}, "missing": [], "error": None}
     assert rank1.result["ok"] and time.monotonic() - start < 5
 
 
 def test_rank0_answers_strangers_no_and_goes_on_waiting_for_its_ranks():
-    port = rdv.free_port()
+    port = network.free_port()
     serving = Serving(port)
     with connect_when_listening(port) as other:  # another instance's rank 1, sharing dist_init_addr
         other.sendall(b"HELLO other 1 node3\n")
@@ -938,13 +943,13 @@ def test_rank0_answers_strangers_no_and_goes_on_waiting_for_its_ranks():
     reset = socket.create_connection(("127.0.0.1", port), timeout=5)
     reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     reset.close()  # a reset, not a close
-    got = rdv.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 5)
+    got = meeting.say_hello(["127.0.0.1"], port, "mn", 1, "node2", 5)
     serving.thread.join(10)
     assert got["ok"] and serving.result == {"joined": {1: "node2"}, "missing": [], "error": None}
 
 
 def test_rank0_gives_up_on_a_silent_peer_after_3_s_and_serves_the_next():
-    port = rdv.free_port()
+    port = network.free_port()
     serving = Serving(port)
     silent = connect_when_listening(port)
     try:
@@ -968,10 +973,10 @@ def test_rank0_goes_on_after_a_connection_aborted_before_it_was_accepted(monkeyp
 
     proxy = types.SimpleNamespace(**{k: getattr(socket, k) for k in dir(socket) if not k.startswith("__")})
     proxy.socket = Aborting
-    monkeypatch.setattr(rdv, "socket", proxy)
-    port = rdv.free_port()
+    monkeypatch.setattr(meeting, "socket", proxy)
+    port = network.free_port()
     with Client(["127.0.0.1"], port, "mn", 1, "node2", 5) as rank1:
-        got = rdv.serve_hello(port, socket.AF_INET, "mn", {1}, 5)
+        got = meeting.serve_hello(port, socket.AF_INET, "mn", {1}, 5)
     assert Aborting.aborted == 1 and got == {"joined": {1: "node2"}, "missing": [], "error": None}
     assert rank1.result["ok"]
 
@@ -981,13 +986,13 @@ def test_rank0_that_cannot_listen_says_the_kernels_reason_and_misses_everyone():
         s.bind(("0.0.0.0", 0))
         s.listen()
         port = s.getsockname()[1]
-        got = rdv.serve_hello(port, socket.AF_INET, "mn", {1, 2}, 1)
+        got = meeting.serve_hello(port, socket.AF_INET, "mn", {1, 2}, 1)
     assert got == {"joined": {}, "missing": [1, 2], "error": f"cannot listen on port {port}: Address already in use"}
 
 
 def test_rank0_stops_within_its_poll_of_the_deadline_when_nobody_comes():
     start = time.monotonic()
-    got = rdv.serve_hello(rdv.free_port(), socket.AF_INET, "mn", {1}, 0.05)
+    got = meeting.serve_hello(network.free_port(), socket.AF_INET, "mn", {1}, 0.05)
     assert got == {"joined": {}, "missing": [1], "error": None}
     assert time.monotonic() - start < 0.8
 
@@ -998,9 +1003,9 @@ def test_rank0_at_its_deadline_stops_even_with_a_rank_knocking():
     def clock():
         return next(times, 110.0)  # the deadline (100 + 10), and there it stays
 
-    port = rdv.free_port()
+    port = network.free_port()
     with Client(["127.0.0.1"], port, "mn", 1, "node2", 3):
-        got = rdv.serve_hello(port, socket.AF_INET, "mn", {1}, 10, clock=clock)
+        got = meeting.serve_hello(port, socket.AF_INET, "mn", {1}, 10, clock=clock)
     assert got == {"joined": {}, "missing": [1], "error": None}
 
 
@@ -1045,14 +1050,14 @@ KEYS = {"ok", "error", "timed_out", "sizes", "sum_ok", "seconds", "command"}
 
 def test_the_rank_runs_the_worker_in_a_private_directory_with_only_its_environment(torch_env, tmp_path, monkeypatch):
     now = [500.0]
-    monkeypatch.setattr(rdv, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(meeting, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
 
     def run(*args, **kw):
         now[0] += 1.23456  # the worker's time, as the clock says
         return subprocess.run(*args, **kw)
 
     env = {**torch_env, "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_TIMEOUT": 22}
-    got = rdv.run_allreduce(sys.executable, env, 1, 2, "node1", 5757, 30, run=run)
+    got = meeting.run_allreduce(sys.executable, env, 1, 2, "node1", 5757, 30, run=run)
     seen = json.loads(Path(torch_env["FAKE_TORCH_SEEN"]).read_text())
     assert set(got) == KEYS and got["ok"] and got["error"] is None and got["sum_ok"] is True
     assert got["timed_out"] is False and got["seconds"] == 1.23
@@ -1094,7 +1099,7 @@ def test_the_rank_runs_the_worker_in_a_private_directory_with_only_its_environme
 
 
 def test_a_rank_whose_worker_dies_reports_its_exit_and_last_words(torch_env):
-    got = rdv.run_allreduce(sys.executable, {**torch_env, "FAKE_TORCH": "crash"}, 0, 2, "node1", 5757, 30)
+    got = meeting.run_allreduce(sys.executable, {**torch_env, "FAKE_TORCH": "crash"}, 0, 2, "node1", 5757, 30)
     assert set(got) == KEYS and not got["ok"] and not got["timed_out"]
     assert got["error"] == "exit 139: Fatal Python error: Segmentation fault"
     assert got["sizes"] == [] and got["sum_ok"] is None

@@ -1,9 +1,10 @@
 """The gateways' worker API and the module's actions as their callers read them (issue #31: the behaviours behind
-the mutants the unit suite let survive in sglang_deploy/router.py).
+the mutants the unit suite let survive in sglang_deploy/router.py, since split into router.py, router_actions.py,
+worker_load.py and worker_urls.py).
 
 `act` is what plugins/modules/sglang_router_worker.py runs; its own tests run it under Ansible's name, so here it is called
-as `sglang_deploy.router.act`, with the module's parameters, against fakes of both gateways and of SGLang's worker on
-loopback. The fakes are as unkind as the real binaries (docs/router.md, "The two gateways"): the key required on
+as `sglang_deploy.router_actions.act`, with the module's parameters, against fakes of both gateways and of SGLang's
+worker on loopback. The fakes are as unkind as the real binaries (docs/router.md, "The two gateways"): the key required on
 /workers, removal by UUID only (400 for anything else, 404 for an unknown id), an addition listed a few listings
 later and unhealthy at first, a removal that takes effect a few listings later (smg: `draining` first), smg's 409
 for a URL it has; where a test scripts a gateway's bad day (a restart between two requests, an answer cut short),
@@ -21,6 +22,9 @@ import pytest
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http, outcomes
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router_actions as ra
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import worker_load as wl
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import worker_urls as wu
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import MASK
 from support.fake_gateway import (
     KEY,
@@ -66,16 +70,16 @@ def test_list_is_the_gateways_membership_and_needs_no_wait_setting(gw32, gwsmg):
     b = gw.add_now(W2, healthy=False)
     listed = [{"url": W1, "id": a, "healthy": True}, {"url": W2, "id": b, "healthy": False}]
     # a caller that passes only what a listing needs: no timeout, no impl (the playbooks' sglang-router)
-    assert rt.act({"action": "list", "router_url": url, "api_key": KEY}) == {"changed": False, "workers": listed}
-    assert rt.act(params(action="list", router_url=url, api_key=KEY, impl=None)) == {
+    assert ra.act({"action": "list", "router_url": url, "api_key": KEY}) == {"changed": False, "workers": listed}
+    assert ra.act(params(action="list", router_url=url, api_key=KEY, impl=None)) == {
         "changed": False,
         "workers": listed,
     }
     with pytest.raises(rt.RouterError, match="HTTP 401"):
-        rt.act(params(action="list", router_url=url, api_key=None))
+        ra.act(params(action="list", router_url=url, api_key=None))
     smg, smg_url = gwsmg
     c = smg.add_now(W3, load=1)
-    assert rt.act(params(action="list", router_url=smg_url, api_key=KEY, impl="smg")) == {
+    assert ra.act(params(action="list", router_url=smg_url, api_key=KEY, impl="smg")) == {
         "changed": False,
         "workers": [{"url": W3, "id": c, "healthy": True, "status": "ready"}],
     }
@@ -88,7 +92,7 @@ def test_list_is_the_gateways_membership_and_needs_no_wait_setting(gw32, gwsmg):
 def test_a_wait_that_could_never_end_is_refused_before_any_request(gw32, name, value):
     gw, url = gw32
     with pytest.raises(rt.RouterError) as err:
-        rt.act(params(action="list", router_url=url, api_key=KEY, **{name: value}))
+        ra.act(params(action="list", router_url=url, api_key=KEY, **{name: value}))
     assert str(err.value) == f"{name}={value!r}: a number of seconds, 0 or more, is wanted"
     assert gw.requests == []
 
@@ -96,14 +100,14 @@ def test_a_wait_that_could_never_end_is_refused_before_any_request(gw32, name, v
 @pytest.mark.parametrize("value", [0, 0.0, 0.5, 1e9])
 def test_no_wait_and_a_fraction_of_a_second_are_waits(gw32, value):
     _, url = gw32
-    out = rt.act(params(action="list", router_url=url, api_key=KEY, timeout=value, drain_timeout=value))
+    out = ra.act(params(action="list", router_url=url, api_key=KEY, timeout=value, drain_timeout=value))
     assert out == {"changed": False, "workers": []}
 
 
 def test_an_unknown_action_is_refused_naming_it(gw32):
     _, url = gw32
     with pytest.raises(rt.RouterError) as err:
-        rt.act(params(action="frobnicate", router_url=url, api_key=KEY, worker_url=W1))
+        ra.act(params(action="frobnicate", router_url=url, api_key=KEY, worker_url=W1))
     assert str(err.value) == "unknown action 'frobnicate'"
 
 
@@ -122,15 +126,15 @@ def test_measure_reports_tokens_over_seconds_of_the_requests_as_asked(monkeypatc
     monkeypatch.setattr(http, "time", SteppingTime(0.0777))  # each generation 0.0777 s
     with worker() as (w, url):
         p = params(action="measure", worker_url=url, api_key=KEY, prompt="Once upon", requests=3, max_new_tokens=7)
-        out = rt.act(p)
+        out = ra.act(p)
         # 3 x 7 tokens over 3 x 0.0777 s
         assert out == {"changed": False, "worker_url": url, "tokens_per_s": 90.1, "requests": 3, "seconds": 0.233}
         assert [g["text"] for g in w.generated] == ["Once upon"] * 3
         with pytest.raises(http.HttpError, match="HTTP 401"):
-            rt.act({**p, "api_key": None})
+            ra.act({**p, "api_key": None})
         # a clock too coarse to see a generation: no division by zero, the rate of 1 ns
         monkeypatch.setattr(http, "time", SteppingTime(0.0))
-        assert rt.measure(url, "Once upon", 3, 7, api_key=KEY) == {
+        assert wl.measure(url, "Once upon", 3, 7, api_key=KEY) == {
             "tokens_per_s": 21e9,
             "requests": 3,
             "seconds": 0.0,
@@ -143,7 +147,7 @@ def test_measure_gives_up_on_a_generation_at_its_timeout():
         return 200, {"text": " Paris", "meta_info": {"completion_tokens": 8}}
 
     with serving(slow) as url, pytest.raises(http.HttpError) as err:
-        rt.measure(url, "The capital of France is", 1, 8, api_key=KEY, timeout=0.1)
+        wl.measure(url, "The capital of France is", 1, 8, api_key=KEY, timeout=0.1)
     assert isinstance(err.value.cause, TimeoutError)
 
 
@@ -151,7 +155,7 @@ def test_drain_alone_reads_the_worker_and_the_gateways_count_where_one_is_kept(g
     smg, smg_url = gwsmg
     with worker(0.0) as (_, url):
         # smg named but no gateway given: the worker's gauges only
-        out = rt.act(params(action="drain", worker_url=url, drain_timeout=10, impl="smg", api_key=KEY))
+        out = ra.act(params(action="drain", worker_url=url, drain_timeout=10, impl="smg", api_key=KEY))
         drained = {"drained": True, "running": 0.0, "queued": 0.0, "why": "no running or queued requests"}
         assert out == {
             "changed": False,
@@ -161,19 +165,19 @@ def test_drain_alone_reads_the_worker_and_the_gateways_count_where_one_is_kept(g
         }
         # smg named with its gateway: its own count of the worker's requests rides along
         smg.add_now(url, load=3)
-        out = rt.act(
+        out = ra.act(
             params(action="drain", worker_url=url, drain_timeout=10, impl="smg", router_url=smg_url, api_key=KEY)
         )
         assert out["drain"] == {**drained, "seconds": out["seconds"], "gateway_in_flight": 3.0}
         # sglang-router keeps no count: none reported
         _, url32 = gw32
-        out = rt.act(params(action="drain", worker_url=url, drain_timeout=10, router_url=url32, api_key=KEY))
+        out = ra.act(params(action="drain", worker_url=url, drain_timeout=10, router_url=url32, api_key=KEY))
         assert out["drain"] == {**drained, "seconds": out["seconds"]}
 
 
 def test_drain_alone_that_does_not_drain_fails_with_its_result():
-    with worker((1.0, 0.0)) as (_, url), pytest.raises(rt.ActionFailed) as err:
-        rt.act(params(action="drain", worker_url=url, drain_timeout=0.2))
+    with worker((1.0, 0.0)) as (_, url), pytest.raises(ra.ActionFailed) as err:
+        ra.act(params(action="drain", worker_url=url, drain_timeout=0.2))
     assert str(err.value) == "not drained: drain timeout (0.2 s): 1 running, 0 queued"
     d = err.value.result["drain"]
     assert err.value.result == {"changed": False, "worker_url": url, "drain": d, "seconds": d["seconds"]}
@@ -189,7 +193,7 @@ def test_drain_alone_that_does_not_drain_fails_with_its_result():
 
 def test_drain_in_check_mode_reads_nothing():
     with worker(1.0) as (w, url):
-        out = rt.act(params(action="drain", worker_url=url, router_url="http://127.0.0.1:1"), True)
+        out = ra.act(params(action="drain", worker_url=url, router_url="http://127.0.0.1:1"), True)
     assert out == {"changed": False, "worker_url": url, "drain": {"drained": None, "why": "check mode"}}
     assert w.scrapes == 0
 
@@ -198,7 +202,7 @@ def test_wait_healthy_until_the_gateway_lists_it_healthy(gw32):
     gw, url = gw32
     gw.add_now(W1, healthy=False)
     gw.at(3, lambda: gw.healthy(W1))
-    out = rt.act(params(action="wait_healthy", router_url=url, api_key=KEY, worker_url=W1 + "/", timeout=5))
+    out = ra.act(params(action="wait_healthy", router_url=url, api_key=KEY, worker_url=W1 + "/", timeout=5))
     wid = gw.workers[W1]["id"]
     assert out == {
         "changed": False,
@@ -208,7 +212,7 @@ def test_wait_healthy_until_the_gateway_lists_it_healthy(gw32):
     }
     assert 0 < out["seconds"] < 5
     with pytest.raises(rt.RouterError) as err:
-        rt.act(params(action="wait_healthy", router_url=url, api_key=KEY, worker_url=W2, timeout=0.2))
+        ra.act(params(action="wait_healthy", router_url=url, api_key=KEY, worker_url=W2, timeout=0.2))
     assert str(err.value) == f"{url} does not list {W2} as healthy after 0.2 s (last: not listed)"
 
 
@@ -217,7 +221,7 @@ def test_inspect_reads_the_gateway_and_each_worker_once_and_a_plan_refuses_on_pr
     with worker((1.0, 2.0)) as (_, good), worker(("status", 503), (0.0, 0.0)) as (_, busy):
         wid = gw.add_now(good)
         p = params(action="inspect", router_url=url, api_key=KEY, worker_urls=[good, busy], timeout=2)
-        out = rt.act(p)
+        out = ra.act(p)
         assert out == {
             "changed": False,
             "workers": [
@@ -241,18 +245,18 @@ def test_inspect_reads_the_gateway_and_each_worker_once_and_a_plan_refuses_on_pr
                 },
             ],
             "problems": [
-                f"{busy}: not listed by the router {url} (it lists: {good}{rt.SENTINEL_HINT})",
+                f"{busy}: not listed by the router {url} (it lists: {good}{ra.SENTINEL_HINT})",
                 f"{busy}: cannot be drained on evidence: {busy}/metrics answered HTTP 503",
             ],
         }
         # a rollout's plan: refused for its problems, with the inspection, nothing touched
         gone = f"http://127.0.0.1:{closed_port()}"
-        with pytest.raises(rt.ActionFailed) as err:
-            rt.act({**p, "worker_urls": [good, gone], "fail_on_problems": True})
+        with pytest.raises(ra.ActionFailed) as err:
+            ra.act({**p, "worker_urls": [good, gone], "fail_on_problems": True})
         failed = err.value.result
-        assert failed == {**rt.act({**p, "worker_urls": [good, gone]}), "outcome": outcomes.INVALID_CONFIG}
+        assert failed == {**ra.act({**p, "worker_urls": [good, gone]}), "outcome": outcomes.INVALID_CONFIG}
     assert failed["problems"] == [
-        f"{gone}: not listed by the router {url} (it lists: {good}{rt.SENTINEL_HINT})",
+        f"{gone}: not listed by the router {url} (it lists: {good}{ra.SENTINEL_HINT})",
         f"{gone}: cannot be drained on evidence: connection refused",
     ]
     assert str(err.value) == "; ".join(failed["problems"]) and outcomes.INVALID_CONFIG == "invalid_config"
@@ -263,7 +267,7 @@ def test_inspect_for_a_plan_with_no_problem_returns_it(gw32):
     gw, url = gw32
     with worker(("status", 503), (0.0, 0.0)) as (w, busy):
         gw.add_now(busy)
-        out = rt.act(params(action="inspect", router_url=url, api_key=KEY, worker_urls=[busy], fail_on_problems=True))
+        out = ra.act(params(action="inspect", router_url=url, api_key=KEY, worker_urls=[busy], fail_on_problems=True))
     assert out["problems"] == [] and out["workers"][0]["drainable"] is True and w.scrapes == 2
 
 
@@ -272,7 +276,7 @@ def test_inspect_gives_up_on_a_worker_at_its_timeout(gw32):
     with worker(("slow", 0.5, 0.0)) as (w, slow):
         w.health = ("slow", 0.5, ("status", 200))
         gw.add_now(slow)
-        out = rt.act(params(action="inspect", router_url=url, api_key=KEY, worker_urls=[slow], timeout=0.1))
+        out = ra.act(params(action="inspect", router_url=url, api_key=KEY, worker_urls=[slow], timeout=0.1))
     [rec] = out["workers"]
     assert rec["serving"] is False and rec["drainable"] is False
     up, load = rec["why"].split("; ")
@@ -285,7 +289,7 @@ def test_inspect_gives_up_on_a_worker_at_its_timeout(gw32):
 def test_add_posts_waits_until_healthy_and_reports_the_listed_id(gw32):
     gw, url = gw32
     other = gw.add_now(W2)
-    out = rt.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1 + "/", timeout=5))
+    out = ra.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1 + "/", timeout=5))
     wid = gw.workers[W1]["id"]
     assert out == {
         "changed": True,
@@ -296,26 +300,26 @@ def test_add_posts_waits_until_healthy_and_reports_the_listed_id(gw32):
     }
     assert gw.bodies == [{"url": W1}] and out["seconds"] > 0
     # listed already: nothing posted, the same answer but unchanged
-    again = rt.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5))
+    again = ra.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5))
     assert again == {**out, "changed": False, "worker_url": W1, "seconds": again["seconds"]} and len(gw.bodies) == 1
 
 
 def test_add_in_check_mode_says_whether_it_would_post(gw32, gwsmg):
     gw, url = gw32
     p = params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5)
-    assert rt.act(p, check_mode=True) == {"changed": True, "worker_url": W1, "worker_id": None}
+    assert ra.act(p, check_mode=True) == {"changed": True, "worker_url": W1, "worker_id": None}
     a = gw.add_now(W1)
     gw.add_now(W1 + "/")  # registered twice: the first record's id
-    assert rt.act(p, check_mode=True) == {"changed": False, "worker_url": W1, "worker_id": a}
+    assert ra.act(p, check_mode=True) == {"changed": False, "worker_url": W1, "worker_id": a}
     assert gw.bodies == []
     # smg: a record it is letting go would be posted again; one in rotation beside it would not
     smg, smg_url = gwsmg
     d = smg.add_now(W1)
     smg.workers[W1].update(status="draining", is_healthy=False)
     p = params(action="add", router_url=smg_url, api_key=KEY, worker_url=W1, timeout=5, impl="smg")
-    assert rt.act(p, check_mode=True) == {"changed": True, "worker_url": W1, "worker_id": None}
+    assert ra.act(p, check_mode=True) == {"changed": True, "worker_url": W1, "worker_id": None}
     r = smg.add_now(W1 + "/")
-    assert rt.act(p, check_mode=True) == {"changed": False, "worker_url": W1, "worker_id": r} and r != d
+    assert ra.act(p, check_mode=True) == {"changed": False, "worker_url": W1, "worker_id": r} and r != d
     assert smg.bodies == []
 
 
@@ -324,14 +328,14 @@ def test_add_waits_its_timeout_for_a_draining_record_to_go(gwsmg):
     old = gw.add_now(W1)
     gw.workers[W1].update(status="draining", is_healthy=False)
     gw.at(3, lambda: gw.drop(W1, old))
-    out = rt.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5, impl="smg"))
+    out = ra.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5, impl="smg"))
     assert out["changed"] is True and out["worker_id"] == gw.workers[W1]["id"] != old
     assert gw.bodies == [{"url": W1, "api_key": KEY}]
     # a settle time longer than the timeout: failed at the timeout, nothing posted
     gw.workers[W1].update(status="draining", is_healthy=False)
     gw.at(40, lambda: gw.workers.pop(W1))
     with pytest.raises(rt.RouterError) as err:
-        rt.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=0.2, impl="smg"))
+        ra.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=0.2, impl="smg"))
     wid = gw.workers[W1]["id"]
     assert str(err.value) == f"{url} still lists {W1} after 0.2 s (last: still listed (id {wid} draining))"
     assert len(gw.bodies) == 1
@@ -344,7 +348,7 @@ def test_add_of_a_worker_another_client_is_adding_reports_the_id_it_gets(gwsmg):
     gw.adding.add(W1)
     gw.at(3, lambda: gw.add_now(W1, healthy=False))
     gw.at(5, lambda: gw.healthy(W1))
-    out = rt.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5, impl="smg"))
+    out = ra.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5, impl="smg"))
     wid = gw.workers[W1]["id"]
     assert out == {
         "changed": False,
@@ -365,7 +369,7 @@ def test_add_reports_the_posted_id_when_the_worker_is_gone_again(gw32):
         del gw.workers[W1]
 
     gw.at(6, removed_after_healthy)  # after the listing that showed it healthy (the 5th: the POST's 4th)
-    out = rt.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5))
+    out = ra.act(params(action="add", router_url=url, api_key=KEY, worker_url=W1, timeout=5))
     assert out == {
         "changed": True,
         "worker_url": W1,
@@ -384,15 +388,15 @@ def test_remove_in_check_mode_names_what_it_would_remove_and_sends_nothing(gw32)
     gw.add_now(W2)
     p = params(action="remove", router_url=url, api_key=KEY, worker_url=W1 + "/", timeout=5)
     out = {"changed": True, "worker_url": W1 + "/", "worker_id": ids[0], "worker_ids": ids}
-    assert rt.act(p, check_mode=True) == out
-    assert rt.act({**p, "drain": True}, True) == {**out, "drain": {"drained": None, "why": "check mode"}}
+    assert ra.act(p, check_mode=True) == out
+    assert ra.act({**p, "drain": True}, True) == {**out, "drain": {"drained": None, "why": "check mode"}}
     # not listed: an error naming what is listed, unless the caller allows it
     q = {**p, "worker_url": W3}
     with pytest.raises(rt.RouterError) as err:
-        rt.act(q, True)
+        ra.act(q, True)
     assert str(err.value) == f"{url} does not list {W3} under any spelling; it lists: {W1}, HTTP://10.0.0.1:30000, {W2}"
     missing = {"changed": False, "worker_url": W3, "worker_id": None, "worker_ids": []}
-    assert rt.act({**q, "missing_ok": True}, True) == missing
+    assert ra.act({**q, "missing_ok": True}, True) == missing
     assert {m for m, _ in gw.requests} == {"GET"}
 
 
@@ -401,9 +405,9 @@ def test_remove_in_check_mode_leaves_out_what_smg_is_letting_go(gwsmg):
     d = gw.add_now(W1)
     gw.workers[W1].update(status="draining", is_healthy=False)
     p = params(action="remove", router_url=url, api_key=KEY, worker_url=W1, impl="smg")
-    assert rt.act(p, True) == {"changed": False, "worker_url": W1, "worker_id": None, "worker_ids": []}
+    assert ra.act(p, True) == {"changed": False, "worker_url": W1, "worker_id": None, "worker_ids": []}
     r = gw.add_now(W1 + "/")
-    assert rt.act(p, True) == {"changed": True, "worker_url": W1, "worker_id": r, "worker_ids": [r]} and r != d
+    assert ra.act(p, True) == {"changed": True, "worker_url": W1, "worker_id": r, "worker_ids": [r]} and r != d
     assert deletes(gw) == []
 
 
@@ -411,7 +415,7 @@ def test_remove_takes_every_record_out_and_waits_until_the_gateway_lets_go(gw32)
     gw, url = gw32
     ids = [gw.add_now(W1), gw.add_now("HTTP://10.0.0.1:30000/")]
     other = gw.add_now(W2)
-    out = rt.act(params(action="remove", router_url=url, api_key=KEY, worker_url=W1, timeout=5))
+    out = ra.act(params(action="remove", router_url=url, api_key=KEY, worker_url=W1, timeout=5))
     assert out == {
         "changed": True,
         "worker_url": W1,
@@ -423,9 +427,9 @@ def test_remove_takes_every_record_out_and_waits_until_the_gateway_lets_go(gw32)
     assert deletes(gw) == ids and out["seconds"] > 0  # gone two listings after the DELETEs: waited for
     # gone: nothing to remove, and the caller says that is fine (no wait, no listing in the result)
     p = params(action="remove", router_url=url, api_key=KEY, worker_url=W1, missing_ok=True)
-    assert rt.act(p) == {"changed": False, "worker_url": W1, "worker_id": None, "worker_ids": []}
+    assert ra.act(p) == {"changed": False, "worker_url": W1, "worker_id": None, "worker_ids": []}
     with pytest.raises(rt.RouterError, match=f"does not list {W1} under any spelling"):
-        rt.act({**p, "missing_ok": False})
+        ra.act({**p, "missing_ok": False})
 
 
 def test_remove_fails_at_its_timeout_while_the_gateway_keeps_the_worker(gw32):
@@ -433,7 +437,7 @@ def test_remove_fails_at_its_timeout_while_the_gateway_keeps_the_worker(gw32):
     wid = gw.add_now(W1)
     gw.on_delete = lambda wid: (202, {"status": "accepted", "worker_id": wid})  # accepted, never carried out
     with pytest.raises(rt.RouterError) as err:
-        rt.act(params(action="remove", router_url=url, api_key=KEY, worker_url=W1, timeout=0.2))
+        ra.act(params(action="remove", router_url=url, api_key=KEY, worker_url=W1, timeout=0.2))
     assert str(err.value) == f"{url} still lists {W1} after 0.2 s (last: still listed (id {wid}))"
 
 
@@ -441,7 +445,7 @@ def test_remove_with_drain_drains_after_the_removal(gw32, gwsmg):
     gw, url = gw32
     with worker(0.0) as (_, w):
         wid = gw.add_now(w)
-        out = rt.act(params(action="remove", router_url=url, api_key=KEY, worker_url=w, drain=True, drain_timeout=10))
+        out = ra.act(params(action="remove", router_url=url, api_key=KEY, worker_url=w, drain=True, drain_timeout=10))
         assert out["worker_ids"] == [wid] and out["workers"] == [] and w not in gw.workers
         assert out["drain"] == {
             "drained": True,
@@ -456,7 +460,7 @@ def test_remove_with_drain_drains_after_the_removal(gw32, gwsmg):
     with worker(0.0) as (_, w):
         wid = smg.add_now(w, load=2)
         p = params(action="remove", router_url=smg_url, api_key=KEY, worker_url=w, drain=True, drain_timeout=10)
-        out = rt.act({**p, "impl": "smg"})
+        out = ra.act({**p, "impl": "smg"})
     assert out["worker_ids"] == [wid] and out["drain"]["gateway_in_flight"] == 2.0 and out["drain"]["drained"] is True
     assert out["workers"] == [{"url": w, "id": wid, "healthy": False, "status": "draining"}]
 
@@ -465,8 +469,8 @@ def test_remove_with_a_drain_that_does_not_end_fails_with_what_was_removed(gw32)
     gw, url = gw32
     with worker((1.0, 0.0)) as (_, w):
         wid = gw.add_now(w)
-        with pytest.raises(rt.ActionFailed) as err:
-            rt.act(params(action="remove", router_url=url, api_key=KEY, worker_url=w, drain=True, drain_timeout=0.2))
+        with pytest.raises(ra.ActionFailed) as err:
+            ra.act(params(action="remove", router_url=url, api_key=KEY, worker_url=w, drain=True, drain_timeout=0.2))
     out = err.value.result
     assert str(err.value) == "not drained: drain timeout (0.2 s): 1 running, 0 queued"
     assert out == {
@@ -891,35 +895,35 @@ def test_read_load_says_each_kind_of_answer_in_the_same_four_fields():
     with worker((3.0, None), (None, 1.0), (2.0, 1.0), ("status", 503), ("status", 404)) as (_, url):
         m = f"{url}/metrics"
         enable = "(SGLang serves /metrics and its load gauges only with --enable-metrics)"
-        assert rt.read_load(url) == {
+        assert wl.read_load(url) == {
             "state": "no_metrics",
             "running": 3.0,
             "queued": None,
             "why": f"{m} has no sglang:num_queue_reqs {enable}",
         }
-        assert rt.read_load(url) == {
+        assert wl.read_load(url) == {
             "state": "no_metrics",
             "running": None,
             "queued": 1.0,
             "why": f"{m} has no sglang:num_running_reqs {enable}",
         }
-        assert rt.read_load(url) == {"state": "load", "running": 2.0, "queued": 1.0, "why": "2 running, 1 queued"}
-        assert rt.read_load(url) == {"state": "error", "running": None, "queued": None, "why": f"{m} answered HTTP 503"}
-        assert rt.read_load(url) == {
+        assert wl.read_load(url) == {"state": "load", "running": 2.0, "queued": 1.0, "why": "2 running, 1 queued"}
+        assert wl.read_load(url) == {"state": "error", "running": None, "queued": None, "why": f"{m} answered HTTP 503"}
+        assert wl.read_load(url) == {
             "state": "no_metrics",
             "running": None,
             "queued": None,
             "why": f"{m} answered HTTP 404 {enable}",
         }
     gone = f"http://127.0.0.1:{closed_port()}"
-    assert rt.read_load(gone) == {
+    assert wl.read_load(gone) == {
         "state": "nothing_listens",
         "running": None,
         "queued": None,
         "why": "connection refused",
     }
     with serving(lambda h, raw: hang_up(h)) as url:
-        out = rt.read_load(url)
+        out = wl.read_load(url)
     assert out == {"state": "error", "running": None, "queued": None, "why": out["why"]}
     assert out["why"].startswith(f"{url}/metrics: ")  # what the failure was, in its own words
 
@@ -928,29 +932,29 @@ def test_metrics_with_bytes_that_are_not_utf8_are_read():
     """A label value (a model path, say) in another encoding: the gauges are read all the same."""
     text = b'sglang:num_running_reqs{model_name="m\xe9"} 2\nsglang:num_queue_reqs{model_name="m\xe9"} 1\n'
     with serving(lambda h, raw: (200, text)) as url:
-        assert rt.read_load(url)["state"] == "load"
-        assert rt.running_requests(url) == 2.0
+        assert wl.read_load(url)["state"] == "load"
+        assert wl.running_requests(url) == 2.0
 
 
 def test_running_requests_is_the_gauge_or_an_error_naming_the_answer():
     with worker(("status", 503)) as (_, url), pytest.raises(http.HttpError) as err:
-        rt.running_requests(url)
+        wl.running_requests(url)
     assert str(err.value) == f"{url}/metrics: HTTP 503"
     with worker(("slow", 0.5, 1.0)) as (_, url), pytest.raises(http.HttpError) as err:
-        rt.running_requests(url, timeout=0.1)
+        wl.running_requests(url, timeout=0.1)
     assert isinstance(err.value.cause, TimeoutError)
 
 
 def test_serving_is_its_own_health_answered_200():
     with worker() as (w, url):
-        assert rt.serving(url + "/") == (True, "")
+        assert wl.serving(url + "/") == (True, "")
         w.health = ("status", 503)
-        assert rt.serving(url) == (False, f"{url}/health answered HTTP 503")
+        assert wl.serving(url) == (False, f"{url}/health answered HTTP 503")
 
 
 def drain_on(url: str, **kw) -> dict:
     clock = FakeClock()
-    return rt.drain(url, clock=clock, sleep=clock.sleep, **kw)
+    return wl.drain(url, clock=clock, sleep=clock.sleep, **kw)
 
 
 def test_drain_polls_every_tenth_of_a_second_by_default_and_says_its_seconds_to_the_millisecond():
@@ -990,11 +994,11 @@ def test_inspect_reads_an_unanswered_metrics_again_each_poll_within_retry_s(gw32
             w.script[:] = [("status", 503)]
             w.scrapes = 0
             clock = FakeClock()
-            rt.inspect(router(url), [busy], timeout=2, retry_s=retry_s, clock=clock, sleep=clock.sleep)
+            ra.inspect(router(url), [busy], timeout=2, retry_s=retry_s, clock=clock, sleep=clock.sleep)
             assert w.scrapes == reads, retry_s
         w.script[:] = [("status", 503)] * 3 + [("slow", 0.5, 0.0)]  # then a read past its timeout
         clock = FakeClock()
-        out = rt.inspect(router(url), [busy], timeout=0.1, retry_s=5, clock=clock, sleep=clock.sleep)
+        out = ra.inspect(router(url), [busy], timeout=0.1, retry_s=5, clock=clock, sleep=clock.sleep)
     assert out["workers"][0]["why"].startswith("not drainable: no answer in time (")
 
 
@@ -1006,7 +1010,7 @@ def test_inspect_resolves_each_name_once_for_every_worker_it_matches(gw32):
         port = urllib.parse.urlsplit(w).port
         gw.add_now(f"http://gpu-b:{port}")
         r = rt.Router(url, api_key=KEY, getaddrinfo=dns)
-        out = rt.inspect(r, [w, f"http://localhost:{port}"], timeout=2, retry_s=0)
+        out = ra.inspect(r, [w, f"http://localhost:{port}"], timeout=2, retry_s=0)
     assert [x["listed"] for x in out["workers"]] == [False, False]
     assert sorted(calls) == ["gpu-b", "localhost"]  # gpu-b once, for both
 
@@ -1031,7 +1035,7 @@ def test_inspect_reads_every_worker_at_once_sixteen_at_most(gw32):
         return (200, b"") if h.path.endswith("/health") else (200, metrics_text(0.0, 0.0))
 
     with serving(respond) as base:
-        out = rt.inspect(router(url), [f"{base}/w{i}" for i in range(9)], timeout=5, retry_s=0)
+        out = ra.inspect(router(url), [f"{base}/w{i}" for i in range(9)], timeout=5, retry_s=0)
     assert all(w["drainable"] and w["serving"] for w in out["workers"])
     assert seen["peak"] == 16
 
@@ -1040,24 +1044,24 @@ def test_inspect_reads_every_worker_at_once_sixteen_at_most(gw32):
 
 
 def test_worker_urls_in_each_spelling():
-    assert rt.worker_url("XEON-01", 30000) == "http://XEON-01:30000"
-    assert rt.worker_url("[fd00::12]", "30001", "https") == "https://[fd00::12]:30001"
-    assert rt.normalize(" http://NODE-X/ ") == "http://NODE-X"
-    assert rt.posted("gpu-node-01:30000/") == "gpu-node-01:30000"  # no scheme: as written, less the slash
-    assert rt.posted("HTTP://NODE-X:30000/v1") == "http://NODE-X:30000"
+    assert wu.worker_url("XEON-01", 30000) == "http://XEON-01:30000"
+    assert wu.worker_url("[fd00::12]", "30001", "https") == "https://[fd00::12]:30001"
+    assert wu.normalize(" http://NODE-X/ ") == "http://NODE-X"
+    assert wu.posted("gpu-node-01:30000/") == "gpu-node-01:30000"  # no scheme: as written, less the slash
+    assert wu.posted("HTTP://NODE-X:30000/v1") == "http://NODE-X:30000"
 
 
 def test_a_url_that_is_not_a_worker_url_is_refused_naming_it():
     with pytest.raises(ValueError) as err:
-        rt.canonical("http:\t//gpu-node-01:30000")  # urlsplit drops the tab: a URL only once "fixed"
+        wu.canonical("http:\t//gpu-node-01:30000")  # urlsplit drops the tab: a URL only once "fixed"
     assert str(err.value) == "not a worker URL (scheme://host:port): 'http:\\t//gpu-node-01:30000'"
     with pytest.raises(ValueError) as err:
-        rt.canonical("ftp://gpu-node-01")
+        wu.canonical("ftp://gpu-node-01")
     assert str(err.value) == "no port, and no default port for ftp: 'ftp://gpu-node-01'"
 
 
 def test_a_name_resolved_to_a_link_local_address_is_that_address_whatever_its_scope():
     """getaddrinfo writes a link-local IPv6 address with its interface (fe80::12%eth0); a router lists it without."""
     calls: list[str] = []
-    dns = rt.Resolver(fake_dns({"gpu-a": ["fe80::12%eth0"]}, calls))
+    dns = wu.Resolver(fake_dns({"gpu-a": ["fe80::12%eth0"]}, calls))
     assert dns.same("http://gpu-a:30000", "http://[fe80::12]:30000")

@@ -1,5 +1,5 @@
-"""plugins/module_utils/sglang_deploy/router.py: the gateways' worker API (sglang-router 0.3.2, smg 1.13.0) and draining
-a worker.
+"""plugins/module_utils/sglang_deploy/router.py: the gateways' worker API (sglang-router 0.3.2, smg 1.13.0); and
+draining a worker (worker_load.py), its URL's spellings (worker_urls.py), the module's actions (router_actions.py).
 
 Two kinds of test, both on loopback only:
 - against a fake router and fake workers (small HTTP servers in this process), for every branch; the fake
@@ -30,6 +30,9 @@ import pytest
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router_actions as ra
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import worker_load as wl
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import worker_urls as wu
 from support import REPO, lab_standin
 from support.smg import STANDIN, WHEELHOUSE, free_port
 
@@ -280,7 +283,7 @@ def test_removing_a_worker_the_router_does_not_list_is_an_error_naming_what_it_l
 
 
 def test_canonical_spelling_of_a_worker_url():
-    c = rt.canonical
+    c = wu.canonical
     assert c("http://gpu-node-01:30000") == "http://gpu-node-01:30000"
     assert c("HTTP://GPU-Node-01:30000/") == "http://gpu-node-01:30000"  # scheme and host lower-cased, no slash
     assert c("http://gpu-node-01.example.internal.:30000/some/path") == "http://gpu-node-01.example.internal:30000"
@@ -289,7 +292,7 @@ def test_canonical_spelling_of_a_worker_url():
     assert c("http://[::1]:30000") == c("http://[0:0:0:0:0:0:0:1]:30000/") == "http://[::1]:30000"
     assert c("http://[FD00::12]:30001") == "http://[fd00::12]:30001"
     assert c("http://[::ffff:10.0.0.1]:30000") == "http://10.0.0.1:30000"  # an IPv4-mapped address is IPv4
-    assert c(rt.worker_url("fd00::12", 30001)) == "http://[fd00::12]:30001"
+    assert c(wu.worker_url("fd00::12", 30001)) == "http://[fd00::12]:30001"
     for bad in ("gpu-node-01:30000", "http://gpu-node-01:port", "http://:30000", "ftp://gpu-node-01"):
         with pytest.raises(ValueError):
             c(bad)
@@ -311,7 +314,7 @@ def fake_dns(table: dict[str, list[str]], calls: list | None = None):
 
 
 def test_same_worker_under_any_spelling():
-    same = rt.same_worker
+    same = wu.same_worker
     # the machine's own resolver: localhost is 127.0.0.1 (/etc/hosts)
     assert socket.getaddrinfo("localhost", None)[0][4][0] in ("127.0.0.1", "::1")
     assert same("http://localhost:30000", "http://127.0.0.1:30000") or same(
@@ -324,7 +327,7 @@ def test_same_worker_under_any_spelling():
     assert not same("http://127.0.0.1:30000", "http://127.0.0.1:30001")  # another port: another worker
     assert not same("http://127.0.0.1:443", "https://127.0.0.1:443")  # another scheme: another URL to the router
     # A name resolved where this runs (the router's host): its addresses against the listed one.
-    dns = rt.Resolver(fake_dns({"gpu-node-01": ["10.0.0.1"], "gpu-node-02": ["fd00::12", "10.0.0.2"]}))
+    dns = wu.Resolver(fake_dns({"gpu-node-01": ["10.0.0.1"], "gpu-node-02": ["fd00::12", "10.0.0.2"]}))
     assert dns.same("http://gpu-node-01:30000", "http://10.0.0.1:30000")
     assert dns.same("http://10.0.0.1:30000", "http://GPU-NODE-01:30000/")
     assert dns.same("http://gpu-node-02:30000", "http://[fd00::12]:30000")  # one of its addresses is enough
@@ -389,7 +392,7 @@ def test_a_worker_registered_twice_is_removed_wholly_and_never_added_again(fake_
     # trailing slash as one more worker: docs/router.md); the host and port as written (the router role's)
     assert r.add("HTTP://GPU-node-03:30000/") == ("queued", True)
     assert "http://GPU-node-03:30000" in [u for _, _, u in state.pending]
-    assert rt.posted("https://[FD00::12]:30001/x") == "https://[FD00::12]:30001"
+    assert wu.posted("https://[FD00::12]:30001/x") == "https://[FD00::12]:30001"
 
 
 def test_add_then_wait_until_listed_and_healthy(fake_router):
@@ -638,13 +641,13 @@ def test_drain_carries_the_gateways_count_as_evidence_not_as_its_rule(fake_worke
     script[:] = [("status", 404)]
     out = fake_drain(url, timeout=60, gateway_in_flight=down)  # a gateway that does not answer: no count
     assert out["drained"] is False and out["gateway_in_flight"] is None and "--enable-metrics" in out["why"]
-    out = rt.drain(f"http://127.0.0.1:{closed_port()}", timeout=30, gateway_in_flight=lambda: 0.0)
+    out = wl.drain(f"http://127.0.0.1:{closed_port()}", timeout=30, gateway_in_flight=lambda: 0.0)
     assert out["drained"] is True and out["gateway_in_flight"] == 0.0
 
 
 def fake_drain(url: str, timeout: float, poll: float = 0.5, **kw) -> dict:
     clock = FakeClock()
-    return rt.drain(url, timeout=timeout, poll=poll, clock=clock, sleep=clock.sleep, **kw)
+    return wl.drain(url, timeout=timeout, poll=poll, clock=clock, sleep=clock.sleep, **kw)
 
 
 def test_drain_waits_until_no_running_requests(fake_worker):
@@ -745,7 +748,7 @@ def test_read_timeouts_and_resets_are_no_evidence(fake_worker):
 
 def test_a_refused_connection_is_drained_nothing_listens():
     """Nothing listens on the worker's port (its server process is gone): nothing runs there."""
-    out = rt.drain(f"http://127.0.0.1:{closed_port()}", timeout=30)
+    out = wl.drain(f"http://127.0.0.1:{closed_port()}", timeout=30)
     assert out == {
         "drained": True,
         "seconds": out["seconds"],
@@ -759,18 +762,18 @@ def test_a_refused_connection_is_drained_nothing_listens():
 def test_read_load_says_what_kind_of_answer():
     with pytest.raises(http.HttpError) as err:
         http.request(f"http://127.0.0.1:{closed_port()}/metrics", timeout=2)
-    assert rt.refused(err.value)
-    assert not rt.refused(http.HttpError("x")) and not rt.refused(http.HttpError("x", cause=TimeoutError()))
-    assert rt.read_load(f"http://127.0.0.1:{closed_port()}")["state"] == "nothing_listens"
+    assert wl.refused(err.value)
+    assert not wl.refused(http.HttpError("x")) and not wl.refused(http.HttpError("x", cause=TimeoutError()))
+    assert wl.read_load(f"http://127.0.0.1:{closed_port()}")["state"] == "nothing_listens"
 
 
 def test_metric_sum_adds_every_label_set():
     text = 'x{a="1"} 2\nx{a="2"} 3.5\nx_total 9\n# x 4\n'
-    assert rt.metric_sum(text, "x") == 5.5
-    assert rt.metric_sum(text, "y") is None
+    assert wl.metric_sum(text, "x") == 5.5
+    assert wl.metric_sum(text, "y") is None
     # 0.5.23's queue gauges: the total under priority="", each priority's part again under its own
     text = 'q{m="a",priority=""} 3\nq{m="a",priority="1"} 2\nq{m="a",priority="2"} 1\nq{m="b"} 1\n'
-    assert rt.metric_sum(text, "q") == 4.0
+    assert wl.metric_sum(text, "q") == 4.0
 
 
 def test_inspect_reads_the_router_and_each_worker(fake_router, fake_worker):
@@ -797,7 +800,7 @@ def test_inspect_reads_the_router_and_each_worker(fake_router, fake_worker):
         wid = state.add_now(good.replace("127.0.0.1", "localhost"))  # listed under another spelling
         dup = [state.add_now(no_metrics), state.add_now(no_metrics + "/")]
         state.add_now(gone, healthy=False)
-        out = rt.inspect(fast(url), [good, no_metrics, busy, gone], timeout=2, retry_s=0)  # one read each
+        out = ra.inspect(fast(url), [good, no_metrics, busy, gone], timeout=2, retry_s=0)  # one read each
     finally:
         no_metrics_srv.shutdown()
         busy_srv.shutdown()
@@ -828,7 +831,7 @@ def test_inspect_reads_the_router_and_each_worker(fake_router, fake_worker):
     assert out["problems"] == [
         f"{no_metrics}: cannot be drained on evidence: {no_metrics}/metrics has no sglang:num_running_reqs nor "
         "sglang:num_queue_reqs (SGLang serves /metrics and its load gauges only with --enable-metrics)",
-        f"{busy}: not listed by the router {url} (it lists: {lists}{rt.SENTINEL_HINT})",
+        f"{busy}: not listed by the router {url} (it lists: {lists}{ra.SENTINEL_HINT})",
         f"{busy}: cannot be drained on evidence: {busy}/metrics answered HTTP 503",
         f"{gone}: cannot be drained on evidence: connection refused",
     ]
@@ -842,13 +845,13 @@ def test_inspect_reads_a_metrics_that_says_nothing_again_before_calling_it_undra
     script, worker = fake_worker
     state.add_now(worker)
     script[:] = [("status", 503), ("slow", 0.3), (2.0, 1.0)]  # busy twice (the second past the read timeout)
-    out = rt.inspect(fast(url), [worker], timeout=0.1, retry_s=5, poll=0.01)
+    out = ra.inspect(fast(url), [worker], timeout=0.1, retry_s=5, poll=0.01)
     assert out["problems"] == [] and out["workers"][0]["drainable"] is True, out
     script[:] = [("status", 503)]
-    out = rt.inspect(fast(url), [worker], timeout=0.1, retry_s=0.2, poll=0.01)
+    out = ra.inspect(fast(url), [worker], timeout=0.1, retry_s=0.2, poll=0.01)
     assert out["problems"] == [f"{worker}: cannot be drained on evidence: {worker}/metrics answered HTTP 503"]
     script[:] = [("status", 404), (0.0, 0.0)]
-    out = rt.inspect(fast(url), [worker], timeout=0.1, retry_s=5, poll=0.01)
+    out = ra.inspect(fast(url), [worker], timeout=0.1, retry_s=5, poll=0.01)
     assert out["workers"][0]["drainable"] is False and "HTTP 404" in out["problems"][0]
 
 
@@ -924,7 +927,7 @@ def test_a_gateway_other_than_impl_names_is_refused_not_misread(fake_router, fak
     state32.workers["http://127.0.0.1:30000"]["load"] = 0  # 0.3.2's load: 0 with requests running
     with pytest.raises(rt.RouterError, match=r"status.*smg 1\.13\.0.*impl"):
         smg(url32).workers()
-    assert rt._gateway_count(smg(url32).reader("http://127.0.0.1:30000")) is None  # no count, not 0
+    assert wl._gateway_count(smg(url32).reader("http://127.0.0.1:30000")) is None  # no count, not 0
 
 
 def test_a_gateway_count_that_cannot_be_read_never_kills_the_drain(fake_smg, fake_worker):
@@ -1069,21 +1072,21 @@ def test_real_router_remove_drain_add(real_router):
     threads = [threading.Thread(target=generate) for _ in range(2)]
     for t in threads:
         t.start()
-    wait_until(lambda: rt.running_requests(w1) == 1, 10, "a request running on w1")
+    wait_until(lambda: wl.running_requests(w1) == 1, 10, "a request running on w1")
 
     ids = r.remove(w1)
     assert len(ids) == 1 and r.wait_gone(w1, timeout=5) < 5
     assert {w["url"] for w in r.membership()} == {w2}
-    assert rt.running_requests(w1) == 1  # removal neither waited for nor cut the request in flight
+    assert wl.running_requests(w1) == 1  # removal neither waited for nor cut the request in flight
 
-    out = rt.drain(w1, timeout=30, poll=0.1)
+    out = wl.drain(w1, timeout=30, poll=0.1)
     assert out["drained"] and out["running"] == 0.0 and out["queued"] == 0.0 and out["seconds"] >= 1.0, out
     for t in threads:
         t.join(30)
     assert len(results) == 2 and all(isinstance(x, dict) and x["completion_tokens"] == 60 for x in results), results
 
     # While out: requests go to w2 only.
-    before = rt.running_requests(w1)
+    before = wl.running_requests(w1)
     assert http.generate(r.url, "only w2", 4, api_key=key)["completion_tokens"] == 4
     assert before == 0 and r.remove(w1, missing_ok=True) == []
     with pytest.raises(rt.RouterError, match=f"does not list {w1} under any spelling; it lists: {w2}"):
@@ -1141,7 +1144,7 @@ def test_real_router_shows_no_in_flight_count_for_a_worker(real_router):
     for t in threads:
         t.start()
     try:
-        wait_until(lambda: rt.running_requests(w1) == 1 and rt.running_requests(w2) == 1, 10, "one on each worker")
+        wait_until(lambda: wl.running_requests(w1) == 1 and wl.running_requests(w2) == 1, 10, "one on each worker")
         assert {w["url"]: w["load"] for w in r.workers()} == {w1: 0, w2: 0}
         code, data = http.request(r.metrics_url)
         text = data.decode()
@@ -1168,10 +1171,10 @@ def test_real_router_refuses_the_client_without_its_key(real_router):
 
 def test_measure_is_the_verify_load_against_one_worker(real_router):
     _, (w1, _), key = real_router
-    out = rt.measure(w1, "The capital of France is", 2, 10, api_key=key)  # the stand-in decodes 20 tok/s here
+    out = wl.measure(w1, "The capital of France is", 2, 10, api_key=key)  # the stand-in decodes 20 tok/s here
     assert out["requests"] == 2 and 10 <= out["tokens_per_s"] <= 20.5, out
     with pytest.raises(http.HttpError, match="HTTP 401"):
-        rt.measure(w1, "x", 1, 1)  # the worker's key is needed
+        wl.measure(w1, "x", 1, 1)  # the worker's key is needed
 
 
 def test_streams_pass_whole_through_the_real_router_and_loadgen_judges_them(real_router):
@@ -1223,13 +1226,13 @@ def test_the_standin_drains_on_sigterm_and_refuses_new_requests(tmp_path):
         results = []
         t = threading.Thread(target=lambda: results.append(http.generate(url, "long", 20)))  # 1 s
         t.start()
-        wait_until(lambda: rt.running_requests(url) == 1, 10, "one running request in the metrics")
+        wait_until(lambda: wl.running_requests(url) == 1, 10, "one running request in the metrics")
         state.draining = True
         with pytest.raises(http.HttpError, match="503"):
             http.generate(url, "new", 1)
         t.join(10)
         assert results and results[0]["completion_tokens"] == 20
-        assert rt.running_requests(url) == 0
+        assert wl.running_requests(url) == 0
     finally:
         srv.shutdown()
 
@@ -1237,10 +1240,10 @@ def test_the_standin_drains_on_sigterm_and_refuses_new_requests(tmp_path):
 def test_worker_url_is_written_once_for_the_router_role_and_the_rollout():
     from ansible_collections.sglang.deploy.plugins.filter.sglang_config import FilterModule
 
-    assert rt.worker_url("gpu-node-01.example.internal", 30000) == "http://gpu-node-01.example.internal:30000"
-    assert rt.worker_url("fd00::12", "30001", "https") == "https://[fd00::12]:30001"
-    assert rt.worker_url("[fd00::12]", 30001) == "http://[fd00::12]:30001"  # already bracketed: not twice
-    assert FilterModule().filters()["sglang_worker_url"] is rt.worker_url
+    assert wu.worker_url("gpu-node-01.example.internal", 30000) == "http://gpu-node-01.example.internal:30000"
+    assert wu.worker_url("fd00::12", "30001", "https") == "https://[fd00::12]:30001"
+    assert wu.worker_url("[fd00::12]", 30001) == "http://[fd00::12]:30001"  # already bracketed: not twice
+    assert FilterModule().filters()["sglang_worker_url"] is wu.worker_url
 
 
 # --------------------------------------------------------------------------- the real smg 1.13.0
@@ -1322,7 +1325,7 @@ def test_real_smg_remove_draining_then_gone_drain_beside_its_count_add_back(real
     for t in threads:
         t.start()
     try:
-        wait_until(lambda: rt.running_requests(w0) == 1, 10, "a request running on w0")
+        wait_until(lambda: wl.running_requests(w0) == 1, 10, "a request running on w0")
         # The gateway's own count, in its listing and (the table's series) in its metrics.
         assert r.in_flight(w0) == 1.0
         assert per_worker(gw.metrics(), w0)["smg_worker_requests_active"] == 1.0
@@ -1332,7 +1335,7 @@ def test_real_smg_remove_draining_then_gone_drain_beside_its_count_add_back(real
         assert (rec["id"], rec["status"], rec["healthy"]) == (old, "draining", False)
         assert r.remove(w0) == []  # already leaving: no second DELETE
         assert r.in_flight(w0) == 1.0  # its request runs on, still counted
-        out = rt.drain(w0, timeout=30, poll=0.1, gateway_in_flight=r.reader(w0))
+        out = wl.drain(w0, timeout=30, poll=0.1, gateway_in_flight=r.reader(w0))
         assert out["drained"] and (out["running"], out["queued"]) == (0.0, 0.0), out
         assert out["gateway_in_flight"] in (0.0, None), out  # 0 while draining, None once smg dropped it
         for t in threads:
@@ -1352,7 +1355,7 @@ def test_real_smg_remove_draining_then_gone_drain_beside_its_count_add_back(real
         assert r.wait_gone(w0, timeout=15, draining_ok=False) >= 0
         r.workers = real_workers
         assert states[-1] == [] and all(s == ["draining"] for s in states[:-1]), states
-        assert r.in_flight(w0) is None and rt.running_requests(w0) == 0
+        assert r.in_flight(w0) is None and wl.running_requests(w0) == 0
         wid, added = r.add(w0)
         assert added and wid != old
         assert r.wait_healthy(w0, timeout=30) >= 0

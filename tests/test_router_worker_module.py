@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router_actions as ra
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import MASK
 from support.modules import http_server, run_module
 
@@ -380,7 +380,7 @@ def test_inspect_says_for_each_worker_listed_serving_drainable(tmp_path, router)
             assert bad["serving"] is True and bad["drainable"] is False
             assert bad["why"].startswith(f"not drainable: {no_metrics}/metrics answered HTTP 404")
             assert out["problems"] == [
-                f"{no_metrics}: not listed by the router {url} (it lists: {fake_urls(fake)}{rt.SENTINEL_HINT})",
+                f"{no_metrics}: not listed by the router {url} (it lists: {fake_urls(fake)}{ra.SENTINEL_HINT})",
                 f"{no_metrics}: cannot be drained on evidence: {no_metrics}/metrics answered HTTP 404 "
                 "(SGLang serves /metrics and its load gauges only with --enable-metrics)",
             ]

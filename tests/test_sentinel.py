@@ -12,6 +12,8 @@ import pytest
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import http
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import router as rt
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import sentinel as sn
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import worker_load as wl
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import worker_urls as wu
 from support import wait_for
 from support.smg import KEY, Gateway, all_ready, free_port, smg_venv
 
@@ -46,7 +48,7 @@ class FakeGateway:
     def in_flight(self, url: str) -> float | None:
         return 3.0
 
-    def resolver(self) -> rt.Resolver:
+    def resolver(self) -> wu.Resolver:
         """localhost is 127.0.0.1 (one worker, two spellings); other names resolve to nothing."""
 
         def getaddrinfo(host, *a, **kw):
@@ -54,7 +56,7 @@ class FakeGateway:
                 return [(2, 1, 6, "", ("127.0.0.1", 0))]
             raise OSError(f"{host}: no such name")
 
-        return rt.Resolver(getaddrinfo)
+        return wu.Resolver(getaddrinfo)
 
 
 class Probes:
@@ -376,7 +378,7 @@ def test_smg_a_worker_whose_generations_hang_is_taken_out_by_the_sentinel_and_pu
         clients = [threading.Thread(target=one, daemon=True) for _ in range(8)]  # 4 each: 2 served, 2 hang there
         for t in clients:
             t.start()
-        wait_for("the hung worker holds 2", lambda: rt.read_load(hung)["running"] == 2, timeout=20)
+        wait_for("the hung worker holds 2", lambda: wl.read_load(hung)["running"] == 2, timeout=20)
 
         rule = sn.Settings(interval_s=0.5, stall_s=1.0, failures=2, successes=2)
         logs: list[str] = []

@@ -26,7 +26,8 @@ from ansible_collections.sglang.deploy.plugins.filter.sglang_config import (
     with_tuned,
 )
 from ansible_collections.sglang.deploy.plugins.filter.sglang_monitoring import FilterModule as MonitoringFilters
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router import worker_url
+from ansible_collections.sglang.deploy.plugins.filter.sglang_restart import FilterModule as RestartFilters
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.worker_urls import worker_url
 
 REPO = Path(__file__).resolve().parents[1]
 ONE = {"name": "main", "port": 30000, "gpus": [0]}
@@ -405,16 +406,19 @@ def test_every_filter_the_roles_call_is_provided_under_its_name():
         "sglang_with_tuned",
         "sglang_worker_url",
         "sglang_count_of",  # playbooks/vars/rollout.yml's
+        "sglang_rollout_routers",
         "systemd_quote",
         "env_file_line",
         "sglang_scrape_configs",  # plugins/filter/sglang_monitoring.py's
         "sglang_alert_rules",
+        "sglang_multinode_plan",  # plugins/filter/sglang_restart.py's
     }
     # and the one docs/layout.md names for rendering an instance's argv and environment by hand
     assert "`sglang_server_config`" in (REPO / "docs" / "layout.md").read_text()
     monitoring = set(MonitoringFilters().filters())
-    assert set(filters) == (used_filters() - monitoring) | {"sglang_server_config"}
-    assert monitoring <= used_filters()
+    restart = set(RestartFilters().filters())
+    assert set(filters) == (used_filters() - monitoring - restart) | {"sglang_server_config"}
+    assert monitoring <= used_filters() and restart <= used_filters()
     assert filters["systemd_quote"] is systemd_quote and filters["sglang_worker_url"] is worker_url
     assert (
         filters["env_file_line"](("NAME", 'a "b" $c')) == env_file_line("NAME", 'a "b" $c') == 'NAME="a \\"b\\" \\$c"'

@@ -14,6 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import (
+    host_checks,
+    instance_checks,
+    procinfo,
+    sglang_parser,
+)
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import validate as v
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.outcomes import INVALID_CONFIG
 
@@ -39,7 +45,7 @@ def messages(problems):
 
 
 def test_an_abbreviated_flag_is_refused_with_its_full_name_and_origin():
-    (p,) = v.check_parser(OPTIONS, ["--tp", "8"], ORIGINS)
+    (p,) = instance_checks.check_parser(OPTIONS, ["--tp", "8"], ORIGINS)
     assert (
         p["message"]
         == "--tp is an abbreviation of --tp-size: write the flag in full (set by sglang_profiles.p.flags.tp)"
@@ -47,19 +53,19 @@ def test_an_abbreviated_flag_is_refused_with_its_full_name_and_origin():
 
 
 def test_a_renamed_flag_that_is_now_a_prefix_is_called_ambiguous():
-    (p,) = v.check_parser(OPTIONS, ["--cuda-graph-max-bs", "128"], {})
+    (p,) = instance_checks.check_parser(OPTIONS, ["--cuda-graph-max-bs", "128"], {})
     assert p["message"].startswith(
         "--cuda-graph-max-bs is ambiguous (--cuda-graph-max-bs-decode, --cuda-graph-max-bs-prefill)"
     )
 
 
 def test_an_unknown_flag():
-    (p,) = v.check_parser(OPTIONS, ["--speculative-algo", "EAGLE3"], {})
+    (p,) = instance_checks.check_parser(OPTIONS, ["--speculative-algo", "EAGLE3"], {})
     assert "--speculative-algo is not a flag of the installed SGLang" in p["message"]
 
 
 def test_a_parser_error_names_the_variable():
-    (p,) = v.check_parser(
+    (p,) = instance_checks.check_parser(
         {**OPTIONS, "error": "argument --tp-size: invalid int value: 'x'"},
         ["--tp-size", "x"],
         {"--tp-size": "sglang_instances[0].flags.tp_size"},
@@ -73,7 +79,7 @@ def test_a_parser_error_names_the_variable():
 
 def test_eagle3_draft_served_as_eagle(tmp_path):
     args = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": draft(tmp_path, "LlamaForCausalLMEagle3")}
-    (p,) = v.check_speculative(args, ORIGINS)
+    (p,) = instance_checks.check_speculative(args, ORIGINS)
     assert "is an EAGLE-3 model (LlamaForCausalLMEagle3) but --speculative-algorithm is EAGLE" in p["message"]
     assert "accept length 1.0" in p["message"]
     assert p["key"] == "sglang_profiles.p.flags.speculative_algorithm"
@@ -81,7 +87,7 @@ def test_eagle3_draft_served_as_eagle(tmp_path):
 
 def test_eagle_draft_served_as_eagle3(tmp_path):
     args = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": draft(tmp_path, "LlamaForCausalLMEagle")}
-    (p,) = v.check_speculative(args, ORIGINS)
+    (p,) = instance_checks.check_speculative(args, ORIGINS)
     assert "is an EAGLE model (LlamaForCausalLMEagle) but --speculative-algorithm is EAGLE3" in p["message"]
 
 
@@ -93,11 +99,11 @@ def test_matching_draft_passes(tmp_path):
         "speculative_eagle_topk": 1,
         "speculative_num_draft_tokens": 3,
     }
-    assert v.check_speculative(args, ORIGINS) == []
+    assert instance_checks.check_speculative(args, ORIGINS) == []
 
 
 def test_a_draft_is_required():
-    (p,) = v.check_speculative({"speculative_algorithm": "EAGLE3"}, ORIGINS)
+    (p,) = instance_checks.check_speculative({"speculative_algorithm": "EAGLE3"}, ORIGINS)
     assert "needs a draft model" in p["message"]
 
 
@@ -109,20 +115,20 @@ def test_topk1_draft_tokens_must_be_steps_plus_one(tmp_path):
         "speculative_eagle_topk": 1,
         "speculative_num_draft_tokens": 5,
     }
-    (p,) = v.check_speculative(args, ORIGINS)
+    (p,) = instance_checks.check_speculative(args, ORIGINS)
     assert "draft tokens are steps + 1 = 3, but --speculative-num-draft-tokens is 5" in p["message"]
     assert p["key"] == "sglang_profiles.p.flags.speculative_num_draft_tokens"
 
 
 def test_parallelism_must_match_the_instances_gpus():
-    assert v.check_parallel({"tp_size": 4}, [0, 1, 2, 3], 8, {}) == []
-    (p,) = v.check_parallel({"tp_size": 8}, [0, 1, 2, 3], 8, {})
+    assert instance_checks.check_parallel({"tp_size": 4}, [0, 1, 2, 3], 8, {}) == []
+    (p,) = instance_checks.check_parallel({"tp_size": 8}, [0, 1, 2, 3], 8, {})
     assert (
         "tp 8 x dp 1 x pp 1 = 8 GPUs over 1 node(s) needs 8 GPU(s) on this node, but the instance is given 4"
         in p["message"]
     )
-    assert v.check_parallel({"tp_size": 8, "nnodes": 2}, [0, 1, 2, 3], 8, {}) == []
-    (p,) = v.check_parallel({"tp_size": 2}, [7, 8], 8, {})
+    assert instance_checks.check_parallel({"tp_size": 8, "nnodes": 2}, [0, 1, 2, 3], 8, {}) == []
+    (p,) = instance_checks.check_parallel({"tp_size": 2}, [7, 8], 8, {})
     assert p["message"] == "GPUs [8] are given to the instance but the host has 8 (0-7)"
 
 
@@ -133,11 +139,13 @@ def test_paths_are_checked_as_the_service_user_sees_them():
     model.mkdir()
     os.chmod(tmp_path, 0o755)
     os.chmod(model, 0o700)
-    (p,) = v.check_paths({"model_path": str(model)}, "nobody", {"--model-path": "sglang_model_path"})
+    (p,) = instance_checks.check_paths({"model_path": str(model)}, "nobody", {"--model-path": "sglang_model_path"})
     assert p["message"] == f"--model-path {model}: {model} is not readable by nobody (set by sglang_model_path)"
     os.chmod(model, 0o755)
-    assert v.check_paths({"model_path": str(model)}, "nobody", {}) == []
-    (p,) = v.check_paths({"model_path": str(tmp_path / "absent")}, "nobody", {"--model-path": "sglang_model_path"})
+    assert instance_checks.check_paths({"model_path": str(model)}, "nobody", {}) == []
+    (p,) = instance_checks.check_paths(
+        {"model_path": str(tmp_path / "absent")}, "nobody", {"--model-path": "sglang_model_path"}
+    )
     assert p["message"] == f"--model-path {tmp_path / 'absent'} does not exist (set by sglang_model_path)"
     shutil.rmtree(tmp_path)
 
@@ -171,16 +179,16 @@ def test_a_free_port_passes_and_a_held_one_names_its_holder():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert v.check_port(port, "sglang-main.service", "sglang_instances[0].port") == []
+    assert host_checks.check_port(port, "sglang-main.service", "sglang_instances[0].port") == []
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
         s.listen()
-        (p,) = v.check_port(port, "sglang-main.service", "sglang_instances[0].port")
+        (p,) = host_checks.check_port(port, "sglang-main.service", "sglang_instances[0].port")
         assert p["message"].startswith(f"port {port} is already in use by pid {os.getpid()} (")
         assert "choose another port (sglang_instances[0].port) or stop that process" in p["message"]
         # Held by the instance's own unit: fine.
-        me = v.socket_holders(v.listening_inodes(port))[os.getpid()][0]
-        assert v.check_port(port, me, "x") == []
+        me = procinfo.socket_holders(procinfo.listening_inodes(port))[os.getpid()][0]
+        assert host_checks.check_port(port, me, "x") == []
 
 
 # ---------------------------------------------------------------- the host's checks
@@ -207,27 +215,27 @@ def record(i: int, name: str, port: int, gpus: list[int], **extra) -> dict:
 
 
 def test_instances_sharing_a_name_port_or_gpu_are_refused_naming_the_variable():
-    (p,) = v.check_distinct([record(0, "a", 30000, [0]), record(1, "a", 30001, [1])])
+    (p,) = host_checks.check_distinct([record(0, "a", 30000, [0]), record(1, "a", 30001, [1])])
     assert p["key"] == "sglang_instances[1].name"
     assert p["message"] == (
         "sglang_instances[1].name is 'a', as is sglang_instances[0].name: "
         "each instance needs its own name, port and GPUs"
     )
-    (p,) = v.check_distinct([record(0, "a", 30000, [0]), record(1, "b", 30000, [1])])
+    (p,) = host_checks.check_distinct([record(0, "a", 30000, [0]), record(1, "b", 30000, [1])])
     assert p["key"] == "sglang_instances[1].port"
     assert p["message"].startswith("sglang_instances[1].port is 30000, as is sglang_instances[0].port")
-    (p,) = v.check_distinct([record(0, "a", 30000, [0, 1, 2, 3]), record(1, "b", 30001, [3, 4, 5, 6])])
+    (p,) = host_checks.check_distinct([record(0, "a", 30000, [0, 1, 2, 3]), record(1, "b", 30001, [3, 4, 5, 6])])
     assert p["key"] == "sglang_instances[1].gpus"
     assert p["message"].startswith(
         "sglang_instances[1].gpus: GPU(s) [3] are also given to a (sglang_instances[0].gpus)"
     )
-    assert v.check_distinct([record(0, "a", 30000, [0, 1]), record(1, "b", 30001, [2, 3])]) == []
+    assert host_checks.check_distinct([record(0, "a", 30000, [0, 1]), record(1, "b", 30001, [2, 3])]) == []
 
 
 def test_shm_smaller_than_the_minimum_names_sglang_service_min_shm_mib(tmp_path):
-    problems, size = v.check_shm(1, str(tmp_path))
+    problems, size = host_checks.check_shm(1, str(tmp_path))
     assert problems == [] and size >= 1
-    (p,), size2 = v.check_shm(size + 1, str(tmp_path))
+    (p,), size2 = host_checks.check_shm(size + 1, str(tmp_path))
     assert size2 == size
     assert p["key"] == "sglang_service_min_shm_mib"
     assert p["message"].startswith(f"{tmp_path} is {size} MiB, less than sglang_service_min_shm_mib ({size + 1}); ")
@@ -238,14 +246,14 @@ def test_the_gpu_count_is_the_lines_nvidia_smi_prints():
     class Proc:
         returncode, stdout, stderr = 0, "0\n1\n2\n\n", ""
 
-    assert v.count_gpus(run=lambda *a, **k: Proc()) == 3
+    assert host_checks.count_gpus(run=lambda *a, **k: Proc()) == 3
     Proc.returncode, Proc.stderr = 9, "NVIDIA-SMI has failed because it couldn't communicate with the driver"
     with pytest.raises(v.ValidateError, match="nvidia-smi failed \\(exit 9\\): NVIDIA-SMI has failed"):
-        v.count_gpus(run=lambda *a, **k: Proc())
+        host_checks.count_gpus(run=lambda *a, **k: Proc())
 
 
 def test_a_gpu_the_host_lacks_names_the_instances_gpus_variable():
-    (p,) = v.check_gpus([6, 7, 8], 8, "sglang_instances[2].gpus")
+    (p,) = instance_checks.check_gpus([6, 7, 8], 8, "sglang_instances[2].gpus")
     assert p == {
         "check": "parallelism",
         "key": "sglang_instances[2].gpus",
@@ -515,7 +523,7 @@ def test_a_directory_others_can_write_is_not_trusted(model, venv, tmp_path):
 
 
 def test_the_cache_keeps_the_64_newest(tmp_path):
-    cache = v.VerdictCache(str(tmp_path / "validated"))
+    cache = sglang_parser.VerdictCache(str(tmp_path / "validated"))
     for n in range(70):
         assert cache.store(f"{n:064x}", {"error": None}, "x")
         os.utime(cache._path(f"{n:064x}"), (1000 + n, 1000 + n))
@@ -526,7 +534,7 @@ def test_the_cache_keeps_the_64_newest(tmp_path):
 
 
 def test_nothing_is_kept_without_a_state_directory(tmp_path):
-    cache = v.VerdictCache(str(tmp_path / "absent" / "validated"))
+    cache = sglang_parser.VerdictCache(str(tmp_path / "absent" / "validated"))
     assert cache.store("0" * 64, {"error": None}) is False
     assert not (tmp_path / "absent").exists()
 
@@ -558,23 +566,26 @@ KEY_CHANGES = {
 
 @pytest.mark.parametrize("name,value", [(k, x) for k, xs in KEY_CHANGES.items() for x in xs])
 def test_the_cache_key_changes_when_any_input_changes(name, value):
-    base = v.cache_key(**KEY_INPUTS)
-    assert v.cache_key(**KEY_INPUTS) == base
-    assert v.cache_key(**{**KEY_INPUTS, name: value}) != base
+    base = sglang_parser.cache_key(**KEY_INPUTS)
+    assert sglang_parser.cache_key(**KEY_INPUTS) == base
+    assert sglang_parser.cache_key(**{**KEY_INPUTS, name: value}) != base
 
 
 def test_the_installation_identity_follows_version_record_and_patch_manifest(venv, tmp_path):
     manifest = tmp_path / "patches.json"
     manifest.write_text('{"version": "0.5.23"}')
-    first = v.installation_identity(str(venv), str(manifest))
+    first = sglang_parser.installation_identity(str(venv), str(manifest))
     assert first["version"] == "0.5.23" and first["venv"] == os.path.realpath(venv.parent.parent)
     info = venv.parent.parent / "lib" / "python3.12" / "site-packages" / "sglang-0.5.23.dist-info"
     (info / "RECORD").write_text("sglang/__init__.py,sha256=BBBB,1\n")
-    second = v.installation_identity(str(venv), str(manifest))
+    second = sglang_parser.installation_identity(str(venv), str(manifest))
     assert second["record_sha256"] != first["record_sha256"]
     manifest.write_text('{"version": "0.5.23", "patches": []}')
-    assert v.installation_identity(str(venv), str(manifest))["patch_manifest_sha256"] != second["patch_manifest_sha256"]
-    assert v.installation_identity(str(tmp_path / "elsewhere" / "bin" / "python")) is None
+    assert (
+        sglang_parser.installation_identity(str(venv), str(manifest))["patch_manifest_sha256"]
+        != second["patch_manifest_sha256"]
+    )
+    assert sglang_parser.installation_identity(str(tmp_path / "elsewhere" / "bin" / "python")) is None
 
 
 # ---------------------------------------------------------------- the parser script, against a stand-in SGLang
@@ -599,18 +610,18 @@ def test_the_parser_script_answers_for_every_argv_in_one_run(tmp_path, monkeypat
     (pkg / "server_args.py").write_text(FAKE_SERVER_ARGS)
     (pkg / "environ.py").write_text("class envs:\n    SGLANG_KNOWN = 1\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
-    good, bad = v.run_parser(sys.executable, [["--tp-size", "2", "--model-path", "/m"], ["--tp-size", "x"]])
+    good, bad = sglang_parser.run_parser(sys.executable, [["--tp-size", "2", "--model-path", "/m"], ["--tp-size", "x"]])
     assert good["error"] is None and good["args"]["tp_size"] == 2 and good["args"]["model_path"] == "/m"
     assert bad["error"] == "argument --tp-size: invalid int value: 'x'"
     assert good["env_names"] == ["SGLANG_KNOWN"]
     assert "--cuda-graph-max-bs-decode" in good["options"]
-    (p,) = v.check_parser(good, ["--cuda-graph-max-bs", "8"], {})
+    (p,) = instance_checks.check_parser(good, ["--cuda-graph-max-bs", "8"], {})
     assert p["message"].startswith("--cuda-graph-max-bs is ambiguous")
 
 
 def test_a_parser_that_cannot_run_is_an_error_naming_the_python(tmp_path):
     with pytest.raises(v.ValidateError, match=f"could not run SGLang's parser with {tmp_path}/none"):
-        v.run_parser(str(tmp_path / "none"), [[]])
+        sglang_parser.run_parser(str(tmp_path / "none"), [[]])
 
 
 # ---------------------------------------------------------------- the module, as Ansible runs it

@@ -26,6 +26,12 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import (
+    host_checks,
+    instance_checks,
+    procinfo,
+    sglang_parser,
+)
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import validate as v
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.outcomes import INVALID_CONFIG
 
@@ -70,7 +76,7 @@ OPTIONS = ["--model-path", "--speculative-algorithm", "--speculative-num-steps",
 def test_every_flag_of_the_command_line_is_checked_whatever_comes_before_it():
     """Values, flags written with `=` (a value may hold one too) and known flags before it hide nothing."""
     argv = ["--model-path", "/m", "--tp", "2", "--tp-size=2", "--model-path=/srv/m=v2", "--specalgo", "EAGLE3"]
-    assert v.check_parser({"options": OPTIONS}, argv, {"--tp": "sglang_profiles.p.flags.tp"}) == [
+    assert instance_checks.check_parser({"options": OPTIONS}, argv, {"--tp": "sglang_profiles.p.flags.tp"}) == [
         problem(
             "flags",
             "sglang_profiles.p.flags.tp",
@@ -87,12 +93,12 @@ def test_every_flag_of_the_command_line_is_checked_whatever_comes_before_it():
 
 def test_known_flags_in_either_spelling_pass():
     argv = ["--tp-size=2", "--model-path", "/m", "--speculative-algorithm", "EAGLE3"]
-    assert v.check_parser({"options": OPTIONS}, argv, {}) == []
+    assert instance_checks.check_parser({"options": OPTIONS}, argv, {}) == []
 
 
 def test_an_ambiguous_flag_names_at_most_six_of_its_candidates():
     options = [f"--cuda-graph-{c}" for c in "abcdefgh"]
-    assert v.check_parser({"options": options}, ["--cuda", "1"], {}) == [
+    assert instance_checks.check_parser({"options": options}, ["--cuda", "1"], {}) == [
         problem(
             "flags",
             "the rendered command line",
@@ -104,7 +110,9 @@ def test_an_ambiguous_flag_names_at_most_six_of_its_candidates():
 
 def test_a_parser_error_naming_no_flag_is_set_by_the_rendered_command_line():
     result = {"options": OPTIONS, "error": "unrecognized arguments: extra"}
-    assert v.check_parser(result, ["--model-path", "/m", "extra"], {"--model-path": "sglang_model_path"}) == [
+    assert instance_checks.check_parser(
+        result, ["--model-path", "/m", "extra"], {"--model-path": "sglang_model_path"}
+    ) == [
         problem(
             "flags",
             "the rendered command line",
@@ -115,7 +123,7 @@ def test_a_parser_error_naming_no_flag_is_set_by_the_rendered_command_line():
 
 def test_a_parser_error_naming_a_flag_is_set_by_that_flags_variable():
     result = {"options": OPTIONS, "error": "argument --tp-size: invalid int value: 'x'"}
-    assert v.check_parser(result, ["--tp-size", "x"], {"--tp-size": "sglang_instances[0].gpus"}) == [
+    assert instance_checks.check_parser(result, ["--tp-size", "x"], {"--tp-size": "sglang_instances[0].gpus"}) == [
         problem(
             "flags",
             "sglang_instances[0].gpus",
@@ -152,7 +160,7 @@ ORIGINS = {
 
 def test_an_eagle3_draft_served_as_eagle_names_every_architecture(tmp_path):
     d = draft(tmp_path, "LlamaForCausalLMEagle3", "Qwen2ForCausalLMEagle3")
-    assert v.check_speculative(spec("EAGLE", d), ORIGINS) == [
+    assert instance_checks.check_speculative(spec("EAGLE", d), ORIGINS) == [
         problem(
             "speculative",
             SPEC,
@@ -165,7 +173,7 @@ def test_an_eagle3_draft_served_as_eagle_names_every_architecture(tmp_path):
 
 def test_an_eagle_draft_served_as_eagle3(tmp_path):
     d = draft(tmp_path, "LlamaForCausalLMEagle", "MistralForCausalLMEagle")
-    assert v.check_speculative(spec("EAGLE3", d), ORIGINS) == [
+    assert instance_checks.check_speculative(spec("EAGLE3", d), ORIGINS) == [
         problem(
             "speculative",
             SPEC,
@@ -176,28 +184,37 @@ def test_an_eagle_draft_served_as_eagle3(tmp_path):
 
 
 def test_a_draft_of_its_algorithms_kind_passes_and_an_unknown_kind_is_not_guessed(tmp_path):
-    assert v.check_speculative(spec("EAGLE", draft(tmp_path, "LlamaForCausalLMEagle", name="e")), ORIGINS) == []
-    assert v.check_speculative(spec("EAGLE3", draft(tmp_path, "LlamaForCausalLMEagle3", name="e3")), ORIGINS) == []
-    assert v.check_speculative(spec("EAGLE", draft(tmp_path, "LlamaForCausalLM", name="plain")), ORIGINS) == []
-    assert v.check_speculative(spec("EAGLE3", draft(tmp_path, name="none")), ORIGINS) == []
-    assert v.check_speculative(spec("EAGLE3", str(tmp_path / "absent")), ORIGINS) == []
+    assert (
+        instance_checks.check_speculative(spec("EAGLE", draft(tmp_path, "LlamaForCausalLMEagle", name="e")), ORIGINS)
+        == []
+    )
+    assert (
+        instance_checks.check_speculative(spec("EAGLE3", draft(tmp_path, "LlamaForCausalLMEagle3", name="e3")), ORIGINS)
+        == []
+    )
+    assert (
+        instance_checks.check_speculative(spec("EAGLE", draft(tmp_path, "LlamaForCausalLM", name="plain")), ORIGINS)
+        == []
+    )
+    assert instance_checks.check_speculative(spec("EAGLE3", draft(tmp_path, name="none")), ORIGINS) == []
+    assert instance_checks.check_speculative(spec("EAGLE3", str(tmp_path / "absent")), ORIGINS) == []
 
 
 def test_a_draft_given_to_an_algorithm_without_one_names_the_drafts_variable(tmp_path):
     d = draft(tmp_path, "LlamaForCausalLMEagle3")
-    assert v.check_speculative(spec("NGRAM", d), ORIGINS) == [
+    assert instance_checks.check_speculative(spec("NGRAM", d), ORIGINS) == [
         problem(
             "speculative",
             "sglang_draft_model_path",
             "--speculative-draft-model-path is set but NGRAM takes no draft model",
         )
     ]
-    assert v.check_speculative(spec("NGRAM"), ORIGINS) == []
-    assert v.check_speculative(spec(None, d), ORIGINS) == []
+    assert instance_checks.check_speculative(spec("NGRAM"), ORIGINS) == []
+    assert instance_checks.check_speculative(spec(None, d), ORIGINS) == []
 
 
 def test_eagle_without_a_draft_says_which_variable_sets_one():
-    assert v.check_speculative(spec("EAGLE3"), ORIGINS) == [
+    assert instance_checks.check_speculative(spec("EAGLE3"), ORIGINS) == [
         problem(
             "speculative",
             SPEC,
@@ -209,18 +226,18 @@ def test_eagle_without_a_draft_says_which_variable_sets_one():
 
 def test_steps_topk_and_draft_tokens_are_each_at_least_one(tmp_path):
     d = draft(tmp_path, "LlamaForCausalLMEagle3")
-    assert v.check_speculative(spec("EAGLE3", d, steps=0, topk=0, tokens=0), ORIGINS) == [
+    assert instance_checks.check_speculative(spec("EAGLE3", d, steps=0, topk=0, tokens=0), ORIGINS) == [
         problem("speculative", SPEC, "speculative steps must be at least 1, not 0"),
         problem("speculative", SPEC, "speculative topk must be at least 1, not 0"),
         problem("speculative", SPEC, "speculative tokens must be at least 1, not 0"),
     ]
-    assert v.check_speculative(spec("EAGLE3", d, steps=1, topk=1, tokens=2), ORIGINS) == []
+    assert instance_checks.check_speculative(spec("EAGLE3", d, steps=1, topk=1, tokens=2), ORIGINS) == []
 
 
 def test_with_topk_1_the_draft_tokens_must_be_steps_plus_one(tmp_path):
     d = draft(tmp_path, "LlamaForCausalLMEagle3")
     key = "sglang_profiles.p.flags.speculative_num_draft_tokens"
-    assert v.check_speculative(spec("EAGLE3", d, steps=3, topk=1, tokens=5), ORIGINS) == [
+    assert instance_checks.check_speculative(spec("EAGLE3", d, steps=3, topk=1, tokens=5), ORIGINS) == [
         problem(
             "speculative",
             key,
@@ -228,7 +245,7 @@ def test_with_topk_1_the_draft_tokens_must_be_steps_plus_one(tmp_path):
             f"is 5: SGLang would silently run 4, not the configuration you benchmarked (set by {key})",
         )
     ]
-    assert v.check_speculative(spec("EAGLE3", d, steps=3, topk=1, tokens=4), ORIGINS) == []
+    assert instance_checks.check_speculative(spec("EAGLE3", d, steps=3, topk=1, tokens=4), ORIGINS) == []
 
 
 @pytest.mark.parametrize(
@@ -246,12 +263,14 @@ def test_with_topk_1_the_draft_tokens_must_be_steps_plus_one(tmp_path):
 def test_with_topk_above_1_there_must_be_at_least_two_draft_tokens(tmp_path, steps, topk, tokens, refused):
     d = draft(tmp_path, "LlamaForCausalLMEagle3")
     expected = [problem("speculative", SPEC, "with topk > 1, --speculative-num-draft-tokens must be at least 2")]
-    assert v.check_speculative(spec("EAGLE3", d, steps, topk, tokens), ORIGINS) == (expected if refused else [])
+    assert instance_checks.check_speculative(spec("EAGLE3", d, steps, topk, tokens), ORIGINS) == (
+        expected if refused else []
+    )
 
 
 def test_topk_1_with_one_draft_token_is_only_the_steps_problem(tmp_path):
     d = draft(tmp_path, "LlamaForCausalLMEagle3")
-    assert v.check_speculative(spec("EAGLE3", d, steps=0, topk=1, tokens=1), ORIGINS) == [
+    assert instance_checks.check_speculative(spec("EAGLE3", d, steps=0, topk=1, tokens=1), ORIGINS) == [
         problem("speculative", SPEC, "speculative steps must be at least 1, not 0")
     ]
 
@@ -268,7 +287,7 @@ def test_topk_1_with_one_draft_token_is_only_the_steps_problem(tmp_path):
     ],
 )
 def test_tp_dp_and_pp_over_the_nodes_are_the_instances_gpus(args, gpus):
-    assert v.check_parallel_sizes(args, gpus, ORIGINS) == []
+    assert instance_checks.check_parallel_sizes(args, gpus, ORIGINS) == []
 
 
 @pytest.mark.parametrize(
@@ -282,7 +301,7 @@ def test_tp_dp_and_pp_over_the_nodes_are_the_instances_gpus(args, gpus):
     ],
 )
 def test_parallelism_other_than_the_instances_gpus_is_refused_naming_tp_sizes_variable(args, gpus, says):
-    assert v.check_parallel_sizes(args, gpus, ORIGINS) == [
+    assert instance_checks.check_parallel_sizes(args, gpus, ORIGINS) == [
         problem(
             "parallelism",
             ORIGINS["--tp-size"],
@@ -293,20 +312,20 @@ def test_parallelism_other_than_the_instances_gpus_is_refused_naming_tp_sizes_va
 
 
 def test_gpus_the_host_lacks_or_lists_twice_name_the_instances_gpus():
-    assert v.check_gpus([0], 0) == [
+    assert instance_checks.check_gpus([0], 0) == [
         problem(
             "parallelism",
             "sglang_instances[].gpus",
             "GPUs [0] are given to the instance but the host has none (nvidia-smi lists no GPU)",
         )
     ]
-    assert v.check_parallel({"tp_size": 2}, [1, 1], 8, {}) == [
+    assert instance_checks.check_parallel({"tp_size": 2}, [1, 1], 8, {}) == [
         problem("parallelism", "sglang_instances[].gpus", "a GPU is listed twice in [1, 1]")
     ]
-    assert v.check_parallel({"tp_size": 2}, [1, 1], 8, {}, "sglang_instances[3].gpus") == [
+    assert instance_checks.check_parallel({"tp_size": 2}, [1, 1], 8, {}, "sglang_instances[3].gpus") == [
         problem("parallelism", "sglang_instances[3].gpus", "a GPU is listed twice in [1, 1]")
     ]
-    assert v.check_gpus([0, 1, 2, 3], 4) == []
+    assert instance_checks.check_gpus([0, 1, 2, 3], 4) == []
 
 
 # ---------------------------------------------------------------- the model paths as the service user sees them
@@ -316,7 +335,7 @@ PATH_ORIGINS = {"--model-path": "sglang_model_path", "--speculative-draft-model-
 def test_the_model_and_the_draft_are_both_checked(world):
     model, drafted = world / "model", world / "draft"
     args = {"model_path": str(model), "speculative_draft_model_path": str(drafted)}
-    assert v.check_paths(args, "nobody", PATH_ORIGINS) == [
+    assert instance_checks.check_paths(args, "nobody", PATH_ORIGINS) == [
         problem("paths", "sglang_model_path", f"--model-path {model} does not exist (set by sglang_model_path)"),
         problem(
             "paths",
@@ -324,7 +343,7 @@ def test_the_model_and_the_draft_are_both_checked(world):
             f"--speculative-draft-model-path {drafted} does not exist (set by sglang_draft_model_path)",
         ),
     ]
-    assert v.check_paths({"speculative_draft_model_path": str(drafted)}, "nobody", {}) == [
+    assert instance_checks.check_paths({"speculative_draft_model_path": str(drafted)}, "nobody", {}) == [
         problem(
             "paths",
             "the rendered command line",
@@ -333,7 +352,7 @@ def test_the_model_and_the_draft_are_both_checked(world):
     ]
     drafted.mkdir(mode=0o700)
     model.mkdir(mode=0o755)
-    assert v.check_paths(args, "nobody", PATH_ORIGINS) == [
+    assert instance_checks.check_paths(args, "nobody", PATH_ORIGINS) == [
         problem(
             "paths",
             "sglang_draft_model_path",
@@ -341,7 +360,7 @@ def test_the_model_and_the_draft_are_both_checked(world):
             "(set by sglang_draft_model_path)",
         )
     ]
-    assert v.check_paths(args, "no-such-user-31", PATH_ORIGINS)[0] == problem(
+    assert instance_checks.check_paths(args, "no-such-user-31", PATH_ORIGINS)[0] == problem(
         "paths",
         "sglang_model_path",
         f"--model-path {model}: user no-such-user-31 does not exist (set by sglang_model_path)",
@@ -349,13 +368,16 @@ def test_the_model_and_the_draft_are_both_checked(world):
 
 
 def test_a_user_that_does_not_exist_reads_nothing(world):
-    assert v.readable_by(str(world), "no-such-user-31") == (False, "user no-such-user-31 does not exist")
+    assert instance_checks.readable_by(str(world), "no-such-user-31") == (False, "user no-such-user-31 does not exist")
 
 
 def test_a_path_that_is_not_there_is_said_so_even_for_root(world):
     absent = world / "absent" / "model"
     for user in ("nobody", "root"):
-        assert v.readable_by(str(absent), user) == (False, f"{world / 'absent'}: No such file or directory")
+        assert instance_checks.readable_by(str(absent), user) == (
+            False,
+            f"{world / 'absent'}: No such file or directory",
+        )
 
 
 def mkfile(path: Path, mode: int, owner: str | None = None, group: str | None = None) -> str:
@@ -368,19 +390,22 @@ def mkfile(path: Path, mode: int, owner: str | None = None, group: str | None = 
 
 def test_a_file_is_read_and_every_directory_on_the_way_searched(world):
     """A model file (a GGUF) needs r, not x; a directory on the way needs x, not r (0711, as home directories)."""
-    assert v.readable_by(mkfile(world / "m.gguf", 0o644), "nobody") == (True, "")
+    assert instance_checks.readable_by(mkfile(world / "m.gguf", 0o644), "nobody") == (True, "")
     searchable = world / "home"
     searchable.mkdir()
     os.chmod(searchable, 0o711)
-    assert v.readable_by(mkfile(searchable / "m.gguf", 0o644), "nobody") == (True, "")
-    assert v.readable_by(str(searchable), "nobody") == (False, f"{searchable} is not readable by nobody")
+    assert instance_checks.readable_by(mkfile(searchable / "m.gguf", 0o644), "nobody") == (True, "")
+    assert instance_checks.readable_by(str(searchable), "nobody") == (False, f"{searchable} is not readable by nobody")
     x_only = mkfile(world / "x.gguf", 0o711)
-    assert v.readable_by(x_only, "nobody") == (False, f"{x_only} is not readable by nobody")
+    assert instance_checks.readable_by(x_only, "nobody") == (False, f"{x_only} is not readable by nobody")
     closed = world / "closed"
     closed.mkdir()
     os.chmod(closed, 0o700)
     (closed / "model").mkdir()
-    assert v.readable_by(str(closed / "model"), "nobody") == (False, f"{closed} is not searchable by nobody")
+    assert instance_checks.readable_by(str(closed / "model"), "nobody") == (
+        False,
+        f"{closed} is not searchable by nobody",
+    )
 
 
 def test_the_first_directory_under_the_root_is_searched_too(world, monkeypatch):
@@ -397,24 +422,24 @@ def test_the_first_directory_under_the_root_is_searched_too(world, monkeypatch):
         return st
 
     monkeypatch.setattr(os, "stat", closed_top)
-    assert v.readable_by(str(model), "nobody") == (False, f"{top} is not searchable by nobody")
+    assert instance_checks.readable_by(str(model), "nobody") == (False, f"{top} is not searchable by nobody")
 
 
 @as_root
 def test_the_owner_is_judged_by_the_owners_bits(world):
-    assert v.readable_by(mkfile(world / "mine", 0o600, owner="nobody"), "nobody") == (True, "")
+    assert instance_checks.readable_by(mkfile(world / "mine", 0o600, owner="nobody"), "nobody") == (True, "")
     others_only = mkfile(world / "not-mine-to-read", 0o044, owner="nobody")
-    assert v.readable_by(others_only, "nobody") == (False, f"{others_only} is not readable by nobody")
+    assert instance_checks.readable_by(others_only, "nobody") == (False, f"{others_only} is not readable by nobody")
 
 
 @as_root
 def test_a_member_of_the_files_group_is_judged_by_the_groups_bits(world):
     nogroup = grp.getgrgid(pwd.getpwnam("nobody").pw_gid).gr_name
-    assert v.readable_by(mkfile(world / "group-reads", 0o640, group=nogroup), "nobody") == (True, "")
+    assert instance_checks.readable_by(mkfile(world / "group-reads", 0o640, group=nogroup), "nobody") == (True, "")
     group_not = mkfile(world / "group-does-not", 0o604, group=nogroup)
-    assert v.readable_by(group_not, "nobody") == (False, f"{group_not} is not readable by nobody")
+    assert instance_checks.readable_by(group_not, "nobody") == (False, f"{group_not} is not readable by nobody")
     other_group = mkfile(world / "another-group", 0o640, group="root")
-    assert v.readable_by(other_group, "nobody") == (False, f"{other_group} is not readable by nobody")
+    assert instance_checks.readable_by(other_group, "nobody") == (False, f"{other_group} is not readable by nobody")
 
 
 @as_root
@@ -423,9 +448,9 @@ def test_root_reads_whatever_another_user_closed_and_no_other_user_does(world):
     private.mkdir()
     os.chown(private, pwd.getpwnam("nobody").pw_uid, pwd.getpwnam("nobody").pw_gid)
     os.chmod(private, 0o700)
-    assert v.readable_by(str(private), "root") == (True, "")
+    assert instance_checks.readable_by(str(private), "root") == (True, "")
     user = pwd.getpwuid(1).pw_name  # daemon: uid 1
-    assert v.readable_by(str(private), user) == (False, f"{private} is not readable by {user}")
+    assert instance_checks.readable_by(str(private), user) == (False, f"{private} is not readable by {user}")
 
 
 # ---------------------------------------------------------------- the environment
@@ -555,14 +580,14 @@ class Holder:
         fake = tmp_path / f"cgroup-{self.pid}"
         fake.write_text(cgroup)
         self.denied: set[str] = set()
-        real = getattr(v, "open", builtins.open)  # another holder's /proc/<pid>/cgroup too
+        real = getattr(procinfo, "open", builtins.open)  # another holder's /proc/<pid>/cgroup too
 
         def proc_open(path, *a, **kw):
             if path in self.denied:
                 raise PermissionError(13, "Permission denied", path)
             return real(fake if path == f"/proc/{self.pid}/cgroup" else path, *a, **kw)
 
-        monkeypatch.setattr(v, "open", proc_open, raising=False)
+        monkeypatch.setattr(procinfo, "open", proc_open, raising=False)
 
     def close(self):
         self.proc.stdin.close()
@@ -602,10 +627,10 @@ def in_use(h: Holder, unit: str, origin: str) -> dict:
 
 def test_a_held_port_names_the_holders_pid_unit_and_command_line(holder):
     h = holder()
-    assert v.check_port(h.port, "sglang-a.service", "sglang_profiles.p.flags.port") == [
+    assert host_checks.check_port(h.port, "sglang-a.service", "sglang_profiles.p.flags.port") == [
         in_use(h, "sglang-other.service", "sglang_profiles.p.flags.port")
     ]
-    assert v.check_port(h.port, "sglang-other.service", "x") == []  # the instance's own unit: fine
+    assert host_checks.check_port(h.port, "sglang-other.service", "x") == []  # the instance's own unit: fine
 
 
 def test_every_holder_of_the_port_but_the_instances_own_unit_is_named_by_pid(holder):
@@ -615,7 +640,7 @@ def test_every_holder_of_the_port_but_the_instances_own_unit_is_named_by_pid(hol
     second = holder(cgroup="0::/system.slice/third.service\n", port=first.port, share=True)
     holder(cgroup="0::/system.slice/sglang-a.service\n", port=first.port, share=True)  # the instance's own
     a, b = sorted([(first, "sglang-other.service"), (second, "third.service")], key=lambda hu: hu[0].pid)
-    assert v.check_port(first.port, "sglang-a.service", "sglang_instances[0].port") == [
+    assert host_checks.check_port(first.port, "sglang-a.service", "sglang_instances[0].port") == [
         problem(
             "port",
             "sglang_instances[0].port",
@@ -628,10 +653,12 @@ def test_every_holder_of_the_port_but_the_instances_own_unit_is_named_by_pid(hol
 
 def test_a_holder_in_no_unit_is_named_with_a_question_mark(holder):
     h = holder(cgroup="1:name=systemd:/\n0::/\n")
-    assert v.check_port(h.port, "sglang-a.service", "sglang_instances[0].port") == [
+    assert host_checks.check_port(h.port, "sglang-a.service", "sglang_instances[0].port") == [
         in_use(h, "?", "sglang_instances[0].port")
     ]
-    assert v.check_port(h.port, None, "sglang_instances[0].port") == [in_use(h, "?", "sglang_instances[0].port")]
+    assert host_checks.check_port(h.port, None, "sglang_instances[0].port") == [
+        in_use(h, "?", "sglang_instances[0].port")
+    ]
 
 
 def ipv6() -> bool:
@@ -648,9 +675,9 @@ def ipv6() -> bool:
 @pytest.mark.skipif(not ipv6(), reason="no IPv6 loopback on this host")
 def test_a_port_held_on_ipv6_only_is_seen_even_without_the_ipv4_table(holder):
     h = holder("::1")
-    assert v.check_port(h.port, "sglang-a.service", "p") == [in_use(h, "sglang-other.service", "p")]
+    assert host_checks.check_port(h.port, "sglang-a.service", "p") == [in_use(h, "sglang-other.service", "p")]
     h.denied.add("/proc/net/tcp")
-    assert v.check_port(h.port, "sglang-a.service", "p") == [in_use(h, "sglang-other.service", "p")]
+    assert host_checks.check_port(h.port, "sglang-a.service", "p") == [in_use(h, "sglang-other.service", "p")]
 
 
 # ---------------------------------------------------------------- the host's instances against one another
@@ -660,7 +687,9 @@ def bare(name, port, gpus, **extra):
 
 
 def test_instances_sharing_a_name_a_port_or_gpus_name_their_places():
-    problems = v.check_distinct([bare("a", 30000, [0, 1]), bare("b", 30001, [2]), bare("a", 30000, [1, 2, 3])])
+    problems = host_checks.check_distinct(
+        [bare("a", 30000, [0, 1]), bare("b", 30001, [2]), bare("a", 30000, [1, 2, 3])]
+    )
     assert problems == [
         problem(
             "host",
@@ -695,7 +724,7 @@ def test_a_port_or_gpus_set_by_another_variable_are_named_by_it():
             env_origins={"CUDA_VISIBLE_DEVICES": f"sglang_server_env_{i}.CUDA_VISIBLE_DEVICES"},
         )
 
-    problems = v.check_distinct([placed("a", 30000, [0], 0), placed("b", 30000, [0], 1)])
+    problems = host_checks.check_distinct([placed("a", 30000, [0], 0), placed("b", 30000, [0], 1)])
     assert problems == [
         problem(
             "host",
@@ -714,8 +743,8 @@ def test_a_port_or_gpus_set_by_another_variable_are_named_by_it():
 # ---------------------------------------------------------------- /dev/shm
 def test_shm_is_its_size_as_df_reports_it_and_passes_at_its_minimum(tmp_path):
     size = df_mib(str(tmp_path))
-    assert v.check_shm(size, str(tmp_path)) == ([], size)
-    assert v.check_shm(size + 1, str(tmp_path)) == (
+    assert host_checks.check_shm(size, str(tmp_path)) == ([], size)
+    assert host_checks.check_shm(size + 1, str(tmp_path)) == (
         [
             problem(
                 "host",
@@ -728,12 +757,12 @@ def test_shm_is_its_size_as_df_reports_it_and_passes_at_its_minimum(tmp_path):
 
 
 def test_shm_is_dev_shm_unless_told():
-    assert v.check_shm(1) == ([], df_mib("/dev/shm"))
+    assert host_checks.check_shm(1) == ([], df_mib("/dev/shm"))
 
 
 def test_no_shm_at_all_is_a_problem_of_the_minimums_variable(tmp_path):
     absent = tmp_path / "absent"
-    assert v.check_shm(1, str(absent)) == (
+    assert host_checks.check_shm(1, str(absent)) == (
         [problem("host", "sglang_service_min_shm_mib", f"{absent}: No such file or directory; {ADVICE}")],
         None,
     )
@@ -760,7 +789,7 @@ def smi(tmp_path, monkeypatch):
 
 def test_the_gpus_are_the_lines_of_nvidia_smis_index_query(smi):
     smi("printf '0\\n1\\n2\\n\\n'")
-    assert v.count_gpus() == 3
+    assert host_checks.count_gpus() == 3
 
 
 def test_a_failing_nvidia_smi_says_its_exit_and_the_end_of_what_it_said(smi, tmp_path):
@@ -768,7 +797,7 @@ def test_a_failing_nvidia_smi_says_its_exit_and_the_end_of_what_it_said(smi, tmp
     (tmp_path / "said").write_text(said)
     smi(f"cat {tmp_path / 'said'} >&2\nexit 9")
     with pytest.raises(v.ValidateError) as e:
-        v.count_gpus()
+        host_checks.count_gpus()
     assert str(e.value) == f"nvidia-smi failed (exit 9): {said[-500:]}: the host's GPUs could not be counted"
 
 
@@ -776,7 +805,7 @@ def test_a_hung_nvidia_smi_is_given_up_on_after_its_time_limit(smi):
     """Time runs 600 times faster here: nvidia-smi's minute is a tenth of a second."""
     smi("exec sleep 5")
     with pytest.raises(v.ValidateError) as e:
-        v.count_gpus(run=lambda argv, **kw: subprocess.run(argv, **{**kw, "timeout": kw["timeout"] / 600}))
+        host_checks.count_gpus(run=lambda argv, **kw: subprocess.run(argv, **{**kw, "timeout": kw["timeout"] / 600}))
     assert str(e.value) == "nvidia-smi did not answer within 60 s: the host's GPUs could not be counted"
 
 
@@ -786,7 +815,7 @@ def test_a_failing_parser_says_the_end_of_its_traceback(tmp_path):
     (tmp_path / "said").write_text(said)
     py = executable(tmp_path / "python", f"#!/bin/sh\ncat {tmp_path / 'said'} >&2\nexit 1\n")
     with pytest.raises(v.ValidateError) as e:
-        v.run_parser(py, [["--tp-size", "2"]])
+        sglang_parser.run_parser(py, [["--tp-size", "2"]])
     assert str(e.value) == f"could not run SGLang's parser with {py}: {said[-2000:]}"
 
 
@@ -795,14 +824,14 @@ def test_a_parser_answering_no_json_says_the_end_of_its_answer(tmp_path):
     (tmp_path / "said").write_text(said)
     py = executable(tmp_path / "python", f"#!/bin/sh\ncat {tmp_path / 'said'}\n")
     with pytest.raises(v.ValidateError) as e:
-        v.run_parser(py, [["--tp-size", "2"]])
+        sglang_parser.run_parser(py, [["--tp-size", "2"]])
     assert str(e.value) == f"SGLang's parser under {py} answered no JSON: {said[-500:]}"
 
 
 def test_a_hung_parser_is_given_up_on_after_its_time_limit(tmp_path):
     py = executable(tmp_path / "python", "#!/bin/sh\nexec sleep 5\n")
     with pytest.raises(v.ValidateError) as e:
-        v.run_parser(py, [["--tp-size", "2"]], timeout=0.2)
+        sglang_parser.run_parser(py, [["--tp-size", "2"]], timeout=0.2)
     assert str(e.value).startswith(f"could not run SGLang's parser with {py}: Command ")
     assert str(e.value).endswith("timed out after 0.2 seconds")
 
@@ -822,8 +851,8 @@ KEY = dict(
 def test_the_key_is_a_stored_name_that_stays_the_same_from_one_release_to_the_next(monkeypatch):
     """The verdicts one release kept are found by the next while the schema (the parser script) is the same: the
     key is sha256 of the inputs as canonical JSON, pinned here by value."""
-    monkeypatch.setattr(v, "CACHE_SCHEMA", "0123456789abcdef")
-    assert v.cache_key(**KEY) == "7e15c97e8a1e8ed43d53cc5aa4ab1528ce64fef7185220db1ce577190b18b88d"
+    monkeypatch.setattr(sglang_parser, "CACHE_SCHEMA", "0123456789abcdef")
+    assert sglang_parser.cache_key(**KEY) == "7e15c97e8a1e8ed43d53cc5aa4ab1528ce64fef7185220db1ce577190b18b88d"
 
 
 def test_the_key_does_not_depend_on_the_order_the_environment_is_listed_in():
@@ -832,17 +861,19 @@ def test_the_key_does_not_depend_on_the_order_the_environment_is_listed_in():
         "env": dict(reversed(list(KEY["env"].items()))),
         "identity": dict(reversed(list(KEY["identity"].items()))),
     }
-    assert v.cache_key(**reordered) == v.cache_key(**KEY)
+    assert sglang_parser.cache_key(**reordered) == sglang_parser.cache_key(**KEY)
 
 
 def test_the_key_follows_the_names_of_the_environment_and_an_instance_without_a_port():
-    assert v.cache_key(**{**KEY, "env": {"NCCL_PROTO": "Ring", "SGLANG_KNOWN": 1}}) != v.cache_key(**KEY)
-    assert v.cache_key(**{**KEY, "port": None}) != v.cache_key(**{**KEY, "port": 0})
+    assert sglang_parser.cache_key(
+        **{**KEY, "env": {"NCCL_PROTO": "Ring", "SGLANG_KNOWN": 1}}
+    ) != sglang_parser.cache_key(**KEY)
+    assert sglang_parser.cache_key(**{**KEY, "port": None}) != sglang_parser.cache_key(**{**KEY, "port": 0})
 
 
 # ---------------------------------------------------------------- the kept verdicts on disk
 def test_a_kept_verdict_says_its_key_instance_time_and_the_parsers_output(tmp_path):
-    cache = v.VerdictCache(str(tmp_path / "validated"))
+    cache = sglang_parser.VerdictCache(str(tmp_path / "validated"))
     before = time.time()
     assert cache.store("a" * 64, {"error": None, "args": {"tp_size": 2}}, "main") is True
     assert cache.store("b" * 64, {"error": None}) is True
@@ -855,7 +886,7 @@ def test_a_kept_verdict_says_its_key_instance_time_and_the_parsers_output(tmp_pa
 
 
 def test_reading_a_verdict_marks_it_recently_used(tmp_path):
-    cache = v.VerdictCache(str(tmp_path / "validated"))
+    cache = sglang_parser.VerdictCache(str(tmp_path / "validated"))
     cache.store("a" * 64, {"error": None})
     path = cache._path("a" * 64)
     os.utime(path, (1000, 1000))
@@ -866,7 +897,7 @@ def test_reading_a_verdict_marks_it_recently_used(tmp_path):
 
 
 def test_a_file_that_is_not_the_keys_verdict_is_not_read(tmp_path):
-    cache = v.VerdictCache(str(tmp_path / "validated"))
+    cache = sglang_parser.VerdictCache(str(tmp_path / "validated"))
     cache.store("a" * 64, {"error": None})
     shutil.copy(cache._path("a" * 64), cache._path("b" * 64))  # another key's verdict under this key's name
     assert cache.load("b" * 64) is None
@@ -880,23 +911,23 @@ def test_a_directory_another_user_owns_or_a_link_is_not_written_to(tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir(mode=0o700)
     (tmp_path / "validated").symlink_to(target)
-    cache = v.VerdictCache(str(tmp_path / "validated"))
+    cache = sglang_parser.VerdictCache(str(tmp_path / "validated"))
     assert cache.store("a" * 64, {"error": None}) is False
     assert list(target.iterdir()) == []
     owned = tmp_path / "state" / "validated"
     owned.mkdir(parents=True, mode=0o700)
     os.chown(owned, pwd.getpwnam("nobody").pw_uid, -1)
-    assert v.VerdictCache(str(owned)).store("a" * 64, {"error": None}) is False
+    assert sglang_parser.VerdictCache(str(owned)).store("a" * 64, {"error": None}) is False
     assert list(owned.iterdir()) == []
 
 
 def test_a_verdict_that_cannot_be_kept_says_so(tmp_path):
     (tmp_path / "validated").write_text("a file where the directory should be")
-    assert v.VerdictCache(str(tmp_path / "validated")).store("a" * 64, {"error": None}) is False
+    assert sglang_parser.VerdictCache(str(tmp_path / "validated")).store("a" * 64, {"error": None}) is False
 
 
 def test_the_newest_are_kept_by_their_last_use_not_their_names(tmp_path):
-    cache = v.VerdictCache(str(tmp_path / "validated"), keep=2)
+    cache = sglang_parser.VerdictCache(str(tmp_path / "validated"), keep=2)
     for key, mtime in (("c" * 64, 1000), ("b" * 64, 2000)):
         cache.store(key, {"error": None})
         os.utime(cache._path(key), (mtime, mtime))
@@ -906,7 +937,7 @@ def test_the_newest_are_kept_by_their_last_use_not_their_names(tmp_path):
 
 def test_a_verdict_gone_while_pruning_stops_nothing(tmp_path, monkeypatch):
     """Another run removed a verdict between the listing and its stat (here: a link to nothing, listed first)."""
-    cache = v.VerdictCache(str(tmp_path / "validated"), keep=1)
+    cache = sglang_parser.VerdictCache(str(tmp_path / "validated"), keep=1)
     cache.store("b" * 64, {"error": None})
     os.utime(cache._path("b" * 64), (1000, 1000))
     (tmp_path / "validated" / f"{'0' * 64}.json").symlink_to(tmp_path / "gone")
@@ -1326,7 +1357,7 @@ def test_a_kept_verdicts_directory_others_can_search_is_closed_again(tmp_path):
     d = tmp_path / "validated"
     d.mkdir()
     os.chmod(d, 0o701)
-    cache = v.VerdictCache(str(d))
+    cache = sglang_parser.VerdictCache(str(d))
     assert cache.load("a" * 64) is None  # not trusted as it is
     assert cache.store("a" * 64, {"error": None}) is True
     assert os.stat(d).st_mode & 0o777 == 0o700

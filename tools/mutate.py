@@ -46,8 +46,10 @@ SCOPE = [
     *(
         f"sglang_deploy/{name}.py"
         for name in (
-            "restart", "machine", "phases", "operate", "failure", "known_good", "stage", "software", "lock", "gpu", "checks", "validate", "router",
-            "rendezvous", "evidence", "boot", "durable", "secret_rule",
+            "restart", "machine", "phases", "operate", "failure", "known_good", "stage", "software", "lock", "gpu",
+            "checks", "validate", "router", "rendezvous", "evidence", "boot", "durable", "secret_rule", "worker_urls", "worker_load", "router_actions",
+            "evidence_items", "problems", "instance_checks", "host_checks", "sglang_parser", "network", "meeting",
+            "procinfo",
         )
     ),
     *(f"driver/{name}.py" for name in ("redact", "exitcodes", "inventory", "interrupts", "ledger")),

@@ -12,14 +12,14 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.render
     systemd_quote,
     with_tuned,
 )
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.rollout import count_of
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router import worker_url
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.rollout import count_of, rollout_routers
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.tune import (
     SPEC,
     GridError,
     fingerprint,
     plan,
 )
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.worker_urls import worker_url
 
 
 def tune_plan(
@@ -89,11 +89,14 @@ class FilterModule:
             "sglang_instances": _filter_error(render.instances),
             "systemd_quote": systemd_quote,
             "env_file_line": lambda item: env_file_line(*item),
-            # host | sglang_worker_url(port, scheme): a router worker's URL (sglang_deploy.router.worker_url).
+            # host | sglang_worker_url(port, scheme): a router worker's URL (sglang_deploy.worker_urls.worker_url).
             "sglang_worker_url": worker_url,
             # sglang_profiles | sglang_with_tuned(hostvars[inventory_hostname]): with every tuned profile.
             "sglang_with_tuned": _filter_error(with_tuned),
             "sglang_tune_plan": _filter_error(tune_plan),
             # '25%' | sglang_count_of(hosts, at_least): the rollout's counts (sglang_deploy.rollout.count_of).
             "sglang_count_of": _filter_error(count_of, (ValueError,)),
+            # groups['sglang_routers'] | sglang_rollout_routers(hostvars, defaults, key): every gateway as the rollout
+            # reaches it (sglang_deploy.rollout.rollout_routers).
+            "sglang_rollout_routers": _filter_error(rollout_routers, (ValueError,)),
         }

@@ -12,7 +12,7 @@ short_description: Take an SGLang worker out of the gateway (sglang-router 0.3.2
 description:
   - Speaks to either gateway (I(impl); docs/router.md, "The two gateways"), or to several at once (I(routers)).
     Runs where the routers' API answers (the rollout delegates it to the first router host). The worker is named
-    by its URL; any spelling the router lists it under is the same worker (router.py's same_worker).
+    by its URL; any spelling the router lists it under is the same worker (worker_urls.py's same_worker).
   - I(action=remove) removes every record of the worker by the UUID the router lists it with and waits until it
     is no longer listed (with smg, C(draining) counts as removed); a worker not listed FAILS unless I(missing_ok).
     Removal neither waits for nor cuts its in-flight requests; with I(drain), the same call then drains it.
@@ -25,7 +25,8 @@ description:
     it can be drained on evidence; it changes nothing. With I(fail_on_problems) it fails on any such problem.
   - I(action=measure) measures the worker's output tok/s as the safe restart's verify does; no router involved.
   - I(action=view) says what every gateway thinks of each of I(worker_urls); a gateway down is said, never a failure.
-    Logic in plugins/module_utils/sglang_deploy/router.py and gateways.py; see docs/rollout.md and docs/router.md.
+    Logic in plugins/module_utils/sglang_deploy/router_actions.py, router.py and gateways.py; see docs/rollout.md
+    and docs/router.md.
 options:
   action:
     description: What to do.
@@ -283,9 +284,9 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.http i
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router import (
     DEFAULT_IMPL,
     GATEWAYS,
-    ActionFailed,
     RouterError,
 )
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router_actions import ActionFailed
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.secret_rule import Redactor
 
 ACTIONS = ["remove", "add", "drain", "wait_healthy", "list", "inspect", "measure", "view"]

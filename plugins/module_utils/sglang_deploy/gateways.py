@@ -9,7 +9,7 @@ step fails when fewer than ``quorum`` carried it out (default: all of them), wit
 failed result, so that the rollout's rescue knows what to put back. A quorum below all is the operator's choice
 (--gateway-quorum): a gateway down during a worker's turn that comes back may route to it while it restarts.
 
-One gateway (the usual fleet) runs router.act unchanged: the same results and messages as before there were two.
+One gateway (the usual fleet) runs router_actions.act unchanged: the same results and messages as before there were two.
 """
 
 from __future__ import annotations
@@ -19,19 +19,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from . import http, outcomes
-from .router import (
-    DEFAULT_IMPL,
-    INSPECT_RETRY_S,
-    ActionFailed,
-    Router,
-    RouterError,
-    _gateway_count,
-    act,
-    check_waits,
-    drain,
-    inspect,
-)
-from .router import normalize as router_base
+from .router import DEFAULT_IMPL, Router, RouterError
+from .router_actions import INSPECT_RETRY_S, ActionFailed, act, check_waits, inspect
+from .worker_load import _gateway_count, drain
+from .worker_urls import normalize as router_base
 
 # The actions run on each gateway (drain and measure speak to the worker only).
 ON_EACH = ("remove", "add", "wait_healthy", "list", "inspect")
@@ -63,7 +54,7 @@ def quorum_of(p: dict, count: int) -> int:
 
 
 def _router(g: dict, **kw) -> Router:
-    """One gateway's client (its impl, else the module's default, as router.act takes it)."""
+    """One gateway's client (its impl, else the module's default, as router_actions.act takes it)."""
     return Router(
         g["url"],
         api_key=g.get("api_key"),
@@ -74,7 +65,7 @@ def _router(g: dict, **kw) -> Router:
 
 
 def one(p: dict, gateway: dict) -> dict:
-    """``p`` for router.act on one gateway."""
+    """``p`` for router_actions.act on one gateway."""
     return {
         **p,
         "router_url": gateway["url"],
@@ -85,8 +76,9 @@ def one(p: dict, gateway: dict) -> dict:
 
 
 def act_all(p: dict, check_mode: bool = False, run: Callable[[dict, bool], dict] = act) -> dict:
-    """plugins/modules/sglang_router_worker.py's action on every gateway; router.act's result, plus ``gateways`` (one entry
-    each: name, url, ok, and why not). ActionFailed (its result too) when fewer than the quorum carried it out."""
+    """plugins/modules/sglang_router_worker.py's action on every gateway; router_actions.act's result, plus
+    ``gateways`` (one entry each: name, url, ok, and why not). ActionFailed (its result too) when fewer than the
+    quorum carried it out."""
     gws = gateways(p)
     check_waits(p)
     quorum = quorum_of(p, len(gws))  # refused before any request, whatever the action
@@ -98,7 +90,7 @@ def act_all(p: dict, check_mode: bool = False, run: Callable[[dict, bool], dict]
         if not out["drained"]:
             raise ActionFailed(f"not drained: {out['why']}", result)
         return result
-    if len(gws) == 1 or p["action"] not in ON_EACH:  # one gateway, or the worker alone: router.act as ever
+    if len(gws) == 1 or p["action"] not in ON_EACH:  # one gateway, or the worker alone: router_actions.act as ever
         return run(one(p, gws[0]), check_mode)
     if p["action"] == "inspect":
         return _inspect(p, gws, quorum)
@@ -244,7 +236,7 @@ def _inspect(p: dict, gws: list[dict], quorum: int) -> dict:
     if len(seen) < quorum:
         raise ActionFailed(_short(len(seen), quorum, summary), out)
     if p.get("fail_on_problems") and problems:
-        # a rollout's plan: refused, nothing touched (exit 3), as router.act says it
+        # a rollout's plan: refused, nothing touched (exit 3), as router_actions.act says it
         raise ActionFailed("; ".join(problems), {**out, "outcome": outcomes.INVALID_CONFIG})
     return out
 

@@ -6,7 +6,7 @@ port) and node_exporter on every GPU node (its textfile collector carries the op
 
 Every series gets the labels the rules join on: ``host`` (the inventory name) everywhere and, on a server's series,
 ``sglang_instance`` (as the textfile metrics name it) and ``worker`` (the URL a gateway lists it under, as
-``smg_worker_health{worker=...}`` names it: router.worker_url, the one spelling).
+``smg_worker_health{worker=...}`` names it: worker_urls.worker_url, the one spelling).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.router import worker_url
+from .worker_urls import worker_url
 
 # The jobs' names: the rules and the dashboard select by them (docs/monitoring.md).
 JOBS = {"server": "sglang", "gateway": "sglang_gateway", "node": "node", "self": "prometheus"}

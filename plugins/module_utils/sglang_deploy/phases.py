@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from . import boot, gpu, outcomes, unit
 from .checks import verify as run_checks
@@ -20,10 +20,10 @@ from .instance import masked
 from .known_good import content_hash
 from .lock import LEASE_BEGIN, LEASE_CHECK, LEASE_CONTINUE, LEASE_RECOVER, InstanceLock, Lease, Locked
 from .machine import LoadFollower, Machine, Step
+from .problems import ValidateError
 from .rendezvous import parse_dist_init_addr
 from .stage import promote as promote_pending
 from .stage import read_text, stage_complete
-from .validate import ValidateError
 
 # ---------------------------------------------------------------------- refusals: nothing running is touched
 
@@ -421,6 +421,54 @@ MULTINODE_PHASES = (*MULTINODE, *MULTINODE_ROLLBACK)
 # them on every node of a group that took a lease (a group refused before its stop never took one).
 GROUP_ENDS = ("record", "rollback_confirm")
 SAVES_STARTED = ("start", "rollback_start")
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One step of restart_multinode.yml, run over every node of the batch (Ansible ends a task on every host before
+    the next). `step`: judge (each group's verdict across nodes, group.yml), keep_refused (the groups out of step
+    before the stop: never stopped, never rolled back), choose_rolled (the groups out of step since: rolled back),
+    or phase (the module's `phase` on the instances `on` names). `soft`: a failed rank stays in the play, its group
+    judged next. `judged`: the module is told the verdict (group_ok); else every group it runs on is in step.
+    `rollback`: only on a node with a group to roll back."""
+
+    step: str
+    title: str
+    phase: str = ""
+    on: str = ""  # held_back (refused before the stop), going (selected, in step), rolled, rolled_going (rolled, in step)
+    soft: bool = False
+    judged: bool = False
+    rollback: bool = False
+
+
+JUDGE = "Judge each multi-node group across its nodes"
+# The multi-node restart in order: Python's, the YAML loops over it (restart_multinode.yml). A rank missing from the
+# batch is found by the first verdict, which refuses its instance on every node before anything stops.
+MULTINODE_PLAN = (
+    PlanStep("judge", JUDGE + " before the stop"),
+    PlanStep("keep_refused", "Keep the groups refused before the stop"),
+    # Not soft: the refusal (outcome refused, nothing stopped) fails the host, so the run says so.
+    PlanStep("phase", "Refuse each multi-node instance with a rank missing from this batch", "stop", "held_back",
+             judged=True),
+    PlanStep("phase", "Stop each multi-node instance on every node", "stop", "going", soft=True),
+    PlanStep("judge", JUDGE + " after the stop"),
+    PlanStep("phase", "Start each multi-node instance on every node", "start", "going", soft=True, judged=True),
+    PlanStep("judge", JUDGE + " after the start"),
+    PlanStep("phase", "Confirm the other ranks", "confirm", "going", soft=True, judged=True),
+    PlanStep("judge", JUDGE + " after the confirmation"),
+    # A record that fails leaves the instance serving, verified: no rollback.
+    PlanStep("phase", "Record every rank of each confirmed multi-node instance", "record", "going"),
+    PlanStep("choose_rolled", "Choose the groups to roll back"),
+    PlanStep("phase", "Stop every rank of each failed group", "rollback_stop", "rolled", soft=True, rollback=True),
+    PlanStep("judge", JUDGE + " being rolled back after its stop", rollback=True),
+    PlanStep("phase", "Start every rank of each failed group on its known-good generation", "rollback_start",
+             "rolled_going", soft=True, rollback=True),
+    PlanStep("judge", JUDGE + " being rolled back after its start", rollback=True),
+    # Not soft: each rank's result is the group's outcome (rolled_back, or not_recovered and contained).
+    PlanStep("phase", "Confirm every rank of each rolled-back group, or contain the group", "rollback_confirm",
+             "rolled", judged=True, rollback=True),
+)  # fmt: skip
 assert tuple(s.phase for s in (*REFUSALS, *RESTART, RECORD)) == outcomes.RESTART_PHASES
 assert tuple(s.phase for s in ROLLBACK) == outcomes.ROLLBACK_PHASES
 assert all(s.refusal for s in REFUSALS) and not any(s.refusal for s in (*RESTART, *ROLLBACK, RECORD, CONFIRM))
+assert [s.phase for s in MULTINODE_PLAN if s.step == "phase"][1:] == list(MULTINODE_PHASES)

@@ -1,7 +1,8 @@
-"""A process's command line, user and systemd unit, read from /proc.
+"""A process's command line, user and systemd unit, read from /proc; and who listens on a TCP port.
 
 One helper for every place that names a process: the GPU wait and the unit's gate
-(who holds a GPU), verify and status (whose processes are on the instance's GPUs).
+(who holds a GPU), verify and status (whose processes are on the instance's GPUs),
+validation's port check and the rendezvous's rank 0 (who holds a port).
 Every reader answers "not known" (empty, None, False) instead of raising: a process
 can exit between nvidia-smi listing it and /proc being read, and a unit with
 ``ProtectProc=invisible`` (the gate runs in one) cannot see other users' processes.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import select
 import time
 
@@ -136,3 +138,40 @@ def describe(pid: int) -> dict:
     """
     joined = " ".join(" ".join(masked(cmdline(pid))).split())[:CMDLINE_CHARS]
     return {"user": user_of(pid), "unit": unit_of(pid), "cmdline": joined or None, "alive": alive(pid)}
+
+
+def listening_inodes(port):
+    """Socket inodes listening on TCP `port` (IPv4 and IPv6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f[9])
+        except OSError:
+            continue
+    return inodes
+
+
+# Not unit_of: on a hybrid host the v1 lines of /proc/<pid>/cgroup name other units; the unified line, last, is its own.
+def socket_holders(inodes):
+    """{pid: (unit, command line)} of the processes holding any of the socket inodes."""
+    wanted = {f"socket:[{i}]" for i in inodes}
+    holders = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if not any(os.readlink(f"/proc/{pid}/fd/{fd}") in wanted for fd in fds):
+                continue
+            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as fh:
+                cgroup = fh.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        units = re.findall(r"/([^/\n]+\.(?:service|scope))", cgroup)
+        holders[int(pid)] = (units[-1] if units else "?", cmd)
+    return holders

@@ -148,6 +148,14 @@ def server_config(
 
 RESERVED_NAMES = ("known-good", "validated", "locks", "pending", "secrets", "instances", "evidence")
 
+# The fields of instance_record's record validation cannot do without: a record lacking one was not rendered here.
+RECORD_KEYS = ("name", "port", "gpus", "server_argv", "python")
+
+
+def placement(instance) -> tuple[int, int]:
+    """(node_rank, nnodes) of an instance, its inventory item or its record: rank 0 of one node unless set."""
+    return int(instance.get("node_rank") or 0), int(instance.get("nnodes") or 1)
+
 
 def instance_record(
     instance,
@@ -186,6 +194,7 @@ def instance_record(
         except ConfigError:
             continue
     baseline = ((profiles[profile] or {}).get("baseline") or {}).get("output_tokens_per_s")
+    node_rank, nnodes = placement(instance)
     return {
         "name": name,
         "unit": f"sglang-{name}.service",
@@ -195,8 +204,8 @@ def instance_record(
         "pending_dir": f"{config_dir}/pending",
         "port": instance["port"],
         "gpus": list(instance["gpus"]),
-        "nnodes": int(instance.get("nnodes") or 1),
-        "node_rank": int(instance.get("node_rank") or 0),
+        "nnodes": nnodes,
+        "node_rank": node_rank,
         "dist_init_addr": instance.get("dist_init_addr") or None,
         "profile": profile,
         "python": prefix[0],

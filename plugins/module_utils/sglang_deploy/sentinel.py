@@ -34,7 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from . import durable, http
-from .router import Router, RouterError, normalize, read_load
+from .router import Router, RouterError
+from .worker_load import read_load
+from .worker_urls import normalize
 
 PROGRESS, STALLED, ERROR = "progress", "stalled", "error"
 

@@ -1,14 +1,15 @@
 """Configuration checks, before anything running is touched: every instance of a host, with the
-installed SGLang's own parser, and the host itself.
+installed SGLang's own parser, and the host itself (validate_host, what sglang_validate returns).
 
 Per instance: the exact argument vector through SGLang's parser (misspelt, renamed and abbreviated
 flags, bad values), speculative decoding against the draft's config.json, parallelism against the
-instance's GPUs, the model paths as the service user sees them, the NCCL_* and SGLANG_* environment,
-and the port. Per host: distinct names, ports and GPUs, the GPUs the host has, /dev/shm, whether
-SGLang is installed. Every problem names the variable that produced it and what to do.
+instance's GPUs, the model paths as the service user sees them (instance_checks), the NCCL_* and
+SGLANG_* environment (here: its tables are what an operator extends), and the port. Per host:
+distinct names, ports and GPUs, the GPUs the host has, /dev/shm (host_checks), whether SGLang is
+installed. Every problem names the variable that produced it and what to do.
 
 SGLang's parser run (an import of SGLang, seconds) is the slow part: a successful verdict is kept
-on the host under <state_dir>/validated/, keyed by everything it depends on (cache_key), and
+on the host under <state_dir>/validated/, keyed by everything it depends on (sglang_parser), and
 reused while nothing of that changed. The checks that depend on the moment (paths, port, GPUs,
 /dev/shm, the draft's config.json) run every time, on the parser's cached output.
 
@@ -17,63 +18,18 @@ No Ansible here: plugins/modules/sglang_validate.py is the adapter.
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import json
-import math
 import os
-import pwd
 import re
-import stat
-import subprocess
 import time
 
-from .durable import write_atomic
+from .host_checks import check_distinct, check_port, check_shm, count_gpus, where
+from .instance_checks import check_gpus, check_parallel_sizes, check_parser, check_paths, check_speculative
 from .outcomes import INVALID_CONFIG
-from .patch import PatchError, dist_info, installed_version
-from .secret_rule import clip
+from .problems import ValidateError, problem
+from .render import RECORD_KEYS
+from .sglang_parser import CACHE_DIR, VerdictCache, cache_key, installation_identity, run_parser
 
-# Runs under the virtualenv's Python: SGLang's own parser and environment registry, once for
-# every argv given (one import of SGLang for all the host's instances).
-PARSE = r"""
-import argparse, json, sys
-real_stdout, sys.stdout = sys.stdout, sys.stderr  # whatever SGLang prints must not spoil the answer
-from sglang.srt.server_args import ServerArgs
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ValueError(message)
-
-req = json.load(sys.stdin)
-parser = Parser(prog="sglang.launch_server", allow_abbrev=False)
-ServerArgs.add_cli_args(parser)
-options = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
-try:
-    from sglang.srt.environ import envs
-    env_names = sorted(n for n in dir(envs) if n.isupper())
-except Exception:  # an SGLang without the registry
-    env_names = None
-results = []
-for argv in req["argvs"]:
-    out = {"error": None, "args": None}
-    try:
-        ns = parser.parse_args(argv)
-        out["args"] = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, type(None), list))}
-    except ValueError as exc:
-        out["error"] = str(exc)
-    if out["error"] is None and out["args"].get("speculative_algorithm"):
-        try:
-            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-            SpeculativeAlgorithm.from_string(out["args"]["speculative_algorithm"])
-        except ValueError as exc:
-            out["error"] = "argument --speculative-algorithm: " + str(exc)
-        except Exception:  # registry not importable here: the parser's verdict stands
-            pass
-    results.append(out)
-json.dump({"options": options, "env_names": env_names, "results": results}, real_stdout)
-"""
-PARSE_TIMEOUT_S = 600
-
+# ---------------------------------------------------------------- per instance: its environment
 # NCCL variables this project knows, with the values NCCL accepts where they are a fixed set.
 NCCL_CHOICES = {
     "NCCL_PROTO": {"LL", "LL128", "Simple"},
@@ -117,215 +73,6 @@ NCCL_FREE = frozenset(
     ]
 )
 
-SPEC_NEEDS_DRAFT = {"EAGLE", "EAGLE3"}
-DISTINCT = "each instance needs its own name, port and GPUs"
-RECORD_KEYS = ("name", "port", "gpus", "server_argv", "python")
-
-# The parser verdicts kept on the host.
-CACHE_DIR = "validated"
-CACHE_KEEP = 64
-# Part of every cache key: a change to the parser script, or to what the key covers, starts afresh.
-CACHE_SCHEMA = hashlib.sha256(("1\0" + PARSE).encode("utf-8")).hexdigest()[:16]
-
-
-class ValidateError(Exception):
-    """The checks could not run (the host, not the configuration): the message says why."""
-
-
-def problem(check, key, message):
-    return {"check": check, "key": key, "message": message}
-
-
-def flag_origin(flag, origins):
-    return origins.get(flag, "the rendered command line")
-
-
-# ---------------------------------------------------------------- per instance, on the parser's output
-def check_parser(result, argv, origins):
-    """SGLang's parser verdict, plus abbreviations (SGLang itself accepts --tp for --tp-size)."""
-    problems = []
-    options = set(result.get("options") or [])
-    for token in argv:
-        if not token.startswith("--"):
-            continue
-        flag = token.split("=", 1)[0]
-        if flag in options:
-            continue
-        key = flag_origin(flag, origins)
-        longer = sorted(o for o in options if o.startswith(flag))
-        if len(longer) == 1:
-            message = f"{flag} is an abbreviation of {longer[0]}: write the flag in full (set by {key})"
-        elif len(longer) > 1:
-            message = f"{flag} is ambiguous ({', '.join(longer[:6])}): write the flag in full (set by {key})"
-        else:
-            message = (
-                f"{flag} is not a flag of the installed SGLang (set by {key}); "
-                "it may be misspelt or renamed: see `python -m sglang.launch_server --help`"
-            )
-        problems.append(problem("flags", key, message))
-    if result.get("error") and not problems:
-        m = re.search(r"argument (--[\w-]+)", result["error"])
-        key = flag_origin(m.group(1), origins) if m else "the rendered command line"
-        problems.append(problem("flags", key, f"SGLang's parser: {result['error']} (set by {key})"))
-    return problems
-
-
-def draft_architectures(path):
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
-            return json.load(fh).get("architectures") or []
-    except (OSError, ValueError):
-        return None
-
-
-def _check_draft_kind(algo, draft, key):
-    archs = draft_architectures(draft)
-    if not archs:
-        return []
-    is_eagle3 = any(a.endswith("Eagle3") for a in archs)
-    is_eagle = any(a.endswith("Eagle") for a in archs)
-    if algo == "EAGLE" and is_eagle3:
-        return [
-            problem(
-                "speculative",
-                key,
-                f"the draft at {draft} is an EAGLE-3 model ({', '.join(archs)}) but --speculative-algorithm is EAGLE "
-                f"(set by {key}): use EAGLE3. Served under EAGLE it accepts no draft token (accept length 1.0)",
-            )
-        ]
-    if algo == "EAGLE3" and is_eagle and not is_eagle3:
-        return [
-            problem(
-                "speculative",
-                key,
-                f"the draft at {draft} is an EAGLE model ({', '.join(archs)}) but --speculative-algorithm is EAGLE3 "
-                f"(set by {key}): use EAGLE",
-            )
-        ]
-    return []
-
-
-def check_speculative(args, origins):
-    algo = args.get("speculative_algorithm")
-    if not algo:
-        return []
-    key = flag_origin("--speculative-algorithm", origins)
-    draft = args.get("speculative_draft_model_path")
-    if algo not in SPEC_NEEDS_DRAFT:
-        if draft:
-            where = flag_origin("--speculative-draft-model-path", origins)
-            return [
-                problem("speculative", where, f"--speculative-draft-model-path is set but {algo} takes no draft model")
-            ]
-        return []
-    if not draft:
-        message = (
-            f"--speculative-algorithm {algo} needs a draft model: set --speculative-draft-model-path "
-            "(sglang_draft_model_path)"
-        )
-        problems = [problem("speculative", key, message)]
-    else:
-        problems = _check_draft_kind(algo, draft, key)
-    steps = args.get("speculative_num_steps")
-    topk = args.get("speculative_eagle_topk")
-    tokens = args.get("speculative_num_draft_tokens")
-    for name, value in (("steps", steps), ("topk", topk), ("tokens", tokens)):
-        if value is not None and int(value) < 1:
-            problems.append(problem("speculative", key, f"speculative {name} must be at least 1, not {value}"))
-    if topk == 1 and steps is not None and tokens is not None and tokens != steps + 1:
-        where = flag_origin("--speculative-num-draft-tokens", origins)
-        message = (
-            f"with --speculative-eagle-topk 1 the draft tokens are steps + 1 = {steps + 1}, but "
-            f"--speculative-num-draft-tokens is {tokens}: SGLang would silently run {steps + 1}, not the "
-            f"configuration you benchmarked (set by {where})"
-        )
-        problems.append(problem("speculative", where, message))
-    if topk is not None and topk > 1 and steps is not None and tokens is not None and tokens <= 1:
-        message = "with topk > 1, --speculative-num-draft-tokens must be at least 2"
-        problems.append(problem("speculative", key, message))
-    return problems
-
-
-def check_parallel_sizes(args, gpus, origins):
-    tp = int(args.get("tp_size") or 1)
-    dp = int(args.get("dp_size") or 1)
-    pp = int(args.get("pp_size") or 1)
-    nnodes = int(args.get("nnodes") or 1)
-    want = tp * dp * pp
-    per_node = want // nnodes if want % nnodes == 0 else None
-    if per_node is not None and per_node == len(gpus):
-        return []
-    message = (
-        f"tp {tp} x dp {dp} x pp {pp} = {want} GPUs over {nnodes} node(s) needs {want / nnodes:g} GPU(s) on this "
-        f"node, but the instance is given {len(gpus)} ({gpus}): fix --tp-size (or dp/pp) or the instance's gpus"
-    )
-    return [problem("parallelism", flag_origin("--tp-size", origins), message)]
-
-
-def check_gpus(gpus, host_gpus, key="sglang_instances[].gpus"):
-    """The instance's GPUs exist on the host, each listed once."""
-    problems = []
-    missing = [g for g in gpus if g < 0 or g >= host_gpus]
-    if missing:
-        has = f"{host_gpus} (0-{host_gpus - 1})" if host_gpus else "none (nvidia-smi lists no GPU)"
-        problems.append(problem("parallelism", key, f"GPUs {missing} are given to the instance but the host has {has}"))
-    if len(set(gpus)) != len(gpus):
-        problems.append(problem("parallelism", key, f"a GPU is listed twice in {gpus}"))
-    return problems
-
-
-def check_parallel(args, gpus, host_gpus, origins, gpus_key="sglang_instances[].gpus"):
-    return check_parallel_sizes(args, gpus, origins) + check_gpus(gpus, host_gpus, gpus_key)
-
-
-def readable_by(path, user):
-    """Whether `user` can read `path` (every directory on the way searchable)."""
-    try:
-        pw = pwd.getpwnam(user)
-    except KeyError:
-        return False, f"user {user} does not exist"
-    groups = set(os.getgrouplist(user, pw.pw_gid))
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(2, len(parts) + 1):
-        p = os.sep.join(parts[:i]) or os.sep
-        try:
-            st = os.stat(p)
-        except OSError as exc:
-            return False, f"{p}: {exc.strerror}"
-        need = 0o4 if i == len(parts) else 0o1
-        if i == len(parts) and os.path.isdir(p):
-            need = 0o5
-        if pw.pw_uid == 0:
-            continue
-        if st.st_uid == pw.pw_uid:
-            mode = (st.st_mode >> 6) & 0o7
-        elif st.st_gid in groups:
-            mode = (st.st_mode >> 3) & 0o7
-        else:
-            mode = st.st_mode & 0o7
-        if mode & need != need:
-            return False, f"{p} is not {'readable' if i == len(parts) else 'searchable'} by {user}"
-    return True, ""
-
-
-def check_paths(args, user, origins):
-    problems = []
-    for flag, dest in (
-        ("--model-path", "model_path"),
-        ("--speculative-draft-model-path", "speculative_draft_model_path"),
-    ):
-        path = args.get(dest)
-        if not path:
-            continue
-        key = flag_origin(flag, origins)
-        if not os.path.exists(path):
-            problems.append(problem("paths", key, f"{flag} {path} does not exist (set by {key})"))
-            continue
-        ok, why = readable_by(path, user)
-        if not ok:
-            problems.append(problem("paths", key, f"{flag} {path}: {why} (set by {key})"))
-    return problems
-
 
 def _check_nccl(name, value, key):
     if name in NCCL_CHOICES:
@@ -364,273 +111,6 @@ def check_env(env, env_names, env_origins):
             )
             problems.append(problem("env", key, message))
     return problems
-
-
-def listening_inodes(port):
-    """Socket inodes listening on TCP `port` (IPv4 and IPv6)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table, encoding="ascii") as fh:
-                next(fh)
-                for line in fh:
-                    f = line.split()
-                    if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(f[9])
-        except OSError:
-            continue
-    return inodes
-
-
-def socket_holders(inodes):
-    """{pid: (unit, command line)} of the processes holding any of the socket inodes."""
-    wanted = {f"socket:[{i}]" for i in inodes}
-    holders = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            if not any(os.readlink(f"/proc/{pid}/fd/{fd}") in wanted for fd in fds):
-                continue
-            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as fh:
-                cgroup = fh.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        units = re.findall(r"/([^/\n]+\.(?:service|scope))", cgroup)
-        holders[int(pid)] = (units[-1] if units else "?", cmd)
-    return holders
-
-
-def check_port(port, unit, origin):
-    """The port is free, or held by the instance's own unit."""
-    inodes = listening_inodes(port)
-    if not inodes:
-        return []
-    holders = socket_holders(inodes)
-    others = {pid: h for pid, h in holders.items() if h[0] != unit}
-    if holders and not others:
-        return []
-    who = "; ".join(f"pid {pid} ({u}: {clip(cmd, 120)})" for pid, (u, cmd) in sorted(others.items()))
-    message = f"port {port} is already in use by {who or 'a process not visible here'}: "
-    return [problem("port", origin, message + f"choose another port ({origin}) or stop that process")]
-
-
-# ---------------------------------------------------------------- per host
-def where(inst, i, field):
-    """The variable an instance's field came from (sglang_instances[i].port), for messages."""
-    if field == "port":
-        return (inst.get("origins") or {}).get("--port") or f"sglang_instances[{i}].port"
-    if field == "gpus":
-        return (inst.get("env_origins") or {}).get("CUDA_VISIBLE_DEVICES") or f"sglang_instances[{i}].gpus"
-    return f"sglang_instances[{i}].{field}"
-
-
-def check_distinct(instances):
-    """The host's instances have distinct names, ports and GPUs."""
-    problems = []
-    names, ports, gpus = {}, {}, {}
-    for i, inst in enumerate(instances):
-        name, port = inst["name"], inst["port"]
-        if name in names:
-            j = names[name]
-            message = f"{where(inst, i, 'name')} is {name!r}, as is {where(instances[j], j, 'name')}: {DISTINCT}"
-            problems.append(problem("host", where(inst, i, "name"), message))
-        names.setdefault(name, i)
-        if port in ports:
-            j = ports[port]
-            message = f"{where(inst, i, 'port')} is {port}, as is {where(instances[j], j, 'port')}: {DISTINCT}"
-            problems.append(problem("host", where(inst, i, "port"), message))
-        ports.setdefault(port, i)
-        shared = {}
-        for g in inst["gpus"]:
-            if g in gpus and gpus[g] != i:
-                shared.setdefault(gpus[g], []).append(g)
-            gpus.setdefault(g, i)
-        for j, gs in sorted(shared.items()):
-            message = (
-                f"{where(inst, i, 'gpus')}: GPU(s) {gs} are also given to {instances[j]['name']} "
-                f"({where(instances[j], j, 'gpus')}): {DISTINCT}"
-            )
-            problems.append(problem("host", where(inst, i, "gpus"), message))
-    return problems
-
-
-def check_shm(min_mib, path="/dev/shm"):
-    """([problem], size in MiB or None): /dev/shm holds NCCL's buffers between a host's GPUs."""
-    advice = (
-        "NCCL shares buffers through it: enlarge it (for example `size=` in the /dev/shm line of /etc/fstab) "
-        "or lower sglang_service_min_shm_mib"
-    )
-    try:
-        st = os.statvfs(path)
-    except OSError as exc:
-        return [problem("host", "sglang_service_min_shm_mib", f"{path}: {exc.strerror}; {advice}")], None
-    size = math.ceil(st.f_blocks * st.f_frsize / (1 << 20))  # as `df --block-size=1M` rounds
-    if size >= min_mib:
-        return [], size
-    message = f"{path} is {size} MiB, less than sglang_service_min_shm_mib ({min_mib}); {advice}"
-    return [problem("host", "sglang_service_min_shm_mib", message)], size
-
-
-def count_gpus(run=subprocess.run):
-    """The number of GPUs nvidia-smi lists; FileNotFoundError when there is no nvidia-smi."""
-    try:
-        proc = run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ValidateError("nvidia-smi did not answer within 60 s: the host's GPUs could not be counted") from exc
-    if proc.returncode != 0:
-        why = clip((proc.stderr or proc.stdout).strip(), 500, last=True)
-        raise ValidateError(f"nvidia-smi failed (exit {proc.returncode}): {why}: the host's GPUs could not be counted")
-    return sum(1 for line in proc.stdout.splitlines() if line.strip())
-
-
-# ---------------------------------------------------------------- SGLang's parser, and its verdicts kept
-def run_parser(python, argvs, timeout=PARSE_TIMEOUT_S):
-    """One run of SGLang's parser for every argv: a list of {error, args, options, env_names}."""
-    try:
-        proc = subprocess.run(
-            [python, "-c", PARSE],
-            input=json.dumps({"argvs": argvs}),
-            text=True,
-            capture_output=True,
-            check=False,
-            timeout=timeout,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ValidateError(f"could not run SGLang's parser with {python}: {exc}") from exc
-    if proc.returncode != 0:
-        raise ValidateError(
-            f"could not run SGLang's parser with {python}: {clip(proc.stderr.strip(), 2000, last=True)}"
-        )
-    try:
-        out = json.loads(proc.stdout)
-    except ValueError as exc:
-        raise ValidateError(
-            f"SGLang's parser under {python} answered no JSON: {clip(proc.stdout.strip(), 500, last=True)}"
-        ) from exc
-    return [{**r, "options": out["options"], "env_names": out["env_names"]} for r in out["results"]]
-
-
-def sha256_of(path):
-    try:
-        with open(path, "rb") as fh:
-            return hashlib.sha256(fh.read()).hexdigest()
-    except OSError:
-        return None
-
-
-def installation_identity(python, patch_manifest=None, package="sglang"):
-    """What identifies the SGLang installation `python` runs: the virtualenv (links resolved), the
-    version, the hash of its dist-info RECORD and of the patch manifest; None when not found."""
-    venv = os.path.dirname(os.path.dirname(python))
-    for site in sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages"))):
-        try:
-            info = dist_info(site, package)
-            version = installed_version(info)
-        except (PatchError, OSError):
-            continue
-        record = sha256_of(os.path.join(info, "RECORD"))
-        if record is None:
-            return None
-        return {
-            "venv": os.path.realpath(venv),
-            "version": version,
-            "record_sha256": record,
-            "patch_manifest_sha256": sha256_of(patch_manifest) if patch_manifest else None,
-        }
-    return None
-
-
-def cache_key(identity, python, argv, env, gpus, port, service_user):
-    """sha256 of everything SGLang's parser verdict depends on."""
-    blob = {
-        "schema": CACHE_SCHEMA,
-        "software": identity,
-        "python": python,
-        "argv": [str(a) for a in argv],
-        "env": {str(k): str(v) for k, v in env.items()},
-        "gpus": [int(g) for g in gpus],
-        "port": int(port) if port is not None else None,
-        "user": service_user,
-    }
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
-
-
-class VerdictCache:
-    """Successful parser verdicts, one file per key: the directory 0700 and the files 0600, owned
-    by the user the module runs as (root); the newest `keep` kept. A directory someone else owns or
-    can write is not trusted: nothing is read from it or written to it."""
-
-    def __init__(self, directory, keep=CACHE_KEEP):
-        self.directory = directory
-        self.keep = keep
-
-    def _path(self, key):
-        return os.path.join(self.directory, f"{key}.json")
-
-    def _trusted(self):
-        try:
-            st = os.lstat(self.directory)
-        except OSError:
-            return False
-        return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
-
-    def load(self, key, touch=True):
-        """The parser's output kept for `key`, or None; `touch` marks it recently used (kept by prune)."""
-        if not self._trusted():
-            return None
-        try:
-            with open(self._path(key), encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("parse"), dict):
-            return None
-        if touch:
-            try:
-                os.utime(self._path(key))
-            except OSError:
-                pass
-        return data["parse"]
-
-    def store(self, key, parse, name=""):
-        """Keep a successful verdict; False when it could not be kept (the cache is only a shortcut)."""
-        try:
-            if not os.path.isdir(os.path.dirname(self.directory)):
-                return False  # no state directory yet (the gpu_node role makes it): nothing to keep it in
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            st = os.lstat(self.directory)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                return False
-            if stat.S_IMODE(st.st_mode) != 0o700:
-                os.chmod(self.directory, 0o700)
-            doc = {"key": key, "instance": name, "stored": time.time(), "parse": parse}
-            write_atomic(self._path(key), json.dumps(doc), 0o600)
-            self.prune()
-        except OSError:
-            return False
-        return True
-
-    def prune(self):
-        entries = []
-        for entry in os.listdir(self.directory):
-            if entry.endswith(".json"):
-                try:
-                    entries.append((os.stat(os.path.join(self.directory, entry)).st_mtime, entry))
-                except OSError:
-                    continue
-        for _, entry in sorted(entries, reverse=True)[self.keep :]:
-            try:
-                os.unlink(os.path.join(self.directory, entry))
-            except OSError:
-                pass
 
 
 # ---------------------------------------------------------------- the host, all its instances at once
@@ -739,10 +219,7 @@ def validate_host(
     run (nvidia-smi or SGLang's parser failing). Check mode reads the cache but writes nothing.
     """
     t0 = time.monotonic()
-    for i, inst in enumerate(instances):
-        lacking = [k for k in RECORD_KEYS if k not in inst]
-        if lacking:
-            raise ValidateError(f"instances[{i}] lacks {', '.join(lacking)}: not a rendered instance record")
+    _check_records(instances)
     found, notes, shm_mib, host_gpus = _host_checks(instances, min_shm_mib, shm_path, gpu_counter, check_mode, variants)
     installed, missing, waiting = _installed(instances, check_mode)
     problems = [dict(p, instance=None) for p in found + missing]
@@ -772,10 +249,24 @@ def validate_host(
         "shm_mib": shm_mib,
         "seconds": round(time.monotonic() - t0, 3),
     }
+    return _verdict(result, notes, len(instances), len(cached))
+
+
+def _check_records(instances):
+    """Only rendered instance records are checked (render.RECORD_KEYS): anything else is refused before any check."""
+    for i, inst in enumerate(instances):
+        lacking = [k for k in RECORD_KEYS if k not in inst]
+        if lacking:
+            raise ValidateError(f"instances[{i}] lacks {', '.join(lacking)}: not a rendered instance record")
+
+
+def _verdict(result, notes, count, from_cache):
+    """`result` with its msg: a refusal (INVALID_CONFIG, every problem) when it has problems, else the summary."""
+    problems = result["problems"]
     if problems:
         messages = [f"{p['instance']}: {p['message']}" if p["instance"] else p["message"] for p in problems]
         result.update(failed=True, outcome=INVALID_CONFIG, msg="; ".join(messages))
     else:
-        summary = f"{len(instances)} instance(s) valid ({len(cached)} parser verdict(s) from the cache)"
+        summary = f"{count} instance(s) valid ({from_cache} parser verdict(s) from the cache)"
         result["msg"] = "; ".join([summary, *notes])
     return result
