@@ -222,23 +222,52 @@ def gateway_table(tracker: Tracker):
 
 
 def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> None:
+    """The run's summary on console: the terminal's, or the one an SVG picture is recorded from."""
     if tracker.command == "status":
-        console.print(status_table(tracker, exit_code))
-        view = gateway_table(tracker)
-        if view is not None:
-            console.print(view)
-        for h in sorted(tracker.hosts.values(), key=lambda x: x.name):
-            for name, res in sorted(h.instances.items()):
-                for j in res.get("jobs") or []:  # restart workers the host still holds
-                    console.print(f"{h.name}/{name}: {jobs.describe(j)}", markup=False, highlight=False)
-                    for line in j.get("journal") or []:
-                        console.print(f"    {line}", markup=False, highlight=False, style="dim")
-        for h in tracker.hosts.values():
-            for f in h.failures:
-                console.print(f"{h.name}: {f.task}: {f.message}", markup=False, highlight=False)
-        if run_id is not None:
-            console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
-        return
+        _status_summary(console, tracker, exit_code)
+    else:
+        _results_summary(console, tracker, exit_code)
+    if run_id is not None:
+        console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
+
+
+def _status_summary(console, tracker: Tracker, exit_code: int) -> None:
+    """status: each instance, what every gateway thinks of it, the restart workers a host still holds, failures."""
+    console.print(status_table(tracker, exit_code))
+    view = gateway_table(tracker)
+    if view is not None:
+        console.print(view)
+    for h in sorted(tracker.hosts.values(), key=lambda x: x.name):
+        for name, res in sorted(h.instances.items()):
+            for j in res.get("jobs") or []:  # restart workers the host still holds
+                console.print(f"{h.name}/{name}: {jobs.describe(j)}", markup=False, highlight=False)
+                for line in j.get("journal") or []:
+                    console.print(f"    {line}", markup=False, highlight=False, style="dim")
+    for h in tracker.hosts.values():
+        for f in h.failures:
+            console.print(f"{h.name}: {f.task}: {f.message}", markup=False, highlight=False)
+
+
+def _results_summary(console, tracker: Tracker, exit_code: int) -> None:
+    """Every other command: a row per host and instance, each one's detail, the playbook's report, the causes."""
+    t, details = results_table(tracker, exit_code)
+    console.print(t)
+    for line in details:
+        console.print(f"  {line}", highlight=False, markup=False)
+    for line in tracker.report:  # the playbook's own account: where every replica stands, what the router lists
+        console.print(line, highlight=False, markup=False)
+    _causes(console, tracker)
+    if (
+        exit_code not in (exitcodes.OK, exitcodes.INTERRUPTED)
+        and not any(h.failures for h in tracker.hosts.values())
+        and tracker.messages
+    ):
+        console.print("Ansible said:", style="bold")
+        console.print("\n".join(tracker.messages[-30:]), markup=False, highlight=False)
+
+
+def results_table(tracker: Tracker, exit_code: int):
+    """(the table of a command's rows, each row's detail line where it has one)."""
     t = table(
         f"sglang-deploy {tracker.command}: {exitcodes.MEANING.get(exit_code, '?')} (exit {exit_code})",
         (
@@ -267,12 +296,11 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         )
         if row["detail"]:
             details.append(f"{row['host']}{'/' + row['instance'] if row['instance'] else ''}: {row['detail']}")
-    console.print(t)
-    for line in details:
-        console.print(f"  {line}", highlight=False, markup=False)
-    for line in tracker.report:  # the playbook's own account: where every replica stands, what the router lists
-        console.print(line, highlight=False, markup=False)
-    # The cause, right there: each failure's traceback or offenders.
+    return t, details
+
+
+def _causes(console, tracker: Tracker) -> None:
+    """The cause, right there: each failed instance's traceback (or journal tail), each host's failures."""
     for h in tracker.hosts.values():
         for name, res in h.instances.items():
             failure = res.get("failure") or {}
@@ -285,15 +313,6 @@ def _summary(console, tracker: Tracker, exit_code: int, run_id: int | None) -> N
         for f in h.failures:
             if not h.instances:
                 console.print(f"{h.name}: {f.task}: {f.message}", markup=False, highlight=False)
-    if (
-        exit_code not in (exitcodes.OK, exitcodes.INTERRUPTED)
-        and not any(h.failures for h in tracker.hosts.values())
-        and tracker.messages
-    ):
-        console.print("Ansible said:", style="bold")
-        console.print("\n".join(tracker.messages[-30:]), markup=False, highlight=False)
-    if run_id is not None:
-        console.print(f"run {run_id} recorded in the ledger (python -m driver history)", style="dim")
 
 
 def as_json(

@@ -101,6 +101,7 @@ def open_private(path: Path):
 
 
 def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_event, cancelled) -> Outcome:
+    """ansible-runner's run of job in private: each event (the progress files' too) slimmed, recorded, handed on."""
     pump = Pump(job.progress_dir, job.stall_s) if job.progress_dir else None
 
     def handler(event: dict) -> bool:
@@ -124,6 +125,30 @@ def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_e
     (private / "env").mkdir(mode=0o700)
     (private / "env" / "settings").write_text(json.dumps({"pexpect_timeout": POLL_S}), encoding="utf-8")
     collection = paths.collection()  # the checkout, or the installed collection (driver/paths.py)
+    envvars = playbook_env(job, collection)
+    r = ansible_runner.run(
+        private_data_dir=str(private),
+        project_dir=str(collection),
+        playbook=str(collection / job.playbook),
+        inventory=inventory_arg(job.inventory),
+        limit=job.limit,
+        cmdline=shlex.join(cmdline) or None,
+        envvars={**envvars, **operators_ansible_env(envvars["ANSIBLE_COLLECTIONS_PATH"])},
+        verbosity=job.verbosity or None,
+        event_handler=handler,
+        cancel_callback=cancel,
+        quiet=True,
+        suppress_env_files=True,
+    )
+    if pump:
+        for event in pump.poll():  # the last answers, written as ansible-playbook ended
+            handler(event)
+    return Outcome(status=r.status, rc=r.rc if r.rc is not None else 1)
+
+
+def playbook_env(job: Job, collection: Path) -> dict[str, str]:
+    """ansible-playbook's environment: the project's config, collection and roles by path (it runs in
+    ansible-runner's private directory), this Python's ansible-playbook, then the job's own variables."""
     envvars = {
         # The checkout's ansible.cfg; installed, the copy of it the wheel carries.
         "ANSIBLE_CONFIG": str(paths.ansible_cfg()),
@@ -145,24 +170,7 @@ def _run(ansible_runner, job: Job, cmdline: list[str], private: Path, sink, on_e
     default = paths.default_inventory()
     if not job.inventory and default:
         envvars["ANSIBLE_INVENTORY"] = str(default)
-    r = ansible_runner.run(
-        private_data_dir=str(private),
-        project_dir=str(collection),
-        playbook=str(collection / job.playbook),
-        inventory=inventory_arg(job.inventory),
-        limit=job.limit,
-        cmdline=shlex.join(cmdline) or None,
-        envvars={**envvars, **operators_ansible_env(envvars["ANSIBLE_COLLECTIONS_PATH"])},
-        verbosity=job.verbosity or None,
-        event_handler=handler,
-        cancel_callback=cancel,
-        quiet=True,
-        suppress_env_files=True,
-    )
-    if pump:
-        for event in pump.poll():  # the last answers, written as ansible-playbook ended
-            handler(event)
-    return Outcome(status=r.status, rc=r.rc if r.rc is not None else 1)
+    return envvars
 
 
 class Pump:

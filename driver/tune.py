@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy import bench as benchmark
@@ -369,6 +370,8 @@ def _sweep(args, sweep: Sweep, checked) -> int:
 
 
 def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
+    """The sweep once its options are checked: the plan, each combination not yet recorded measured, then the
+    conclusion (_conclude); (exit code, report)."""
     plan, code, cause = sweep.plan()
     if plan is None:
         print(f"tune: the plan failed, nothing was restarted: {cause}", file=sys.stderr)
@@ -376,124 +379,54 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
     # Named by what it starts from too: a changed profile, software or model is another sweep, never resumed.
     sweep.id = tune.sweep_id(sweep.host, sweep.instance, sweep.start, sweep.grid, sweep.bench, plan.get("fingerprint"))
     sweep.software = plan.get("software")
-    name = args.name or tune.default_name(sweep.start, sweep.id)
-    target = args.profile_dir or inventory_dir(checked.source) / tune.PROFILE_DIR
-    target = target / tune.profile_file_name(name)
-    refusal = None
-    if name in (plan.get("profiles") or []):
-        refusal = f"--name {name}: a profile of that name exists already; a sweep never replaces one (choose another)"
-    elif target.exists():
-        refusal = f"--name {name}: {target} exists already (an earlier sweep's); choose another name or remove it"
+    name, target, refusal = winner_file(args, sweep, checked, plan)
     if refusal:
         print(f"python -m driver tune: {refusal}", file=sys.stderr)
         return exitcodes.USAGE, {"cause": refusal}
     sweep.say(f"sweep {sweep.id}: {sweep.instance} on {sweep.host} from profile {sweep.start}")
-    combos = [c for c in plan["combinations"] if c["valid"]]
-    dropped = plan["dropped"] + [
-        {"values": c["values"], "reason": "refused by SGLang's parser: " + "; ".join(c["problems"])}
-        for c in plan["combinations"]
-        if not c["valid"]
-    ]
-    for d in dropped:
-        sweep.say(f"dropped {json.dumps(d['values'])}: {d['reason']}")
+    combos, dropped = combinations_of(sweep, plan)
     if args.check:  # the plan only: nothing restarted
         for c in combos:
             sweep.say(
                 f"would measure {c['name']}: {c['label']}" + (f" ({'; '.join(c['notes'])})" if c["notes"] else "")
             )
         return exitcodes.OK, {"combinations": combos, "dropped": dropped}
-    # Done: those whose restart ended (measured, or failed on the combination itself). A host unreachable, a lock
-    # held, busy GPUs or a stop before the restart say nothing of the combination: measured again.
-    done = {r["combination"] for r in sweep.book.tune_results(sweep.id) if r["restart_outcome"] in DECIDED}
-    todo = [c for c in combos if c["name"] not in done]
-    if done:
-        sweep.say(
-            f"resuming: {len(combos) - len(todo)} of {len(combos)} combination(s) recorded, {len(todo)} to measure"
-        )
-    n = len(combos)
-    stopped = None
-    for c in todo:
-        if sweep.interrupts.interrupted:
-            break
-        row = sweep.measure(c)
-        if row["outcome"] == NOT_BEGUN:
-            stopped = f"{c['name']}: {row['cause']}" if row.get("cause") else None
-            break
-        sweep.say(line_of(n - len(todo) + todo.index(c) + 1, n, row))
-        if row["outcome"] == FAILED and row["restart_outcome"] not in GOES_ON:
-            stopped = f"{c['name']}: {row['cause']}"  # not serving its known-good, locked, GPUs busy: no further
-            break
+    stopped = measure_all(sweep, combos)
+    return _conclude(args, sweep, combos, dropped, name, target, stopped)
+
+
+def _conclude(
+    args, sweep: Sweep, combos: list[dict], dropped: list[dict], name: str, target: Path, stopped: str | None
+) -> tuple[int, dict]:
+    """After the measurements: the ranking, the instance put back, the winner's profile (name) written at target,
+    the plot; (exit code, report)."""
     recorded = sweep.book.tune_results(sweep.id)
-    names = {c["name"] for c in combos}
-    at = target_of(args, sweep.bench)
-    ranked = tune.rank(results_of([r for r in recorded if r["combination"] in names]), at)
-    decision = tune.decide(ranked, args.margin)
-    # --force: the fastest speculative combination's profile, clear of the noise or not (said in the file and here).
-    best = decision["winner"] or (
-        decision["best"] if args.force and decision["verdict"] == tune.NO_DIFFERENCE else None
-    )
-    base = next((r for r in ranked if r["name"] == tune.BASELINE and r["output_tokens_per_s"]), None)
-    complete = (
-        not stopped
-        and not sweep.interrupts.interrupted
-        and names <= {r["combination"] for r in recorded if r["restart_outcome"] in DECIDED}
-    )
-    winner_profile = None
-    if best and complete:
-        combo = next(c for c in combos if c["name"] == best["name"])
-        profile = {**combo["profile"], "description": f"tuned from {sweep.start}: {combo['label']}"}
-        one = tune.single_stream(best)
-        winner_profile = (name, {**profile, **({"baseline": {"output_tokens_per_s": one}} if one is not None else {})})
-    keep = winner_profile if args.keep_best else None
+    ranking = Ranking.of(args, sweep, combos, recorded, stopped)
+    winner = ranking.winner(sweep, combos, name)
+    keep = winner if args.keep_best else None
     # Put back only when this run moved the instance; first, so that nothing written below can stand in its way.
-    if not sweep.touched:
-        back_code, back_cause = exitcodes.OK, "nothing was restarted"
-    elif sweep.interrupts.abandoned:
-        back_code, back_cause = exitcodes.INTERRUPTED, f"abandoned: {sweep.instance} runs what the last step left"
-    else:
-        back_code, back_cause = sweep.put_back(keep)
-    written, file_error = None, None
-    if winner_profile:
-        how = (
-            f"python -m driver tune sweep {sweep.id} on {sweep.host}/{sweep.instance} "
-            f"({best.get('gpu_model') or 'GPU model unknown'}), {json.dumps(sweep.bench)}, ranked at concurrency "
-            f"{at}, {time.strftime('%Y-%m-%d')}; {decision['verdict']}: {decision['why']}"
-            + ("; written with --force, not clear of the noise" if decision["winner"] is None else "")
-        )
-        text = tune.profile_file(name, {k: v for k, v in winner_profile[1].items() if k != "baseline"}, best, base, how)
-        try:
-            written = write_atomic(target, text)
-        except OSError as exc:  # measured and recorded all the same; the instance was put back before
-            file_error = f"the winner's profile file {target} could not be written: {exc}"
-            print(f"tune: {file_error}", file=sys.stderr)
-    table(sweep, ranked, dropped, written, best, decision, at)
-    if args.svg and ranked:
-        try:
-            title = f"sweep {sweep.id}: {sweep.instance} on {sweep.host}, concurrency {at}"
-            write_atomic(Path(args.svg), tune.svg(ranked, title))
-            curves = tune.concurrency_svg(ranked)
-            if curves:  # beside it: tok/s at every level, where speculation's gain shrinks
-                write_atomic(Path(args.svg).with_name(Path(args.svg).stem + "-concurrency.svg"), curves)
-        except OSError as exc:
-            file_error = f"--svg {args.svg}: {exc}"
-            print(f"tune: {file_error}", file=sys.stderr)
-    overheads = [((r.get("bench") or {}).get("timing") or {}).get("overhead_s") for r in recorded]
-    overheads = sorted(o for o in overheads if o is not None)
+    back_code, back_cause = put_back_if_moved(sweep, keep)
+    written, file_error = write_winner(sweep, target, winner, ranking) if winner else (None, None)
+    table(sweep, ranking.ranked, dropped, written, ranking.best, ranking.decision, ranking.at)
+    if args.svg and ranking.ranked:
+        file_error = write_plots(sweep, args.svg, ranking) or file_error
+    overheads = overheads_of(recorded)
+    decision = ranking.decision
     report = {
         # Per measured combination, the sweep's own seconds beyond the server's start and the benchmark.
         "overhead_median_s": round(statistics.median(overheads), 2) if overheads else None,
         "overheads_s": overheads,
-        "ranked": ranked,
+        "ranked": ranking.ranked,
         "dropped": dropped,
         "winner": decision["winner"]["name"] if decision["winner"] else None,
         "verdict": decision["verdict"],
         "why": decision["why"],
-        "forced": best is not None and decision["winner"] is None,
-        "target_concurrency": at,
+        "forced": ranking.best is not None and decision["winner"] is None,
+        "target_concurrency": ranking.at,
         "margin": args.margin,
-        "baseline_measured": base is not None,
+        "baseline_measured": ranking.base is not None,
         "profile_file": str(written) if written else None,
-        "complete": complete,
+        "complete": ranking.complete,
         "stopped": stopped,
         "put_back": {"exit_code": back_code, "profile": keep[0] if keep else "its own", "cause": back_cause},
         "file_error": file_error,
@@ -505,6 +438,147 @@ def _steps(args, sweep: Sweep, checked) -> tuple[int, dict]:
         print(f"tune: the sweep stopped: {stopped}", file=sys.stderr)
         return exitcodes.NOT_RECOVERED, report
     return exitcodes.OK, report
+
+
+def winner_file(args, sweep: Sweep, checked, plan: dict) -> tuple[str, Path, str | None]:
+    """(the winner's profile name, its file, why the sweep refuses them): never over a profile or file there is."""
+    name = args.name or tune.default_name(sweep.start, sweep.id)
+    target = args.profile_dir or inventory_dir(checked.source) / tune.PROFILE_DIR
+    target = target / tune.profile_file_name(name)
+    refusal = None
+    if name in (plan.get("profiles") or []):
+        refusal = f"--name {name}: a profile of that name exists already; a sweep never replaces one (choose another)"
+    elif target.exists():
+        refusal = f"--name {name}: {target} exists already (an earlier sweep's); choose another name or remove it"
+    return name, target, refusal
+
+
+def combinations_of(sweep: Sweep, plan: dict) -> tuple[list[dict], list[dict]]:
+    """(the plan's valid combinations, the dropped ones with their reason), each dropped one said."""
+    combos = [c for c in plan["combinations"] if c["valid"]]
+    dropped = plan["dropped"] + [
+        {"values": c["values"], "reason": "refused by SGLang's parser: " + "; ".join(c["problems"])}
+        for c in plan["combinations"]
+        if not c["valid"]
+    ]
+    for d in dropped:
+        sweep.say(f"dropped {json.dumps(d['values'])}: {d['reason']}")
+    return combos, dropped
+
+
+def measure_all(sweep: Sweep, combos: list[dict]) -> str | None:
+    """Each combination the ledger has no result of yet, in order; why the sweep stopped early, or None."""
+    # Done: those whose restart ended (measured, or failed on the combination itself). A host unreachable, a lock
+    # held, busy GPUs or a stop before the restart say nothing of the combination: measured again.
+    done = {r["combination"] for r in sweep.book.tune_results(sweep.id) if r["restart_outcome"] in DECIDED}
+    todo = [c for c in combos if c["name"] not in done]
+    if done:
+        sweep.say(
+            f"resuming: {len(combos) - len(todo)} of {len(combos)} combination(s) recorded, {len(todo)} to measure"
+        )
+    n = len(combos)
+    for c in todo:
+        if sweep.interrupts.interrupted:
+            break
+        row = sweep.measure(c)
+        if row["outcome"] == NOT_BEGUN:
+            return f"{c['name']}: {row['cause']}" if row.get("cause") else None
+        sweep.say(line_of(n - len(todo) + todo.index(c) + 1, n, row))
+        if row["outcome"] == FAILED and row["restart_outcome"] not in GOES_ON:
+            return f"{c['name']}: {row['cause']}"  # not serving its known-good, locked, GPUs busy: no further
+    return None
+
+
+@dataclass
+class Ranking:
+    """What the sweep's recorded rows say, ranked at one concurrency: the decision, the combination whose profile
+    is written (best), the baseline's row, and whether every combination has its result (complete)."""
+
+    at: int
+    ranked: list[dict]
+    decision: dict
+    best: dict | None
+    base: dict | None
+    complete: bool
+
+    @classmethod
+    def of(cls, args, sweep: Sweep, combos: list[dict], recorded: list[dict], stopped: str | None) -> Ranking:
+        """The recorded rows of this plan's combinations, ranked at the target concurrency (--target-concurrency)."""
+        names = {c["name"] for c in combos}
+        at = target_of(args, sweep.bench)
+        ranked = tune.rank(results_of([r for r in recorded if r["combination"] in names]), at)
+        decision = tune.decide(ranked, args.margin)
+        # --force: the fastest speculative combination, clear of the noise or not (said in the file and here).
+        best = decision["winner"] or (
+            decision["best"] if args.force and decision["verdict"] == tune.NO_DIFFERENCE else None
+        )
+        base = next((r for r in ranked if r["name"] == tune.BASELINE and r["output_tokens_per_s"]), None)
+        complete = (
+            not stopped
+            and not sweep.interrupts.interrupted
+            and names <= {r["combination"] for r in recorded if r["restart_outcome"] in DECIDED}
+        )
+        return cls(at, ranked, decision, best, base, complete)
+
+    def winner(self, sweep: Sweep, combos: list[dict], name: str) -> tuple[str, dict] | None:
+        """(name, the best combination's profile), only when every combination has its result."""
+        if not (self.best and self.complete):
+            return None
+        combo = next(c for c in combos if c["name"] == self.best["name"])
+        profile = {**combo["profile"], "description": f"tuned from {sweep.start}: {combo['label']}"}
+        one = tune.single_stream(self.best)
+        return name, {**profile, **({"baseline": {"output_tokens_per_s": one}} if one is not None else {})}
+
+
+def overheads_of(recorded: list[dict]) -> list[float]:
+    """Each measured combination's own seconds beyond the server's start and the benchmark, sorted."""
+    overheads = [((r.get("bench") or {}).get("timing") or {}).get("overhead_s") for r in recorded]
+    return sorted(o for o in overheads if o is not None)
+
+
+def put_back_if_moved(sweep: Sweep, keep: tuple[str, dict] | None) -> tuple[int, str]:
+    """The put-back step's (exit code, cause): none when nothing was restarted or the operator abandoned it."""
+    if not sweep.touched:
+        return exitcodes.OK, "nothing was restarted"
+    if sweep.interrupts.abandoned:
+        return exitcodes.INTERRUPTED, f"abandoned: {sweep.instance} runs what the last step left"
+    return sweep.put_back(keep)
+
+
+def write_winner(
+    sweep: Sweep, target: Path, winner: tuple[str, dict], ranking: Ranking
+) -> tuple[Path | None, str | None]:
+    """(the winner's profile file written, or None with why not): how it was measured said in the file."""
+    name, profile = winner
+    best, decision = ranking.best, ranking.decision
+    how = (
+        f"python -m driver tune sweep {sweep.id} on {sweep.host}/{sweep.instance} "
+        f"({best.get('gpu_model') or 'GPU model unknown'}), {json.dumps(sweep.bench)}, ranked at concurrency "
+        f"{ranking.at}, {time.strftime('%Y-%m-%d')}; {decision['verdict']}: {decision['why']}"
+        + ("; written with --force, not clear of the noise" if decision["winner"] is None else "")
+    )
+    text = tune.profile_file(name, {k: v for k, v in profile.items() if k != "baseline"}, best, ranking.base, how)
+    try:
+        return write_atomic(target, text), None
+    except OSError as exc:  # measured and recorded all the same; the instance was put back before
+        file_error = f"the winner's profile file {target} could not be written: {exc}"
+        print(f"tune: {file_error}", file=sys.stderr)
+        return None, file_error
+
+
+def write_plots(sweep: Sweep, svg: str, ranking: Ranking) -> str | None:
+    """The ranking's plot at svg (--svg), and beside it tok/s at every level; why not, or None."""
+    try:
+        title = f"sweep {sweep.id}: {sweep.instance} on {sweep.host}, concurrency {ranking.at}"
+        write_atomic(Path(svg), tune.svg(ranking.ranked, title))
+        curves = tune.concurrency_svg(ranking.ranked)
+        if curves:  # beside it: tok/s at every level, where speculation's gain shrinks
+            write_atomic(Path(svg).with_name(Path(svg).stem + "-concurrency.svg"), curves)
+    except OSError as exc:
+        file_error = f"--svg {svg}: {exc}"
+        print(f"tune: {file_error}", file=sys.stderr)
+        return file_error
+    return None
 
 
 def write_atomic(path: Path, text: str) -> Path:
