@@ -4424,12 +4424,16 @@ def test_a_rollback_retargets_the_machine_never_the_instance_or_the_settings(wor
     assert m.running.argv == world.argv["good"] and m.running.name == m.inst.name
     assert m.verified["ok"]  # verified as the known-good one: no drift against the rendered "new"
     summary = {k: res["rollback"][k] for k in ("attempted", "to_generation", "to_profile", "config_hash")}
-    assert summary == m.target.summary() == {
-        "attempted": True,
-        "to_generation": m.target.record["generation"],
-        "to_profile": "good",
-        "config_hash": m.target.record["config_hash"],
-    }
+    assert (
+        summary
+        == m.target.summary()
+        == {
+            "attempted": True,
+            "to_generation": m.target.record["generation"],
+            "to_profile": "good",
+            "config_hash": m.target.record["config_hash"],
+        }
+    )
 
 
 def test_a_machine_built_for_a_restart_refuses_the_operators_rollback_before_taking_the_lock(world):

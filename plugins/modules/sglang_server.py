@@ -493,56 +493,54 @@ def with_stopped(action):
 
 ACTIONS = {"restart": with_stopped(restart), "rollback": with_stopped(rollback), "verify": verify, "status": status}
 
+ARGUMENT_SPEC = dict(
+    action=dict(type="str", choices=list(ACTIONS), required=True),
+    instance=dict(type="dict", required=True),
+    service_user=dict(type="str", default="sglang"),
+    state_dir=dict(type="path", default="/var/lib/sglang"),
+    ready_timeout=dict(type="float", default=900.0),
+    gpu_timeout=dict(type="float", default=120.0),
+    gpu_interval=dict(type="float", default=0.1),
+    max_used_mib=dict(type="int", default=1024),
+    stop_policy=dict(type="str", choices=["none", "own", "force"], default="own"),
+    rollback=dict(type="bool", default=True),
+    known_good_keep=dict(type="int", default=5),
+    prompt=dict(type="str", default="The capital of France is"),
+    # no_log=False: counts of tokens and a run's name, no secret (validate-modules suspects the word "token").
+    max_new_tokens=dict(type="int", default=16, no_log=False),
+    accept_length_min=dict(type="float", default=1.5),
+    load_requests=dict(type="int", default=4),
+    load_max_new_tokens=dict(type="int", default=64, no_log=False),
+    baseline_tokens_per_s=dict(type="float", no_log=False),
+    no_spec_tokens_per_s=dict(type="float", no_log=False),
+    regression_threshold=dict(type="float", default=0.1),
+    regression_action=dict(type="str", choices=["warn", "fail"], default="warn"),
+    patch_manifest=dict(type="path"),
+    controller=dict(type="str", default=""),
+    command=dict(type="str", default=""),
+    expected_config_hash=dict(type="str"),
+    phase=dict(type="str", choices=["all", *MULTINODE_PHASES], default="all"),
+    group_ok=dict(type="bool", default=True),
+    group_why=dict(type="str", default=""),
+    group_token=dict(type="str", no_log=False),  # a run's name, shown in the lock's holder: no secret
+    group_lease_s=dict(type="float", default=1470.0),
+    evidence=dict(type="bool", default=True),
+    evidence_budget_s=dict(type="float", default=10.0),
+    unit_content=dict(type="str"),
+    env_content=dict(type="str"),
+    secrets_content=dict(type="str", no_log=True),
+    validate_instances=dict(type="list", elements="dict"),
+    min_shm_mib=dict(type="int", default=0),
+    detach=dict(type="bool", default=False),
+    progress_every=dict(type="float", default=2.0),
+    bench=dict(type="dict", options=bench.OPTIONS),
+    metrics_dir=dict(type="path"),
+)
 
-def main() -> None:
-    module = AnsibleModule(
-        argument_spec=dict(
-            action=dict(type="str", choices=list(ACTIONS), required=True),
-            instance=dict(type="dict", required=True),
-            service_user=dict(type="str", default="sglang"),
-            state_dir=dict(type="path", default="/var/lib/sglang"),
-            ready_timeout=dict(type="float", default=900.0),
-            gpu_timeout=dict(type="float", default=120.0),
-            gpu_interval=dict(type="float", default=0.1),
-            max_used_mib=dict(type="int", default=1024),
-            stop_policy=dict(type="str", choices=["none", "own", "force"], default="own"),
-            rollback=dict(type="bool", default=True),
-            known_good_keep=dict(type="int", default=5),
-            prompt=dict(type="str", default="The capital of France is"),
-            # no_log=False: counts of tokens and a run's name, no secret (validate-modules suspects the word "token").
-            max_new_tokens=dict(type="int", default=16, no_log=False),
-            accept_length_min=dict(type="float", default=1.5),
-            load_requests=dict(type="int", default=4),
-            load_max_new_tokens=dict(type="int", default=64, no_log=False),
-            baseline_tokens_per_s=dict(type="float", no_log=False),
-            no_spec_tokens_per_s=dict(type="float", no_log=False),
-            regression_threshold=dict(type="float", default=0.1),
-            regression_action=dict(type="str", choices=["warn", "fail"], default="warn"),
-            patch_manifest=dict(type="path"),
-            controller=dict(type="str", default=""),
-            command=dict(type="str", default=""),
-            expected_config_hash=dict(type="str"),
-            phase=dict(type="str", choices=["all", *MULTINODE_PHASES], default="all"),
-            group_ok=dict(type="bool", default=True),
-            group_why=dict(type="str", default=""),
-            group_token=dict(type="str", no_log=False),  # a run's name, shown in the lock's holder: no secret
-            group_lease_s=dict(type="float", default=1470.0),
-            evidence=dict(type="bool", default=True),
-            evidence_budget_s=dict(type="float", default=10.0),
-            unit_content=dict(type="str"),
-            env_content=dict(type="str"),
-            secrets_content=dict(type="str", no_log=True),
-            validate_instances=dict(type="list", elements="dict"),
-            min_shm_mib=dict(type="int", default=0),
-            detach=dict(type="bool", default=False),
-            progress_every=dict(type="float", default=2.0),
-            bench=dict(type="dict", options=bench.OPTIONS),
-            metrics_dir=dict(type="path"),
-        ),
-        supports_check_mode=True,
-    )
+
+def _refuse_invalid(module: AnsibleModule) -> None:
+    """Fail the task, before anything is touched, for a GPU poll interval out of range or a bench it cannot run."""
     p = module.params
-    module.no_log_values.update(in_env := env_secrets(p["instance"], p["env_content"]))  # before any failure
     if not 0 < p["gpu_interval"] <= 0.25:
         module.fail_json(
             msg=f"gpu_interval is {p['gpu_interval']}: poll at least every 0.25 s", outcome=outcomes.INVALID_CONFIG
@@ -554,17 +552,24 @@ def main() -> None:
                 raise ValueError(f"not in a multi-node restart's phase {p['phase']} (one node's restart only)")
     except ValueError as exc:
         module.fail_json(msg=f"bench: {exc}: nothing was restarted", outcome=outcomes.INVALID_CONFIG)
+
+
+def _instance(module: AnsibleModule) -> Instance:
+    """The instance record as the state machine reads it; the task failed for one that was not rendered."""
+    p = module.params
     try:
-        inst = Instance.from_params({**p["instance"], "service_user": p["service_user"], "state_dir": p["state_dir"]})
+        return Instance.from_params({**p["instance"], "service_user": p["service_user"], "state_dir": p["state_dir"]})
     except (TypeError, ValueError) as exc:
         module.fail_json(msg=f"instance: not a rendered instance record ({exc})", outcome=outcomes.INVALID_CONFIG)
-    # SGLang logs its server_args (the API key included, as a repr) and a journal tail goes into failures: every
-    # secret, this run's too (a rotated key), is stripped from what this module returns, in every form it takes.
-    redact = inst.redactor([*parse_env(p["secrets_content"] or "").values(), *in_env])
-    module.no_log_values.update(redact.raw)
+
+
+def _settings(module: AnsibleModule, inst: Instance) -> Settings:
+    """The state machine's settings: the parameters that are settings as they are, and those built here (the
+    rendered files and the bench for a restart only, the secrets with the rendered files, the thresholds)."""
+    p = module.params
     both = p["unit_content"] is not None and p["env_content"] is not None
     rendered = {inst.unit_path: p["unit_content"], inst.env_path: p["env_content"]} if both else None
-    settings = Settings(
+    return Settings(
         check_mode=module.check_mode,
         rendered=rendered if p["action"] == "restart" else None,
         secrets=p["secrets_content"] if rendered is not None else None,
@@ -573,16 +578,35 @@ def main() -> None:
         bench=p["bench"] if p["action"] == "restart" else None,
         **{k: p[k] for k in SETTINGS},
     )
-    machine = Machine(inst, settings, action=p["action"])
-    if settings.bench:  # the benchmark port measures each level `repeat` times (the state machine passes the rest)
-        machine.ports.bench = functools.partial(bench.run, repeat=settings.bench["repeat"])
+
+
+def _recorded_action(module: AnsibleModule):
+    """The action, its outcome written to the metrics directory where this call ends a restart (metrics.recorded)."""
+    p = module.params
     # A multi-node group's phases each see part of its restart: a whole one is written (phase all), and a group's
     # end on each node (its outcome and known-good generation; its duration and downtime no phase saw whole).
     ends = p["phase"] == "all" or p["phase"] in GROUP_ENDS
     directory = p["metrics_dir"] if ends and not module.check_mode else None
-    action = metrics.recorded(
+    return metrics.recorded(
         p["action"], ACTIONS[p["action"]], directory, {k: p[k] for k in THRESHOLDS}, whole=p["phase"] == "all"
     )
+
+
+def main() -> None:
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    p = module.params
+    module.no_log_values.update(in_env := env_secrets(p["instance"], p["env_content"]))  # before any failure
+    _refuse_invalid(module)
+    inst = _instance(module)
+    # SGLang logs its server_args (the API key included, as a repr) and a journal tail goes into failures: every
+    # secret, this run's too (a rotated key), is stripped from what this module returns, in every form it takes.
+    redact = inst.redactor([*parse_env(p["secrets_content"] or "").values(), *in_env])
+    module.no_log_values.update(redact.raw)
+    settings = _settings(module, inst)
+    machine = Machine(inst, settings, action=p["action"])
+    if settings.bench:  # the benchmark port measures each level `repeat` times (the state machine passes the rest)
+        machine.ports.bench = functools.partial(bench.run, repeat=settings.bench["repeat"])
+    action = _recorded_action(module)
     if p["detach"] and p["action"] in ("restart", "rollback") and not module.check_mode:
         # The worker outlives this call's module files: every sglang_deploy module imported first.
         jobs.preload(sglang_deploy)

@@ -107,6 +107,23 @@ def level(
 ) -> dict:
     """`requests` requests, `concurrency` at a time: the level's figures. With `stop`: set at the first failed
     request, after which no request begins (the rest are counted as skipped)."""
+    t0 = time.monotonic()
+    results, failures = _load(base, concurrency, requests, max_new_tokens, api_key, timeout, request, stop)
+    return _figures(concurrency, requests, results, failures, time.monotonic() - t0)
+
+
+def _load(
+    base: str,
+    concurrency: int,
+    requests: int,
+    max_new_tokens: int,
+    api_key,
+    timeout,
+    request,
+    stop: threading.Event | None,
+) -> tuple[list[dict], list[str]]:
+    """(results, failures): `requests` requests sent by `concurrency` threads, each taking the next one until
+    none is left (or `stop` is set); a failure is its message, clipped, and sets `stop`."""
     results, failures, lock = [], [], threading.Lock()
     todo = iter(range(requests))
 
@@ -127,13 +144,16 @@ def level(
             with lock:
                 results.append(r)
 
-    t0 = time.monotonic()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.monotonic() - t0
+    return results, failures
+
+
+def _figures(concurrency: int, requests: int, results: list[dict], failures: list[str], wall: float) -> dict:
+    """The level's figures from its requests' results over its wall time (None where no request gave one)."""
     tokens = sum(r["tokens"] for r in results)
     steps = [r["verify_ct"] for r in results if r["verify_ct"]]
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]

@@ -135,37 +135,15 @@ def first_token(base: str, prompt: str, max_new_tokens: int, stall_s: float, api
         conn.close()
         raise HttpError(f"{url}: {type(exc).__name__}: {exc}", cause=exc) from exc
     cut = threading.Event()
-
-    def watchdog() -> None:
-        cut.set()
-        try:
-            conn.sock.shutdown(socket.SHUT_RDWR)  # every read now returns at once
-        except (OSError, AttributeError):
-            pass
-
-    timer = threading.Timer(max(0.0, stall_s - (time.monotonic() - t0)), watchdog)
+    timer = threading.Timer(max(0.0, stall_s - (time.monotonic() - t0)), _cut, (conn, cut))
     timer.start()
     try:
         conn.request("POST", "/generate", body, headers)
         resp = conn.getresponse()
         if resp.status != 200:
             raise HttpError(f"{url}: HTTP {resp.status}")
-        while True:
-            line = resp.readline(MAX_EVENT)
-            if cut.is_set():
-                raise Stalled(f"{url}: no token in {stall_s:g} s")
-            if not line:
-                raise HttpError(f"{url}: the stream ended without a token")
-            data = line.strip()[len(b"data:") :].strip() if line.startswith(b"data:") else b""
-            if not data or data == b"[DONE]":
-                continue
-            try:
-                doc = json.loads(data)
-                text = doc.get("text") if isinstance(doc, dict) else None
-            except (ValueError, RecursionError):
-                raise HttpError(f"{url}: not an event: {clip(data.decode(errors='replace'), 200, redact)}") from None
-            if text:
-                return time.monotonic() - t0
+        _await_token(resp, url, stall_s, cut, redact)
+        return time.monotonic() - t0
     except (OSError, http.client.HTTPException) as exc:
         if cut.is_set() or isinstance(exc, TimeoutError):
             raise Stalled(f"{url}: no token in {stall_s:g} s", cause=exc) from exc
@@ -173,6 +151,36 @@ def first_token(base: str, prompt: str, max_new_tokens: int, stall_s: float, api
     finally:
         timer.cancel()
         conn.close()
+
+
+def _cut(conn: http.client.HTTPConnection, cut: threading.Event) -> None:
+    """first_token's watchdog, at the stall time: `cut` set, the socket shut."""
+    cut.set()
+    try:
+        conn.sock.shutdown(socket.SHUT_RDWR)  # every read now returns at once
+    except (OSError, AttributeError):
+        pass
+
+
+def _await_token(resp: http.client.HTTPResponse, url: str, stall_s: float, cut: threading.Event, redact) -> None:
+    """Read the stream's events until one carries text. Stalled once the watchdog has cut it; HttpError for a
+    stream that ends first or an event that is not JSON."""
+    while True:
+        line = resp.readline(MAX_EVENT)
+        if cut.is_set():
+            raise Stalled(f"{url}: no token in {stall_s:g} s")
+        if not line:
+            raise HttpError(f"{url}: the stream ended without a token")
+        data = line.strip()[len(b"data:") :].strip() if line.startswith(b"data:") else b""
+        if not data or data == b"[DONE]":
+            continue
+        try:
+            doc = json.loads(data)
+            text = doc.get("text") if isinstance(doc, dict) else None
+        except (ValueError, RecursionError):
+            raise HttpError(f"{url}: not an event: {clip(data.decode(errors='replace'), 200, redact)}") from None
+        if text:
+            return
 
 
 def healthy(base: str, timeout: float = 2.0, api_key: str | None = None) -> bool:

@@ -28,6 +28,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from . import procinfo, progress
 from .durable import write_atomic
@@ -234,34 +235,58 @@ def detach(job: Job, work: Callable[[], dict], on_error: Callable[[BaseException
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the intermediate child; the tests see its effects
-        try:
-            os.close(r)
-            os.close(go_w)
-            os.setsid()
-            worker = os.fork()
-            if worker:
-                os.write(w, str(worker).encode("ascii"))
-                os._exit(0)
-            os.close(w)
-            # Nothing runs before the scope is tried. EOF (the module killed meanwhile) goes on all the same:
-            # the state machine, begun or not, ends in a defined state only if it runs.
-            os.read(go_r, 1)
-            os.close(go_r)
-            null = os.open(os.devnull, os.O_RDWR)
-            out = journal_stream(SCOPE_PREFIX.rstrip("-")) or null
-            os.dup2(null, 0)
-            os.dup2(out, 1)
-            os.dup2(out, 2)
-            try:
-                res = work()
-            except BaseException as exc:  # the state machine contains its own; anything else still ends here
-                res = on_error(exc)
-            write_json(job.result, res)
-            say(f"job {os.path.basename(job.dir)} ended: ok={res.get('ok')}")
-        finally:
-            os._exit(0)
+        _intermediate(job, work, on_error, (r, w), (go_r, go_w))
     os.close(w)
     os.close(go_r)
+    return _adopt(job, pid, r, go_w)
+
+
+def _intermediate(  # pragma: no cover - the intermediate child; the tests see its effects
+    job: Job, work: Callable[[], dict], on_error: Callable[[BaseException], dict], pid_pipe, go_pipe
+) -> NoReturn:
+    """The intermediate child: a session of its own, the worker forked in it and its pid sent up pid_pipe, then
+    gone at once (a double fork: the worker is left to init, no child of the caller's). The worker exits here too."""
+    r, w = pid_pipe
+    go_r, go_w = go_pipe
+    try:
+        os.close(r)
+        os.close(go_w)
+        os.setsid()
+        worker = os.fork()
+        if worker:
+            os.write(w, str(worker).encode("ascii"))
+            os._exit(0)
+        os.close(w)
+        _work(job, work, on_error, go_r)
+    finally:
+        os._exit(0)
+
+
+def _work(  # pragma: no cover - the worker; the tests see its effects
+    job: Job, work: Callable[[], dict], on_error: Callable[[BaseException], dict], go_r: int
+) -> None:
+    """The worker: once the scope is tried, work() with stdin on /dev/null and stdout and stderr on the journal;
+    its return (or on_error's) written to job.result."""
+    # Nothing runs before the scope is tried. EOF (the module killed meanwhile) goes on all the same:
+    # the state machine, begun or not, ends in a defined state only if it runs.
+    os.read(go_r, 1)
+    os.close(go_r)
+    null = os.open(os.devnull, os.O_RDWR)
+    out = journal_stream(SCOPE_PREFIX.rstrip("-")) or null
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    try:
+        res = work()
+    except BaseException as exc:  # the state machine contains its own; anything else still ends here
+        res = on_error(exc)
+    write_json(job.result, res)
+    say(f"job {os.path.basename(job.dir)} ended: ok={res.get('ok')}")
+
+
+def _adopt(job: Job, pid: int, r: int, go_w: int) -> int:
+    """The caller's side: the worker's pid read from the intermediate child (reaped), recorded with its scope, and
+    the worker let go; the worker's pid."""
     worker = None
     try:
         os.waitpid(pid, 0)
@@ -270,14 +295,7 @@ def detach(job: Job, work: Callable[[], dict], on_error: Callable[[BaseException
         if not raw:
             raise OSError("the restart's worker could not be started (its fork failed)")
         worker = int(raw)
-        with open(job.pid_file, "w", encoding="ascii") as f:
-            f.write(str(worker))
-        why = own_scope(worker, job.scope)
-        if why:
-            write_json(os.path.join(job.dir, "scope-error.json"), {"error": why})
-        else:
-            with open(job.unit_file, "w", encoding="ascii") as f:
-                f.write(job.scope)
+        _record(job, worker)
         os.write(go_w, b"g")
     except BaseException:
         # This call fails, so the controller never learns the job: the worker, which has done nothing yet, must not
@@ -291,6 +309,18 @@ def detach(job: Job, work: Callable[[], dict], on_error: Callable[[BaseException
     finally:
         os.close(go_w)
     return worker
+
+
+def _record(job: Job, worker: int) -> None:
+    """The worker's pid file, then its own scope tried: the unit file if made, else scope-error.json saying why."""
+    with open(job.pid_file, "w", encoding="ascii") as f:
+        f.write(str(worker))
+    why = own_scope(worker, job.scope)
+    if why:
+        write_json(os.path.join(job.dir, "scope-error.json"), {"error": why})
+    else:
+        with open(job.unit_file, "w", encoding="ascii") as f:
+            f.write(job.scope)
 
 
 def worker_unit(job: Job) -> dict:

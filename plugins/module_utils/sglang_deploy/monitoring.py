@@ -73,48 +73,10 @@ def scrape_configs(
     listen_address: Prometheus' own --web.listen-address; it scrapes itself there (local_address).
     ValueError naming the host and instance for a bad port, a missing field or two targets at one address.
     """
-    seen: dict[str, str] = {}
-
-    def target(address: str, who: str) -> str:
-        key = address.lower()  # host names are not case-sensitive: N1:9100 is n1:9100
-        if key in seen:
-            raise ValueError(f"{who}: {address} is also {seen[key]}'s target: two jobs would scrape one port")
-        seen[key] = who
-        return address
-
-    server_groups = []
-    for item in servers:
-        host = str(_field(item, "host", "a server"))
-        name = str(_field(item, "instance", f"a server on {host}"))
-        who = f"instance {name} on {host}"
-        if int(item.get("node_rank", 0) or 0) > 0:
-            continue
-        address = str(item.get("address") or host)
-        port = _field(item, "port", who)
-        server_groups.append(
-            {
-                "targets": [target(_address(address, port, who), who)],
-                "labels": {
-                    "host": host,
-                    "sglang_instance": name,
-                    "worker": worker_url(address, int(port), scheme),
-                    "gateway_worker": "true" if item.get("gateway_worker") else "false",
-                },
-            }
-        )
-    gateway_groups = []
-    for item in gateways:
-        host = str(_field(item, "host", "a gateway"))
-        who = f"the gateway on {host}"
-        address = _address(item.get("address") or host, _field(item, "port", who), who)
-        gateway_groups.append({"targets": [target(address, who)], "labels": {"host": host}})
-    node_groups = []
-    for item in nodes:
-        host = str(_field(item, "host", "a node"))
-        who = f"node_exporter on {host}"
-        address = _address(item.get("address") or host, node_exporter_port, who)
-        node_groups.append({"targets": [target(address, who)], "labels": {"host": host}})
-
+    seen: dict[str, str] = {}  # every target so far (lower case) and whose it is: one port, one job
+    server_groups = _server_groups(servers, scheme, seen)
+    gateway_groups = _gateway_groups(gateways, seen)
+    node_groups = _node_groups(nodes, node_exporter_port, seen)
     jobs = [{"job_name": JOBS["self"], "static_configs": [{"targets": [local_address(listen_address)]}]}]
     if server_groups:
         jobs.append({"job_name": JOBS["server"], "scheme": scheme, "static_configs": server_groups})
@@ -123,6 +85,62 @@ def scrape_configs(
     if node_groups:
         jobs.append({"job_name": JOBS["node"], "static_configs": node_groups})
     return jobs
+
+
+def _target(seen: dict[str, str], address: str, who: str) -> str:
+    """address, recorded in `seen` as who's; ValueError when another job already scrapes it."""
+    key = address.lower()  # host names are not case-sensitive: N1:9100 is n1:9100
+    if key in seen:
+        raise ValueError(f"{who}: {address} is also {seen[key]}'s target: two jobs would scrape one port")
+    seen[key] = who
+    return address
+
+
+def _server_groups(servers: Iterable[Mapping], scheme: str, seen: dict[str, str]) -> list[dict]:
+    """The SGLang servers' static_configs, one per instance on node rank 0, labelled as the rules join them."""
+    groups = []
+    for item in servers:
+        host = str(_field(item, "host", "a server"))
+        name = str(_field(item, "instance", f"a server on {host}"))
+        who = f"instance {name} on {host}"
+        if int(item.get("node_rank", 0) or 0) > 0:
+            continue
+        address = str(item.get("address") or host)
+        port = _field(item, "port", who)
+        groups.append(
+            {
+                "targets": [_target(seen, _address(address, port, who), who)],
+                "labels": {
+                    "host": host,
+                    "sglang_instance": name,
+                    "worker": worker_url(address, int(port), scheme),
+                    "gateway_worker": "true" if item.get("gateway_worker") else "false",
+                },
+            }
+        )
+    return groups
+
+
+def _gateway_groups(gateways: Iterable[Mapping], seen: dict[str, str]) -> list[dict]:
+    """The gateways' static_configs, each on its Prometheus port."""
+    groups = []
+    for item in gateways:
+        host = str(_field(item, "host", "a gateway"))
+        who = f"the gateway on {host}"
+        address = _address(item.get("address") or host, _field(item, "port", who), who)
+        groups.append({"targets": [_target(seen, address, who)], "labels": {"host": host}})
+    return groups
+
+
+def _node_groups(nodes: Iterable[Mapping], node_exporter_port: int, seen: dict[str, str]) -> list[dict]:
+    """node_exporter's static_configs, one per GPU node."""
+    groups = []
+    for item in nodes:
+        host = str(_field(item, "host", "a node"))
+        who = f"node_exporter on {host}"
+        address = _address(item.get("address") or host, node_exporter_port, who)
+        groups.append({"targets": [_target(seen, address, who)], "labels": {"host": host}})
+    return groups
 
 
 DURATION = re.compile(r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$")  # Prometheus' duration syntax

@@ -302,48 +302,80 @@ def preflight(
     sizes(min_bytes, max_bytes)  # ValueError before anything runs
     topo, status_map = None, None
     if backend == "nccl":
-        topology = topology if topology is not None else _run_text(run, ["nvidia-smi", "topo", "-m"])
-        if nvlink_status is None:
-            nvlink_status = _run_text(run, ["nvidia-smi", "nvlink", "--status"])
-        topo = parse_topo(topology) if topology else None
-        status_map = parse_nvlink_status(nvlink_status) if nvlink_status else None
-        if gpus is None:
-            if topo is None:
-                raise ValueError("no GPUs given and no topology to find them in (nvidia-smi topo -m failed)")
-            gpus = topo["gpus"]
-        floor = derive_floor(topo, gpus, status_map, floor_gbps)
+        topo, status_map, gpus, floor = _gpu_floor(gpus, floor_gbps, topology, nvlink_status, run)
     else:
-        floor = derive_floor(None, list(range(nprocs or 2)), None, floor_gbps if floor_gbps is not None else 0)
-        floor["reasoning"] = [
-            f"gloo on {nprocs or 2} CPU ranks: no GPU topology; judged against the operator's floor alone.",
-            *floor["reasoning"][:1],
-        ]
+        floor = _cpu_floor(nprocs, floor_gbps)
     out = {"floor": floor, "topology": topo, "nvlink": status_map, "result": None, "command": None}
     if floor["basis"] == "single-gpu":
         return {**out, **judge({}, floor)}
+    wenv = _worker_env(env, base_env, gpus if backend == "nccl" else None)
+    options = ["--backend", backend, "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]
+    options += ["--budget-s", str(budget_s)] + (["--nprocs", str(nprocs)] if nprocs else [])
+    out["command"], text, err = _run_worker(python, options, budget_s, wenv, run)
+    out["result"] = _worker_report(text, err)
+    return {**out, **judge(out["result"], floor)}
+
+
+def _gpu_floor(
+    gpus: list[int] | None, floor_gbps: float | None, topology: str | None, nvlink_status: str | None, run
+) -> tuple[dict | None, dict | None, list[int], dict]:
+    """(topology, nvlink status, gpus, floor) for nccl: nvidia-smi's when not given; gpus all the topology's if None."""
+    topology = topology if topology is not None else _run_text(run, ["nvidia-smi", "topo", "-m"])
+    if nvlink_status is None:
+        nvlink_status = _run_text(run, ["nvidia-smi", "nvlink", "--status"])
+    topo = parse_topo(topology) if topology else None
+    status_map = parse_nvlink_status(nvlink_status) if nvlink_status else None
+    if gpus is None:
+        if topo is None:
+            raise ValueError("no GPUs given and no topology to find them in (nvidia-smi topo -m failed)")
+        gpus = topo["gpus"]
+    return topo, status_map, gpus, derive_floor(topo, gpus, status_map, floor_gbps)
+
+
+def _cpu_floor(nprocs: int, floor_gbps: float | None) -> dict:
+    """The floor for gloo: no topology, so the operator's floor alone (0, report only, when none is set)."""
+    floor = derive_floor(None, list(range(nprocs or 2)), None, floor_gbps if floor_gbps is not None else 0)
+    floor["reasoning"] = [
+        f"gloo on {nprocs or 2} CPU ranks: no GPU topology; judged against the operator's floor alone.",
+        *floor["reasoning"][:1],
+    ]
+    return floor
+
+
+def _worker_env(env: dict[str, str], base_env: dict[str, str] | None, gpus: list[int] | None) -> dict[str, str]:
+    """The worker's environment: base_env (default: PATH, HOME, LANG of this process), env over it, and for nccl
+    (gpus given) CUDA_VISIBLE_DEVICES over both."""
     if base_env is None:
         base_env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
     wenv = {**base_env, **{k: str(v) for k, v in env.items()}}
-    if backend == "nccl":
+    if gpus is not None:
         wenv["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return wenv
+
+
+def _run_worker(
+    python: str, options: list[str], budget_s: float, wenv: dict[str, str], run
+) -> tuple[list[str], str, str]:
+    """(command, stdout, stderr) of the worker, its source written to a temporary directory and run there. A worker
+    that cannot be run or outlives its budget is no exception: no stdout, and the reason as its stderr."""
     with tempfile.TemporaryDirectory(prefix="nccl-preflight-") as tmp:
         path = os.path.join(tmp, "nccl_worker.py")
         with open(path, "w") as f:
             f.write(worker_source())
-        cmd = [python, path, "--backend", backend, "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]
-        cmd += ["--budget-s", str(budget_s)] + (["--nprocs", str(nprocs)] if nprocs else [])
-        out["command"] = cmd
+        cmd = [python, path, *options]
         try:
             res = run(cmd, capture_output=True, text=True, timeout=budget_s + 30, check=False, env=wenv, cwd=tmp)
-            text, err = res.stdout, res.stderr
+            return cmd, res.stdout, res.stderr
         except subprocess.TimeoutExpired:
-            text, err = "", f"the worker did not return within {budget_s + 30:g}s"
+            return cmd, "", f"the worker did not return within {budget_s + 30:g}s"
         except OSError as exc:
-            text, err = "", f"could not run {python}: {exc}"
+            return cmd, "", f"could not run {python}: {exc}"
+
+
+def _worker_report(text: str, err: str) -> dict:
+    """The worker's JSON report, or a failed one naming the last line it printed."""
     try:
-        result = json.loads(text)
+        return json.loads(text)
     except ValueError:
         tail = nccl_worker.last_line(err) or nccl_worker.last_line(text) or "no output"
-        result = {"ok": False, "error": f"the worker printed no report: {tail}", "nccl_message": None}
-    out["result"] = result
-    return {**out, **judge(result, floor)}
+        return {"ok": False, "error": f"the worker printed no report: {tail}", "nccl_message": None}

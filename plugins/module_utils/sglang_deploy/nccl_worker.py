@@ -215,54 +215,8 @@ def _rank(args: argparse.Namespace) -> int:  # pragma: no cover - needs torch (a
         import torch.distributed as dist
 
         out["torch"] = torch.__version__
-        gpu = args.backend == "nccl"
-        if gpu:
-            torch.cuda.set_device(args.rank)
-            device = torch.device("cuda", args.rank)
-            out["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
-            dist.init_process_group("nccl", rank=args.rank, world_size=args.world, device_id=device)
-        else:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-        dtype = getattr(torch, args.dtype)
-        elem = torch.tensor([], dtype=dtype).element_size()
-        buf = torch.zeros(args.max_bytes // elem, dtype=dtype, device=device)
-
-        def sync() -> None:
-            if gpu:
-                torch.cuda.synchronize()
-
-        def slowest(seconds: float) -> float:
-            t = torch.tensor([seconds], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t.item())
-
-        def timed(view, n: int) -> float:
-            dist.barrier()
-            sync()
-            if gpu:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(n):
-                    dist.all_reduce(view)
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / 1e3
-            t0 = time.perf_counter()
-            for _ in range(n):
-                dist.all_reduce(view)
-            return time.perf_counter() - t0
-
-        results = []
-        for nbytes in sizes(args.min_bytes, args.max_bytes):
-            view = buf[: nbytes // elem]
-            once = slowest(timed(view, args.warmup) / max(args.warmup, 1))
-            iters = int(min(args.max_iters, max(args.min_iters, args.per_size_s // max(once, 1e-6))))
-            seconds = slowest(timed(view, iters) / iters)
-            results.append({"bytes": nbytes, "iters": iters, "seconds": seconds})
-            out["results"] = results  # what is measured so far survives a kill at the budget
-            with open(args.result, "w") as f:
-                json.dump(out, f)
+        device = _init_group(torch, dist, args, out)
+        _measure(torch, dist, args, device, out)
         check = torch.full((1024,), float(args.rank + 1), dtype=torch.float32, device=device)
         dist.all_reduce(check)
         out["sum_ok"] = bool((check == args.world * (args.world + 1) / 2).all().item())
@@ -276,6 +230,62 @@ def _rank(args: argparse.Namespace) -> int:  # pragma: no cover - needs torch (a
     with open(args.result, "w") as f:
         json.dump(out, f)
     return rc
+
+
+def _init_group(torch, dist, args: argparse.Namespace, out: dict):  # pragma: no cover - needs torch
+    """Join the process group (nccl: on the rank's GPU, its NCCL version in `out`); the device the rank works on."""
+    if args.backend == "nccl":
+        torch.cuda.set_device(args.rank)
+        device = torch.device("cuda", args.rank)
+        out["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        dist.init_process_group("nccl", rank=args.rank, world_size=args.world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    return device
+
+
+def _measure(torch, dist, args: argparse.Namespace, device, out: dict) -> None:  # pragma: no cover - needs torch
+    """All-reduce every size: a warm-up sets the iteration count, the timed run the time; out["results"] grows."""
+    gpu = args.backend == "nccl"
+    dtype = getattr(torch, args.dtype)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    buf = torch.zeros(args.max_bytes // elem, dtype=dtype, device=device)
+    results = []
+    for nbytes in sizes(args.min_bytes, args.max_bytes):
+        view = buf[: nbytes // elem]
+        once = _slowest(torch, dist, device, _timed(torch, dist, view, args.warmup, gpu) / max(args.warmup, 1))
+        iters = int(min(args.max_iters, max(args.min_iters, args.per_size_s // max(once, 1e-6))))
+        seconds = _slowest(torch, dist, device, _timed(torch, dist, view, iters, gpu) / iters)
+        results.append({"bytes": nbytes, "iters": iters, "seconds": seconds})
+        out["results"] = results  # what is measured so far survives a kill at the budget
+        with open(args.result, "w") as f:
+            json.dump(out, f)
+
+
+def _slowest(torch, dist, device, seconds: float) -> float:  # pragma: no cover - needs torch
+    """The largest of every rank's `seconds`: the slowest rank's time is the size's."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed(torch, dist, view, n: int, gpu: bool) -> float:  # pragma: no cover - needs torch
+    """Seconds of n all-reduces of `view` after a barrier: CUDA events on a GPU, the wall clock on a CPU."""
+    dist.barrier()
+    if gpu:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            dist.all_reduce(view)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(view)
+    return time.perf_counter() - t0
 
 
 def _free_port() -> int:

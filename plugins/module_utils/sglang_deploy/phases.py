@@ -435,7 +435,8 @@ class PlanStep:
     step: str
     title: str
     phase: str = ""
-    on: str = ""  # held_back (refused before the stop), going (selected, in step), rolled, rolled_going (rolled, in step)
+    # held_back (refused before the stop), going (selected, in step), rolled, rolled_going (rolled, in step)
+    on: str = ""
     soft: bool = False
     judged: bool = False
     rollback: bool = False

@@ -53,6 +53,41 @@ def server_config(
     instance's flags; the same for the environment. The instance's GPUs become
     CUDA_VISIBLE_DEVICES and, unless a flag says otherwise, the tensor parallel size.
     """
+    prof = _profile(profiles, profile)
+    inst_name = f"sglang_instances[{instance_index}]"
+    gpus = instance.get("gpus") or []
+    if not gpus:
+        raise ConfigError(f"{inst_name} ({instance.get('name', '?')}) has no gpus")
+    flags, origins = _layered_flags(
+        [
+            ("sglang_server_flags", common_flags or {}),
+            (f"sglang_profiles.{profile}.flags", prof.get("flags") or {}),
+            (f"{inst_name}.flags", instance.get("flags") or {}),
+        ]
+    )
+    nnodes = int(instance.get("nnodes") or 1)
+    argv = _fixed_argv(_fixed_flags(instance, inst_name, model_path, listen_host, nnodes), flags, origins)
+    if "tp_size" not in flags and "tp" not in flags:
+        flags["tp_size"] = len(gpus) * nnodes // int(flags.get("dp_size") or 1) // int(flags.get("pp_size") or 1) or 1
+        origins["--tp-size"] = f"{inst_name}.gpus (one tensor-parallel rank per GPU)"
+    for key in sorted(flags):
+        argv += _render_value(flag_name(key), flags[key])
+    env, env_origins = _layered_env(
+        [
+            ("sglang_server_env", common_env or {}),
+            (f"sglang_profiles.{profile}.env", prof.get("env") or {}),
+            (f"{inst_name}.env", instance.get("env") or {}),
+        ]
+    )
+    if "CUDA_VISIBLE_DEVICES" in env:
+        raise ConfigError(f"{env_origins['CUDA_VISIBLE_DEVICES']}: CUDA_VISIBLE_DEVICES comes from {inst_name}.gpus")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    env_origins["CUDA_VISIBLE_DEVICES"] = f"{inst_name}.gpus"
+    return {"argv": argv, "origins": origins, "env": env, "env_origins": env_origins, "profile": profile}
+
+
+def _profile(profiles: dict[str, Any], profile: str) -> dict[str, Any]:
+    """The profile's settings ({} for an empty one); ConfigError for an unknown profile or an unknown key in it."""
     if profile not in profiles:
         raise ConfigError(
             f"sglang_profile {profile!r} is not in sglang_profiles (known: {', '.join(sorted(profiles))})"
@@ -63,15 +98,13 @@ def server_config(
         raise ConfigError(
             f"sglang_profiles.{profile}: unknown keys {sorted(unknown)} (allowed: description, flags, env, baseline)"
         )
-    inst_name = f"sglang_instances[{instance_index}]"
-    gpus = instance.get("gpus") or []
-    if not gpus:
-        raise ConfigError(f"{inst_name} ({instance.get('name', '?')}) has no gpus")
-    layers = [
-        ("sglang_server_flags", common_flags or {}),
-        (f"sglang_profiles.{profile}.flags", prof.get("flags") or {}),
-        (f"{inst_name}.flags", instance.get("flags") or {}),
-    ]
+    return prof
+
+
+def _layered_flags(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(flags, origins) of (where, flags) layers, lowest first: a later layer's key replaces an earlier one's.
+
+    ConfigError for a key not written as snake_case and for a secret flag (it would sit in the unit file)."""
     flags: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for where, layer in layers:
@@ -85,13 +118,19 @@ def server_config(
                 )
             flags[key] = value
             origins[flag_name(key)] = f"{where}.{key}"
+    return flags, origins
+
+
+def _fixed_flags(
+    instance: dict[str, Any], inst_name: str, model_path: str, listen_host: str, nnodes: int
+) -> dict[str, tuple[Any, str]]:
+    """{key: (value, the setting it comes from)} of the flags no flags layer may set: model, address, placement."""
     fixed = {
         "model_path": (model_path, "sglang_model_path"),
         "host": (listen_host, "sglang_listen_host"),
         "port": (instance.get("port"), f"{inst_name}.port"),
     }
     # One model over several nodes: every node runs the same instance with its own rank.
-    nnodes = int(instance.get("nnodes") or 1)
     if nnodes > 1:
         for key in ("node_rank", "dist_init_addr"):
             if instance.get(key) in (None, ""):
@@ -101,6 +140,11 @@ def server_config(
         fixed["nnodes"] = (nnodes, f"{inst_name}.nnodes")
         fixed["node_rank"] = (int(instance["node_rank"]), f"{inst_name}.node_rank")
         fixed["dist_init_addr"] = (instance["dist_init_addr"], f"{inst_name}.dist_init_addr")
+    return fixed
+
+
+def _fixed_argv(fixed: dict[str, tuple[Any, str]], flags: dict[str, Any], origins: dict[str, str]) -> list[str]:
+    """The argv of the fixed flags, their origins recorded; ConfigError for one a flags layer sets too, or one unset."""
     for key, (value, where) in fixed.items():
         if key in flags:
             raise ConfigError(
@@ -112,19 +156,16 @@ def server_config(
     for key, (value, where) in fixed.items():
         argv += _render_value(flag_name(key), value)
         origins[flag_name(key)] = where
-    if "tp_size" not in flags and "tp" not in flags:
-        flags["tp_size"] = len(gpus) * nnodes // int(flags.get("dp_size") or 1) // int(flags.get("pp_size") or 1) or 1
-        origins["--tp-size"] = f"{inst_name}.gpus (one tensor-parallel rank per GPU)"
-    for key in sorted(flags):
-        argv += _render_value(flag_name(key), flags[key])
+    return argv
 
+
+def _layered_env(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, str], dict[str, str]]:
+    """(env, origins) of (where, variables) layers, lowest first, each value as the env file writes it.
+
+    ConfigError for a secret (the env file is configuration; secrets go to the secrets file)."""
     env: dict[str, str] = {}
     env_origins: dict[str, str] = {}
-    for where, layer in (
-        ("sglang_server_env", common_env or {}),
-        (f"sglang_profiles.{profile}.env", prof.get("env") or {}),
-        (f"{inst_name}.env", instance.get("env") or {}),
-    ):
+    for where, layer in layers:
         for name, value in layer.items():
             if value is None:  # null unsets what a lower layer set (autotune's baseline and '' values)
                 env.pop(name, None)
@@ -139,11 +180,7 @@ def server_config(
                 )
             env[name] = "1" if value is True else "0" if value is False else str(value)
             env_origins[name] = f"{where}.{name}"
-    if "CUDA_VISIBLE_DEVICES" in env:
-        raise ConfigError(f"{env_origins['CUDA_VISIBLE_DEVICES']}: CUDA_VISIBLE_DEVICES comes from {inst_name}.gpus")
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-    env_origins["CUDA_VISIBLE_DEVICES"] = f"{inst_name}.gpus"
-    return {"argv": argv, "origins": origins, "env": env, "env_origins": env_origins, "profile": profile}
+    return env, env_origins
 
 
 RESERVED_NAMES = ("known-good", "validated", "locks", "pending", "secrets", "instances", "evidence")
