@@ -74,6 +74,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -835,43 +836,99 @@ def lost_allowed(
 
 
 def run_one(fleet: Fleet, plan: dict, index: int, args: argparse.Namespace, expected_s: float) -> dict:
-    if plan["moment"]["kind"] == "delay":
-        m = plan["moment"]
-        plan = {**plan, "moment": {**m, "expected_s": expected_s, "delay_s": round(m["fraction"] * expected_s, 1)}}
+    """One run: the fleet checked and configured for its fault, the rollout under load with the fault injected,
+    then the run's record and its five invariants (the module's docstring lists them)."""
+    plan = with_delay(plan, expected_s)
     rec: dict = {"index": index, **plan, "events": [], "violations": [], "notes": []}
-    fault, target = plan["fault"], plan.get("target")
     rec["start_problems"] = clean(fleet)
     if rec["start_problems"]:
         rec["notes"].append(f"not clean at the start: {rec['start_problems']}")
+    envs = configure_run(fleet, plan, rec)
+    inventory = fleet.write_inventory("chaos-run.yml", envs)
+    first_id = last_ledger_id(fleet.ledger)
+    run = roll_under_load(fleet, plan, inventory, args)
+    said = record_rollout(fleet, plan, rec, run, first_id)
+    final = check_serving(fleet, rec, said)  # (1)
+    check_lost(rec, plan, run, said.killed)  # (2)
+    check_unavailable(rec, args, run, plan["fault"], said.injected)  # (3)
+    check_exit_code(rec, plan, run, said, final)  # (4)
+    check_ledger(rec, run, said)  # (5)
+    return rec
+
+
+def with_delay(plan: dict, expected_s: float) -> dict:
+    """A delay's moment in seconds: its drawn fraction of a whole rollout's time on this lab so far."""
+    if plan["moment"]["kind"] != "delay":
+        return plan
+    m = plan["moment"]
+    return {**plan, "moment": {**m, "expected_s": expected_s, "delay_s": round(m["fraction"] * expected_s, 1)}}
+
+
+def configure_run(fleet: Fleet, plan: dict, rec: dict) -> dict[str, dict]:
+    """Each replica's env for the run's new configuration, and what the fault sets up before the rollout starts."""
+    fault, target = plan["fault"], plan.get("target")
     token = str(time.time_ns())
     envs = {h: {"LAB_ROLLOUT": token} for h in fleet.replicas}
     if fault == "canary-crash":
         envs[target]["LAB_STANDIN_FAULT"] = "crash-first-decode"
     if fault == "metrics-slow":
         envs[target]["LAB_STANDIN_METRICS"] = plan["value"]
-        knob = fleet.write_inventory("chaos-knob.yml", {target: {"LAB_STANDIN_METRICS": plan["value"]}})
-        code, _, err = fleet.driver("restart", "-i", str(knob), "--limit", target)
-        rec["events"].append(
-            {"t_s": None, "what": f"{target} restarted with LAB_STANDIN_METRICS={plan['value']}: exit {code}"}
-        )
-        if code != 0:
-            rec["notes"].append(f"the knob's restart failed (exit {code}): {err[-300:]}")
-        wait_router_all_in(fleet, 60)
+        slow_metrics(fleet, target, plan["value"], rec)
     fleet.resolve_ips()
     if fault == "ip-alias":
-        ip = fleet.ips.get(target)
-        listing = fleet.workers() or []
-        for w in listing:
-            if w["url"] == fleet.url(target):
-                fleet.router_api("delete", w["id"])
-        alias = f"http://{ip}:{RO['port']}"
-        fleet.router_api("add", alias)
-        ok = wait_for(lambda: any(w["url"] == alias and w.get("is_healthy") for w in fleet.workers() or []), 60)
-        rec["alias"] = alias
-        rec["events"].append({"t_s": None, "what": f"{target} re-registered as {alias} (listed healthy: {ok})"})
-    inventory = fleet.write_inventory("chaos-run.yml", envs)
-    first_id = last_ledger_id(fleet.ledger)
+        alias_by_ip(fleet, target, rec)
+    return envs
 
+
+def slow_metrics(fleet: Fleet, target: str, value: str, rec: dict) -> None:
+    """metrics-slow: the target restarted with its /metrics slow or 503 before the run, so that the drain reads it."""
+    knob = fleet.write_inventory("chaos-knob.yml", {target: {"LAB_STANDIN_METRICS": value}})
+    code, _, err = fleet.driver("restart", "-i", str(knob), "--limit", target)
+    rec["events"].append({"t_s": None, "what": f"{target} restarted with LAB_STANDIN_METRICS={value}: exit {code}"})
+    if code != 0:
+        rec["notes"].append(f"the knob's restart failed (exit {code}): {err[-300:]}")
+    wait_router_all_in(fleet, 60)
+
+
+def alias_by_ip(fleet: Fleet, target: str, rec: dict) -> None:
+    """ip-alias: the target re-registered in the router under its IP address, as an operator's curl would."""
+    ip = fleet.ips.get(target)
+    listing = fleet.workers() or []
+    for w in listing:
+        if w["url"] == fleet.url(target):
+            fleet.router_api("delete", w["id"])
+    alias = f"http://{ip}:{RO['port']}"
+    fleet.router_api("add", alias)
+    ok = wait_for(lambda: any(w["url"] == alias and w.get("is_healthy") for w in fleet.workers() or []), 60)
+    rec["alias"] = alias
+    rec["events"].append({"t_s": None, "what": f"{target} re-registered as {alias} (listed healthy: {ok})"})
+
+
+@dataclass
+class Rollout:
+    """One run's rollout as it went: the driver (its exit code, its start and end), the timed fault's injector, the
+    load (its statistics: None when it gave none) and the router's samples."""
+
+    drv: Watched
+    code: int
+    t_end: float
+    injector: Injector | None
+    load: Load | None
+    stats: dict | None
+    samples: list[dict]
+
+    @property
+    def t0(self) -> float:
+        return self.drv.started
+
+    @property
+    def injected_at(self) -> float | None:
+        return self.injector.injected_at if self.injector else None
+
+
+def roll_under_load(fleet: Fleet, plan: dict, inventory: Path, args: argparse.Namespace) -> Rollout:
+    """`python -m driver rollout` under loadgen's load, the router sampled, a timed fault injected at its moment.
+    Whatever fails, nothing of the run's is left running (the exception goes on once all is stopped)."""
     sampler = Sampler(fleet)
     load = drv = injector = None
     stats = None
@@ -881,7 +938,7 @@ def run_one(fleet: Fleet, plan: dict, index: int, args: argparse.Namespace, expe
         argv = ["rollout", "-i", str(inventory), "-e", GATE, "--max-unavailable", str(args.max_unavailable)]
         argv += ["--max-fail", str(args.max_fail)]
         drv = Watched(fleet.driver_argv(*argv), env=fleet.env())
-        injector = Injector(plan, fleet, drv, sampler) if fault in TIMED else None
+        injector = Injector(plan, fleet, drv, sampler) if plan["fault"] in TIMED else None
         if injector:
             injector.start()
         code = drv.wait(DRIVER_LIMIT_S)
@@ -896,12 +953,32 @@ def run_one(fleet: Fleet, plan: dict, index: int, args: argparse.Namespace, expe
         if load is not None:
             stats = load.stop()
         samples = sampler.stop()
-    t0, t_end = drv.started, drv.ended or now()
-    rec["driver_s"] = round(t_end - t0, 1)
-    rec["exit_code"] = code
-    rec["timed_out"] = drv.timed_out
-    err = "".join(drv.err)
-    doc = parse_doc("".join(drv.out))
+    return Rollout(drv, code, drv.ended or now(), injector, load, stats, samples)
+
+
+@dataclass
+class Reported:
+    """What the run's checks read beside the rollout: the driver's --json document, its 'left' lines, the last
+    play's list, the ledger's rows of the run (the rollout's among them), whether the fault was injected, and the
+    replica a node-killed fault killed."""
+
+    doc: dict | None
+    left: list[str]
+    where: list[str]
+    rows: list[dict]
+    rollout_row: dict | None
+    injected: bool
+    killed: str | None
+
+
+def record_rollout(fleet: Fleet, plan: dict, rec: dict, run: Rollout, first_id: int) -> Reported:
+    """The run's record: the driver's exit, output and rows, the injection, the ledger, the router's timeline."""
+    fault, injector, t0 = plan["fault"], run.injector, run.t0
+    rec["driver_s"] = round(run.t_end - t0, 1)
+    rec["exit_code"] = run.code
+    rec["timed_out"] = run.drv.timed_out
+    err = "".join(run.drv.err)
+    doc = parse_doc("".join(run.drv.out))
     if injector:
         rec["events"] += injector.events
     injected = fault not in TIMED or (injector is not None and injector.injected_at is not None)
@@ -921,25 +998,31 @@ def run_one(fleet: Fleet, plan: dict, index: int, args: argparse.Namespace, expe
     rollout_row = next((r for r in rows if r["command"] == "rollout"), None)
     where = where_lines(rollout_row["events_path"] if rollout_row else None)
     rec["last_play"] = where
-    rec["timeline"] = timeline(samples, t0)
+    rec["timeline"] = timeline(run.samples, t0)
     if fault == "router-restart" and injector and injector.injected_at:
-        # What the restarted router lists: its first answers after the restart (the unit's --worker-urls only).
-        gone = next((s["t"] for s in samples if s["t"] >= injector.injected_at and s["state"] is None), None)
-        after = [s for s in samples if s["t"] > (gone or injector.injected_at) and s["state"] is not None][:5]
-        rec["router_after_restart"] = [
-            {"t_s": round(s["t"] - t0, 2), "listed": [[w[0], w[1]] for w in s["w"]]} for s in after
-        ]
-    killed = target if fault == "node-killed" and injected else None
+        rec["router_after_restart"] = router_after_restart(run.samples, injector.injected_at, t0)
+    killed = plan.get("target") if fault == "node-killed" and injected else None
+    return Reported(doc, left, where, rows, rollout_row, injected, killed)
 
-    # (1) every replica serving and in the router, or reported out with a reason
-    v1, st, took = check_replicas(fleet, doc, left, where, killed)
+
+def router_after_restart(samples: list[dict], restarted_at: float, t0: float) -> list[dict]:
+    """What the restarted router lists: its first answers after the restart (the unit's --worker-urls only)."""
+    gone = next((s["t"] for s in samples if s["t"] >= restarted_at and s["state"] is None), None)
+    after = [s for s in samples if s["t"] > (gone or restarted_at) and s["state"] is not None][:5]
+    return [{"t_s": round(s["t"] - t0, 2), "listed": [[w[0], w[1]] for w in s["w"]]} for s in after]
+
+
+def check_serving(fleet: Fleet, rec: dict, said: Reported) -> dict:
+    """Invariant (1): every replica serving and in the router, or reported out with a reason. Returns the state
+    check_replicas settled on (its first health read tells invariant 4 whether a server was left down)."""
+    v1, st, took = check_replicas(fleet, said.doc, said.left, said.where, said.killed)
     rec["final"] = {
         "health_at_end": st["first_health"],
         "health": st["health"],
         "router": [[w["url"], w.get("is_healthy")] for w in st["router"]] if st["router"] is not None else None,
         "settled_in_s": took,
     }
-    if doc is None:
+    if said.doc is None:
         v1.append("(1) the driver printed no --json document")
     names = [w["url"] for w in st["router"] or []]
     extra = [u for u in names if u not in {fleet.url(n) for n in fleet.replicas}]
@@ -947,37 +1030,45 @@ def run_one(fleet: Fleet, plan: dict, index: int, args: argparse.Namespace, expe
     if extra or dup:
         rec["notes"].append(f"the router lists, besides the replicas' names: {extra}; duplicates: {dup}")
     rec["violations"] += v1
+    return st
 
-    # (2) requests lost
+
+def check_lost(rec: dict, plan: dict, run: Rollout, killed: str | None) -> None:
+    """Invariant (2): requests lost only where the fault allows (lost_allowed), the load's record beside it."""
+    stats, load, t0 = run.stats, run.load, run.t0
     kill_at_load_s = None
     if stats is None:
         rec["violations"].append("(2) no statistics from the load generator")
         rec["load"] = None
-    else:
-        if killed and injector and injector.injected_at:
-            kill_at_load_s = injector.injected_at - load.t0
-        # Where the failures fall: while the router itself did not answer (a router-restart's own outage) or not.
-        down = router_down_windows(samples)
-        at = [load.t0 + x for x in stats.get("failed_at_s", [])]
-        allowed, why = lost_allowed(plan, stats, kill_at_load_s, at, down)
-        rec["load"] = {k: stats.get(k) for k in ("sent", "ok", "failed", "truncated", "not_streamed", "lost", "p99_s")}
-        rec["load"]["failures"] = [
-            {**f, "at_run_s": round(load.t0 + f["at_s"] - t0, 2)} for f in stats.get("failures", [])[:20]
-        ]
-        rec["lost_allowed"] = allowed
-        rec["lost_allowed_why"] = why
-        rec["router_down_windows_s"] = [[round(a - t0, 2), round(b - t0, 2)] for a, b in down]
-        rec["load"]["failures_while_router_down"] = sum(1 for x in at if any(a - 0.5 <= x <= b + 0.5 for a, b in down))
-        # The failures outside the router's outage, on the run's clock (what a violation is made of), the first 20.
-        rec["load"]["failures_outside_router_down_s"] = [
-            round(x - t0, 2) for x in at if not any(a - 0.5 <= x <= b + 0.5 for a, b in down)
-        ][:20]
-        if stats["lost"] > allowed:
-            rec["violations"].append(f"(2) {stats['lost']} requests lost, {allowed} allowed ({why})")
+        return
+    if killed and run.injected_at:
+        kill_at_load_s = run.injected_at - load.t0
+    # Where the failures fall: while the router itself did not answer (a router-restart's own outage) or not.
+    down = router_down_windows(run.samples)
+    at = [load.t0 + x for x in stats.get("failed_at_s", [])]
+    allowed, why = lost_allowed(plan, stats, kill_at_load_s, at, down)
+    rec["load"] = {k: stats.get(k) for k in ("sent", "ok", "failed", "truncated", "not_streamed", "lost", "p99_s")}
+    rec["load"]["failures"] = [
+        {**f, "at_run_s": round(load.t0 + f["at_s"] - t0, 2)} for f in stats.get("failures", [])[:20]
+    ]
+    rec["lost_allowed"] = allowed
+    rec["lost_allowed_why"] = why
+    rec["router_down_windows_s"] = [[round(a - t0, 2), round(b - t0, 2)] for a, b in down]
+    rec["load"]["failures_while_router_down"] = sum(1 for x in at if any(a - 0.5 <= x <= b + 0.5 for a, b in down))
+    # The failures outside the router's outage, on the run's clock (what a violation is made of), the first 20.
+    rec["load"]["failures_outside_router_down_s"] = [
+        round(x - t0, 2) for x in at if not any(a - 0.5 <= x <= b + 0.5 for a, b in down)
+    ][:20]
+    if stats["lost"] > allowed:
+        rec["violations"].append(f"(2) {stats['lost']} requests lost, {allowed} allowed ({why})")
 
-    # (3) at most max-unavailable out at once; the failure budget
+
+def check_unavailable(rec: dict, args: argparse.Namespace, run: Rollout, fault: str, injected: bool) -> None:
+    """Invariant (3): at most --max-unavailable replicas out at once (one more where the fault takes one out), and
+    the failure budget."""
+    t0 = run.t0
     bound = args.max_unavailable + (1 if fault in TAKES_ONE_OUT and injected else 0)
-    during = [s for s in samples if t0 <= s["t"] <= t_end]
+    during = [s for s in run.samples if t0 <= s["t"] <= run.t_end]
     answered = [s for s in during if s["state"]]
     max_out, worst = 0, None
     for s in answered:
@@ -998,30 +1089,35 @@ def run_one(fleet: Fleet, plan: dict, index: int, args: argparse.Namespace, expe
     if len(failed_hosts) > args.max_fail + 1:
         rec["violations"].append(f"(3) {len(failed_hosts)} replicas failed ({failed_hosts}), budget {args.max_fail}")
 
-    # (4) the exit code
+
+def check_exit_code(rec: dict, plan: dict, run: Rollout, said: Reported, final: dict) -> None:
+    """Invariant (4): the exit code the fault's table expects (EXPECTED), with the cases that widen it."""
+    fault, injected, code = plan["fault"], said.injected, run.code
     expected = EXPECTED[fault] if injected else {0}
     if expected is not None:
         expected = set(expected)
-        if fault in INTERRUPTS and injected and any(v != 200 for v in st["first_health"].values()):
+        if fault in INTERRUPTS and injected and any(v != 200 for v in final["first_health"].values()):
             expected.add(6)  # a server left down outranks the interruption
-        if fault == "node-killed" and injected and turn_over_before(samples, target, injector.injected_at, t0):
+        if fault == "node-killed" and injected and turn_over_before(run.samples, said.killed, run.injected_at, run.t0):
             expected.add(0)  # killed after its own turn: nothing of the run was to touch it again
     rec["expected_codes"] = sorted(expected) if expected is not None else None
-    if drv.timed_out:
+    if run.drv.timed_out:
         rec["violations"].append(f"(4) the driver was still running after {DRIVER_LIMIT_S:g} s: killed")
     elif expected is not None and code not in expected:
         rec["violations"].append(f"(4) exit {code}, expected {sorted(expected)}")
 
-    # (5) the ledger
+
+def check_ledger(rec: dict, run: Rollout, said: Reported) -> None:
+    """Invariant (5): the ledger's rows of the run complete, the rollout's exit code the process's own."""
+    rows, rollout_row, code = said.rows, said.rollout_row, run.code
     rec["ledger"] = [{k: r[k] for k in ("id", "command", "exit_code", "finished_at", "outcome")} for r in rows]
     if not rows:
         rec["violations"].append("(5) no ledger row for the run")
     for r in rows:
         if r["exit_code"] is None or not r["finished_at"]:
             rec["violations"].append(f"(5) ledger row {r['id']} ({r['command']}) incomplete: {r}")
-    if rollout_row and not drv.timed_out and rollout_row["exit_code"] != code:
+    if rollout_row and not run.drv.timed_out and rollout_row["exit_code"] != code:
         rec["violations"].append(f"(5) the ledger says exit {rollout_row['exit_code']}, the driver exited {code}")
-    return rec
 
 
 def wait_for(fn, timeout: float, interval: float = 0.5):
@@ -1072,6 +1168,19 @@ def restore(fleet: Fleet) -> dict:
     """Every replica back to the baseline configuration, serving, alone in the router under its name."""
     t0 = now()
     out: dict = {"restarted": [], "driver": [], "added": [], "removed": [], "actions": []}
+    revived = revive_containers(fleet, out)
+    restart_services(fleet, out)
+    restart_off_baseline(fleet, revived, out)
+    fleet.resolve_ips()
+    reregister(fleet, out)
+    wait_router_all_in(fleet, 90)
+    out["problems"] = clean(fleet)
+    out["seconds"] = round(now() - t0, 1)
+    return out
+
+
+def revive_containers(fleet: Fleet, out: dict) -> list[str]:
+    """Paused nodes unpaused, stopped ones started (their SSH ports published anew): the nodes started."""
     revived = []
     for n in fleet.nodes:
         state = fleet.container_state(n)
@@ -1085,6 +1194,11 @@ def restore(fleet: Fleet) -> dict:
     if revived:
         labmod.up(fleet.lab, nodes=len(fleet.nodes), gpus=GPUS, timeout=180)  # its SSH port published anew
         fleet.write_baseline()
+    return revived
+
+
+def restart_services(fleet: Fleet, out: dict) -> None:
+    """sshd on every replica (ssh-blocked stops it) and the router, if it is not active."""
     for n in fleet.replicas:
         pexec(fleet.containers[n], "systemctl", "start", "ssh.service", timeout=60)
     if (
@@ -1093,6 +1207,11 @@ def restore(fleet: Fleet) -> dict:
     ):
         pexec(fleet.containers[fleet.router], "systemctl", "restart", "sglang-router.service", timeout=180)
         out["actions"].append("sglang-router restarted")
+
+
+def restart_off_baseline(fleet: Fleet, revived: list[str], out: dict) -> None:
+    """The driver's restart, to the baseline, of the replicas not serving it (and of those just revived), up to 4
+    tries."""
     for attempt in range(4):
         health = fleet.health()
         need = [
@@ -1110,7 +1229,11 @@ def restore(fleet: Fleet) -> dict:
         out["restarted"] = sorted(set(out["restarted"]) | set(need))
         if code != 0:
             time.sleep(10 * (attempt + 1))  # a detached restart still running there holds the lock (9)
-    fleet.resolve_ips()
+
+
+def reregister(fleet: Fleet, out: dict) -> None:
+    """The router's list made the replicas' names, each once: any other entry or a duplicate removed, any missing
+    added."""
     ws = fleet.workers() or []
     seen = set()
     for w in ws:
@@ -1128,10 +1251,6 @@ def restore(fleet: Fleet) -> dict:
                 out["added"].append(fleet.url(n))
             except RuntimeError as exc:
                 out["actions"].append(f"add {fleet.url(n)}: {exc}")
-    wait_router_all_in(fleet, 90)
-    out["problems"] = clean(fleet)
-    out["seconds"] = round(now() - t0, 1)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ the lab
@@ -1246,6 +1365,38 @@ def summary(results: dict) -> dict:
 
 
 def main() -> int:
+    ap, a = parse_args()
+    print(f"seed {a.seed}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM to the bench still tears its lab down
+    faults = catalogue(ap, a.only)
+    ledger_dir = a.ledger or Path(tempfile.mkdtemp(prefix=f"sgd-chaos-{a.seed}-"))
+    ledger_dir.mkdir(parents=True, exist_ok=True)
+    lab = labmod.Lab(name=LAB_NAME)
+    fleet = Fleet(lab, a.replicas, ledger_dir / "ledger.sqlite3")
+    plans = draw_plans(fleet, a, faults)
+    results = new_results(a, fleet)
+    reuse = a.reuse_lab and len(labmod.lab_containers(lab)) == len(fleet.nodes) and fleet.baseline.exists()
+    results["lab"]["reused"] = reuse
+    if not reuse and not a.no_wait and not wait_quiet(LAB_NAME, a.wait_max):
+        return 2
+    try:
+        if reuse:
+            print(f"reusing the lab {LAB_NAME}: {restore(fleet)}", flush=True)
+        else:
+            set_up(fleet)
+        calibrate(fleet, a, results)
+        run_plans(fleet, plans, a, results)
+    except BaseException as exc:
+        results["aborted"] = f"{type(exc).__name__}: {exc}"
+        print(f"bench aborted: {results['aborted']}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        tear_down(fleet, a, results)
+    return report(results["summary"], a.out)
+
+
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line, its numbers checked; the parser too, for catalogue's error (said after the seed)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, required=True)
     ap.add_argument("--seed", type=int, required=True)
@@ -1262,23 +1413,32 @@ def main() -> int:
     a = ap.parse_args()
     if a.replicas < 2 or a.runs < 1 or a.max_unavailable < 1:
         ap.error("--replicas at least 2, --runs and --max-unavailable at least 1")
-    print(f"seed {a.seed}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM to the bench still tears its lab down
+    return ap, a
+
+
+def catalogue(ap: argparse.ArgumentParser, only: str | None) -> tuple[str, ...]:
+    """The faults the runs are drawn from: --only's of the catalogue, or all of it."""
     faults = FAULTS
-    if a.only:
-        faults = tuple(f for f in a.only.split(",") if f in FAULTS)
+    if only:
+        faults = tuple(f for f in only.split(",") if f in FAULTS)
         if not faults:
-            ap.error(f"--only: none of {a.only} is a fault of the catalogue")
-    ledger_dir = a.ledger or Path(tempfile.mkdtemp(prefix=f"sgd-chaos-{a.seed}-"))
-    ledger_dir.mkdir(parents=True, exist_ok=True)
-    lab = labmod.Lab(name=LAB_NAME)
-    fleet = Fleet(lab, a.replicas, ledger_dir / "ledger.sqlite3")
+            ap.error(f"--only: none of {only} is a fault of the catalogue")
+    return faults
+
+
+def draw_plans(fleet: Fleet, a: argparse.Namespace, faults: tuple[str, ...]) -> list[dict]:
+    """Every run's plan, drawn and printed before the lab starts: the seed alone says them."""
     rng = random.Random(a.seed)
     plans = [draw(rng, fleet, a.max_unavailable, faults) for _ in range(a.runs)]
     for i, p in enumerate(plans, 1):
         extra = {k: v for k, v in p.items() if k not in ("fault", "moment")}
         print(f"  plan #{i:02d}: {p['fault']:<14} {moment_text(p)} {json.dumps(extra) if extra else ''}", flush=True)
-    results: dict = {
+    return plans
+
+
+def new_results(a: argparse.Namespace, fleet: Fleet) -> dict:
+    """--out's document before any run: the seed, the command line, the lab, the load, the ledger."""
+    return {
         "seed": a.seed,
         "command": " ".join(["bench/chaos_rollout.py", *sys.argv[1:]]),
         "replicas": a.replicas,
@@ -1292,68 +1452,68 @@ def main() -> int:
         "runs": [],
     }
 
-    def write() -> None:
-        results["summary"] = summary(results)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
 
-    reuse = a.reuse_lab and len(labmod.lab_containers(lab)) == len(fleet.nodes) and fleet.baseline.exists()
-    results["lab"]["reused"] = reuse
-    if not reuse and not a.no_wait and not wait_quiet(LAB_NAME, a.wait_max):
-        return 2
+def write_results(results: dict, out: Path) -> None:
+    results["summary"] = summary(results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
 
-    def expected_s() -> float:
-        """A whole rollout's time on this lab: the median of the runs so far that rolled every replica, the
-        calibration's first (60 s before any did)."""
-        whole = [
-            r["driver_s"]
-            for r in [results.get("calibration") or {}, *results["runs"]]
-            if r.get("exit_code") == 0
-            and len(r.get("rows") or []) == a.replicas
-            and all(x.get("result") == "restarted" for x in r["rows"])
-        ]
-        return round(sorted(whole)[len(whole) // 2], 1) if whole else 60.0
 
-    try:
-        if reuse:
-            print(f"reusing the lab {LAB_NAME}: {restore(fleet)}", flush=True)
-        else:
-            set_up(fleet)
-        # The calibration: one rollout with no fault, checked as every run is (the control; its time is the first
-        # measure of a whole rollout's, which the drawn delays are fractions of).
-        cal = run_one(fleet, {"fault": "none", "moment": {"kind": "none"}}, 0, a, expected_s())
-        print(line_of(cal, a.runs), flush=True)
-        cal["restore"] = restore(fleet)
-        results["calibration"] = cal
-        for i, plan in enumerate(plans, 1):
-            try:
-                rec = run_one(fleet, plan, i, a, expected_s())
-            except Exception as exc:  # the bench's own failure in this run: said, then the fleet is put back
-                rec = {"index": i, **plan, "violations": [], "notes": [], "bench_error": f"{type(exc).__name__}: {exc}"}
-                print(f"#{i:02d} {plan['fault']}: bench error: {rec['bench_error']}", flush=True)
-            print(line_of(rec, a.runs), flush=True)
-            for n in rec["notes"]:
-                print(f"      note: {n}", flush=True)
-            if i < len(plans):
-                rec["restore"] = restore(fleet)
-                if rec["restore"]["problems"]:
-                    print(f"      restore left: {rec['restore']['problems']}", flush=True)
-            results["runs"].append(rec)
-            write()
-    except BaseException as exc:
-        results["aborted"] = f"{type(exc).__name__}: {exc}"
-        print(f"bench aborted: {results['aborted']}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        write()
-        if a.keep_lab:
-            print(f"lab {LAB_NAME} left up (--keep-lab): python lab/lab.py down with LAB_NAME={LAB_NAME}", flush=True)
-        else:
-            labmod.down(lab)
-            print(f"lab {LAB_NAME} down", flush=True)
-        print(f"results: {a.out}; the driver's ledger: {fleet.ledger}", flush=True)
-    s = results["summary"]
+def whole_rollout_s(results: dict, replicas: int) -> float:
+    """A whole rollout's time on this lab: the median of the runs so far that rolled every replica, the
+    calibration's first (60 s before any did)."""
+    whole = [
+        r["driver_s"]
+        for r in [results.get("calibration") or {}, *results["runs"]]
+        if r.get("exit_code") == 0
+        and len(r.get("rows") or []) == replicas
+        and all(x.get("result") == "restarted" for x in r["rows"])
+    ]
+    return round(sorted(whole)[len(whole) // 2], 1) if whole else 60.0
+
+
+def calibrate(fleet: Fleet, a: argparse.Namespace, results: dict) -> None:
+    """The calibration: one rollout with no fault, checked as every run is (the control; its time is the first
+    measure of a whole rollout's, which the drawn delays are fractions of)."""
+    cal = run_one(fleet, {"fault": "none", "moment": {"kind": "none"}}, 0, a, whole_rollout_s(results, a.replicas))
+    print(line_of(cal, a.runs), flush=True)
+    cal["restore"] = restore(fleet)
+    results["calibration"] = cal
+
+
+def run_plans(fleet: Fleet, plans: list[dict], a: argparse.Namespace, results: dict) -> None:
+    """Each drawn run, said, the fleet restored after it (but the last), --out written again after each."""
+    for i, plan in enumerate(plans, 1):
+        try:
+            rec = run_one(fleet, plan, i, a, whole_rollout_s(results, a.replicas))
+        except Exception as exc:  # the bench's own failure in this run: said, then the fleet is put back
+            rec = {"index": i, **plan, "violations": [], "notes": [], "bench_error": f"{type(exc).__name__}: {exc}"}
+            print(f"#{i:02d} {plan['fault']}: bench error: {rec['bench_error']}", flush=True)
+        print(line_of(rec, a.runs), flush=True)
+        for n in rec["notes"]:
+            print(f"      note: {n}", flush=True)
+        if i < len(plans):
+            rec["restore"] = restore(fleet)
+            if rec["restore"]["problems"]:
+                print(f"      restore left: {rec['restore']['problems']}", flush=True)
+        results["runs"].append(rec)
+        write_results(results, a.out)
+
+
+def tear_down(fleet: Fleet, a: argparse.Namespace, results: dict) -> None:
+    """--out written a last time, and the lab down (unless --keep-lab), whatever happened."""
+    results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    write_results(results, a.out)
+    if a.keep_lab:
+        print(f"lab {LAB_NAME} left up (--keep-lab): python lab/lab.py down with LAB_NAME={LAB_NAME}", flush=True)
+    else:
+        labmod.down(fleet.lab)
+        print(f"lab {LAB_NAME} down", flush=True)
+    print(f"results: {a.out}; the driver's ledger: {fleet.ledger}", flush=True)
+
+
+def report(s: dict, out: Path) -> int:
+    """The summary printed; the exit code: 1 for a violation, 2 for a run the bench itself failed in, else 0."""
     print(
         f"summary: {s['runs']} runs, {s['requests_lost']} of {s['requests_sent']} requests lost, "
         f"runs with violations: {s['runs_with_violations'] or 'none'}; per invariant: {s['violations_per_invariant']}"
@@ -1361,7 +1521,7 @@ def main() -> int:
     for fault, f in sorted(s["by_fault"].items()):
         print(f"  {fault:<14} runs {f['runs']}, exit codes {f['exit_codes']}, with violations {f['violations']}")
     if s["runs_with_bench_errors"]:
-        print(f"the bench itself failed in runs {s['runs_with_bench_errors']} (see bench_error in {a.out})")
+        print(f"the bench itself failed in runs {s['runs_with_bench_errors']} (see bench_error in {out})")
     return 1 if s["runs_with_violations"] else 2 if s["runs_with_bench_errors"] else 0
 
 

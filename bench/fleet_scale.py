@@ -135,13 +135,7 @@ def fit(sizes: list[int], costs: list[float]) -> tuple[float, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1,4,8,32,64")
-    ap.add_argument("--playbooks", default=",".join(PLAYBOOKS), help=f"some of {','.join(PLAYBOOKS)}")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "fleet-scale.json")
-    ap.add_argument("--merge", action="store_true", help="keep --out's other playbooks, replace these")
-    a = ap.parse_args()
+    ap, a = parse_args()
     sizes = sorted({int(s) for s in a.sizes.split(",")})
     if len(sizes) < 2:
         ap.error("--sizes: at least two sizes (the fit takes a fixed and a per-host cost)")
@@ -153,13 +147,8 @@ def main() -> int:
     if not set(chosen) <= set(PLAYBOOKS):
         ap.error(f"--playbooks: some of {','.join(PLAYBOOKS)}")
     work = Path(tempfile.mkdtemp(prefix="sgd-fleet-"))
-    invs = {}
-    for n in sizes:
-        invs[n] = work / f"hosts-{n}.yml"
-        inventory(lab, n, invs[n])
-    cfg = configparser.ConfigParser()
-    cfg.read(REPO / "ansible.cfg")
-    forks = cfg.getint("defaults", "forks")
+    invs = inventories(lab, sizes, work)
+    forks = ansible_forks()
     nodes = len(lab["all"]["children"]["sglang_nodes"]["hosts"])
     results: dict = {
         "sizes": sizes,
@@ -172,35 +161,8 @@ def main() -> int:
     for name in chosen:
         playbook = PLAYBOOKS[name]
         run(playbook, invs[min(sizes[-1], nodes)])  # warm: the lab's own caches (nothing is measured)
-        per_size = {}
-        for n in sizes:
-            samples = [run(playbook, invs[n]) for _ in range(a.runs)]
-            cpu = [s["tree_cpu_s"] + s["ssh_masters_cpu_s"] for s in samples]
-            per_size[n] = {
-                "samples": samples,
-                "median_cpu_s": round(statistics.median(cpu), 2),
-                "median_cpu_per_host_s": round(statistics.median(cpu) / n, 3),
-                "median_wall_s": round(statistics.median(s["wall_s"] for s in samples), 2),
-            }
-            print(f"{name} on {n} host(s): {per_size[n]['median_cpu_s']} s CPU, {per_size[n]['median_wall_s']} s wall")
-        fixed, per_host = fit(sizes, [per_size[n]["median_cpu_s"] for n in sizes])
-        ratio = per_size[sizes[-1]]["median_cpu_per_host_s"] / per_size[sizes[0]]["median_cpu_per_host_s"]
-        results["playbooks"][name] = {
-            "playbook": " ".join(playbook),
-            "by_size": per_size,
-            "fit": {"fixed_cpu_s": round(fixed, 2), "per_host_cpu_s": round(per_host, 3)},
-            f"per_host_{sizes[-1]}_over_{sizes[0]}": round(ratio, 2),
-            "extrapolated": {
-                str(n): {
-                    "cpu_s": round(fixed + per_host * n, 1),
-                    # the cores that do that CPU in a minute (the hosts' own work and the forks' bound aside)
-                    "cores_for_one_minute": math.ceil((fixed + per_host * n) / 60),
-                    # forks hosts at a time: at most `forks` workers (and their ssh) busy at once
-                    "busy_cores_at_most": forks,
-                }
-                for n in (100, 1000, 5000)
-            },
-        }
+        per_size = measure(name, playbook, invs, sizes, a.runs)
+        results["playbooks"][name] = costs(playbook, per_size, sizes, forks)
     shutil.rmtree(work, ignore_errors=True)
     results["command"] = "bench/fleet_scale.py " + " ".join(sys.argv[1:])
     if a.merge and a.out.exists():
@@ -208,12 +170,84 @@ def main() -> int:
         results["playbooks"] = {**old.get("playbooks", {}), **results["playbooks"]}
         results["command"] = "; ".join(filter(None, [old.get("command"), results["command"]]))
     a.out.write_text(json.dumps(results, indent=1) + "\n")
+    print_table(results)
+    return 0
+
+
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line; the parser too, for the errors main finds in it (--playbooks after the lab's check)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,4,8,32,64")
+    ap.add_argument("--playbooks", default=",".join(PLAYBOOKS), help=f"some of {','.join(PLAYBOOKS)}")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "fleet-scale.json")
+    ap.add_argument("--merge", action="store_true", help="keep --out's other playbooks, replace these")
+    return ap, ap.parse_args()
+
+
+def inventories(lab: dict, sizes: list[int], work: Path) -> dict[int, Path]:
+    """An inventory file in `work` for each size."""
+    invs = {}
+    for n in sizes:
+        invs[n] = work / f"hosts-{n}.yml"
+        inventory(lab, n, invs[n])
+    return invs
+
+
+def ansible_forks() -> int:
+    """ansible.cfg's forks: at most that many hosts' workers busy at once."""
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "ansible.cfg")
+    return cfg.getint("defaults", "forks")
+
+
+def measure(name: str, playbook: tuple[str, ...], invs: dict[int, Path], sizes: list[int], runs: int) -> dict:
+    """The playbook `runs` times at each size: the samples, the medians of CPU (tree and SSH masters), per host, of
+    wall time; each size printed as it is done."""
+    per_size = {}
+    for n in sizes:
+        samples = [run(playbook, invs[n]) for _ in range(runs)]
+        cpu = [s["tree_cpu_s"] + s["ssh_masters_cpu_s"] for s in samples]
+        per_size[n] = {
+            "samples": samples,
+            "median_cpu_s": round(statistics.median(cpu), 2),
+            "median_cpu_per_host_s": round(statistics.median(cpu) / n, 3),
+            "median_wall_s": round(statistics.median(s["wall_s"] for s in samples), 2),
+        }
+        print(f"{name} on {n} host(s): {per_size[n]['median_cpu_s']} s CPU, {per_size[n]['median_wall_s']} s wall")
+    return per_size
+
+
+def costs(playbook: tuple[str, ...], per_size: dict, sizes: list[int], forks: int) -> dict:
+    """A playbook's entry in --out: its measures by size, the fit, the largest size's cost per host over the
+    smallest's, and the extrapolation to 100, 1000 and 5000 hosts."""
+    fixed, per_host = fit(sizes, [per_size[n]["median_cpu_s"] for n in sizes])
+    ratio = per_size[sizes[-1]]["median_cpu_per_host_s"] / per_size[sizes[0]]["median_cpu_per_host_s"]
+    return {
+        "playbook": " ".join(playbook),
+        "by_size": per_size,
+        "fit": {"fixed_cpu_s": round(fixed, 2), "per_host_cpu_s": round(per_host, 3)},
+        f"per_host_{sizes[-1]}_over_{sizes[0]}": round(ratio, 2),
+        "extrapolated": {
+            str(n): {
+                "cpu_s": round(fixed + per_host * n, 1),
+                # the cores that do that CPU in a minute (the hosts' own work and the forks' bound aside)
+                "cores_for_one_minute": math.ceil((fixed + per_host * n) / 60),
+                # forks hosts at a time: at most `forks` workers (and their ssh) busy at once
+                "busy_cores_at_most": forks,
+            }
+            for n in (100, 1000, 5000)
+        },
+    }
+
+
+def print_table(results: dict) -> None:
+    """Every playbook's medians by size and its fit, as docs/fleet-scale.md's table."""
     print("| playbook | N | CPU s (median) | CPU s per host | wall s |\n|---|---|---|---|---|")
     for name, r in results["playbooks"].items():
         for n, s in r["by_size"].items():
             print(f"| {name} | {n} | {s['median_cpu_s']} | {s['median_cpu_per_host_s']} | {s['median_wall_s']} |")
         print(f"| {name} | fit | fixed {r['fit']['fixed_cpu_s']} s + {r['fit']['per_host_cpu_s']} s per host | | |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -73,7 +73,24 @@ def holder(mib: int) -> subprocess.Popen:
 def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {}
+    report: dict = nvidia_smi_queries()
+    report["clean"] = gate(timeout="10")
+    report["busy"], busy_apps = gate_on_held_gpu()
+    report["same_verdict"] = (report["clean"]["rc"] == 0) == report["clean"]["module"]["clean"] and (
+        report["busy"]["rc"] == 1
+    ) == (not report["busy"]["module"]["clean"])
+    report["busy_apps"] = busy_apps
+    detections = release_detections(5)
+    report["release_to_gate_exit_s"] = detections
+    report["release_to_gate_exit_median_s"] = statistics.median(detections)
+    (out / "gate.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if not k.startswith("query_")}, indent=1))
+    return 0
+
+
+def nvidia_smi_queries() -> dict:
+    """The nvidia-smi query forms the project uses, each with its output (the parser's test vectors)."""
+    report = {}
     queries = {
         "gpus": [
             "nvidia-smi",
@@ -91,42 +108,42 @@ def main() -> int:
     for name, cmd in queries.items():
         r = subprocess.run(cmd, capture_output=True, text=True)
         report[f"query_{name}"] = {"cmd": " ".join(cmd), "rc": r.returncode, "stdout": r.stdout}
+    return report
 
+
+def gate(timeout: str, **extra) -> dict:
+    """The gate on GPU 0 with `timeout`, timed, beside the modules' verdict on the same state (and `extra`)."""
     t = time.monotonic()
-    r = subprocess.run([*GATE, "--gpus", "0", "--timeout", "10"], capture_output=True, text=True)
-    report["clean"] = {
+    r = subprocess.run([*GATE, "--gpus", "0", "--timeout", timeout], capture_output=True, text=True)
+    return {
         "rc": r.returncode,
         "stdout": r.stdout,
         "stderr": r.stderr,
         "seconds": time.monotonic() - t,
+        **extra,
         "module": module_verdict(),
     }
 
+
+def gate_on_held_gpu() -> tuple[dict, str]:
+    """The gate while ~20 GB of GPU 0 is held (it refuses, naming the holder), and nvidia-smi's list of the GPU's
+    processes then; the holder killed after."""
     p = holder(20000)
-    t = time.monotonic()
-    r = subprocess.run([*GATE, "--gpus", "0", "--timeout", "2"], capture_output=True, text=True)
-    report["busy"] = {
-        "rc": r.returncode,
-        "stdout": r.stdout,
-        "stderr": r.stderr,
-        "seconds": time.monotonic() - t,
-        "holder_pid": p.pid,
-        "module": module_verdict(),
-    }
-    report["same_verdict"] = (report["clean"]["rc"] == 0) == report["clean"]["module"]["clean"] and (
-        report["busy"]["rc"] == 1
-    ) == (not report["busy"]["module"]["clean"])
+    busy = gate(timeout="2", holder_pid=p.pid)
     apps = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory,process_name", "--format=csv,noheader,nounits"],
         capture_output=True,
         text=True,
     )
-    report["busy_apps"] = apps.stdout
     p.kill()
     p.wait()
+    return busy, apps.stdout
 
+
+def release_detections(runs: int) -> list[float]:
+    """Seconds from a holder's SIGKILL to the waiting gate's exit, `runs` times."""
     detections = []
-    for _ in range(5):
+    for _ in range(runs):
         p = holder(20000)
         g = subprocess.Popen(
             [*GATE, "--gpus", "0", "--timeout", "60", "--interval", "0.05"],
@@ -142,11 +159,7 @@ def main() -> int:
         detections.append(time.monotonic() - t)
         p.wait()
         assert g.returncode == 0, g.stderr.read()
-    report["release_to_gate_exit_s"] = detections
-    report["release_to_gate_exit_median_s"] = statistics.median(detections)
-    (out / "gate.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: v for k, v in report.items() if not k.startswith("query_")}, indent=1))
-    return 0
+    return detections
 
 
 if __name__ == "__main__":

@@ -77,16 +77,28 @@ def main() -> int:
             text=True,
         ).stdout
     }
+    report["idle"] = idle()
+    report.update(held())
+    latencies = release_detection(runs)
+    report["release_detection_s"] = latencies
+    report["release_detection_median_s"] = statistics.median(latencies)
+    print("kill -> wait returns (s):", latencies, "median", statistics.median(latencies), flush=True)
+    report["policy_own"] = policy_own()
+    (out / "gpu-state-on-device.json").write_text(json.dumps(report, indent=1) + "\n")
+    return 0
 
+
+def idle() -> dict:
+    """1. The module on idle GPUs (its raw result kept when Ansible failed)."""
     rc, res = module({})
-    report["idle"] = {
-        "rc": rc,
-        "gpus": res.get("gpus"),
-        "processes": res.get("processes"),
-        "raw": None if rc == 0 else res,
-    }
     print("idle:", rc, json.dumps(res.get("gpus")), res.get("processes"), flush=True)
+    return {"rc": rc, "gpus": res.get("gpus"), "processes": res.get("processes"), "raw": None if rc == 0 else res}
 
+
+def held() -> dict:
+    """2 and 3. A holder of ~20 GB on GPU 0: the module lists it; wait=true with a 1 s timeout fails naming it; a
+    wait of 60 s succeeds once the holder is killed 2 s in. The holder is killed whatever happens."""
+    report = {}
     h = holder(20480)
     try:
         rc, res = module({})
@@ -110,7 +122,12 @@ def main() -> int:
     finally:
         h.kill()
         h.wait()
+    return report
 
+
+def release_detection(runs: int) -> list[float]:
+    """4. Seconds from a 30 GB holder's kill to the return of the wait the module runs (gpu.wait_clean), `runs`
+    times."""
     latencies = []
     for _ in range(runs):
         h = holder(30720)
@@ -129,17 +146,18 @@ def main() -> int:
         t.join()
         latencies.append(round(result["returned_at"] - killed_at, 3))
         assert result["clean"], result
-    report["release_detection_s"] = latencies
-    report["release_detection_median_s"] = statistics.median(latencies)
-    print("kill -> wait returns (s):", latencies, "median", statistics.median(latencies), flush=True)
+    return latencies
 
+
+def policy_own() -> dict:
+    """5. Stop policy 'own' with this user as the service user: the module stops this user's holder and waits."""
     h = holder(1024)
     me = subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
     t0 = time.monotonic()
     rc, res = module(
         {"wait": True, "gpus": [0], "timeout": 30, "stop_policy": "own", "service_user": me, "kill_grace": 5}
     )
-    report["policy_own"] = {
+    report = {
         "rc": rc,
         "wait": res.get("wait"),
         "changed": res.get("changed"),
@@ -149,8 +167,7 @@ def main() -> int:
     print("policy own:", rc, res.get("changed"), res.get("wait"), flush=True)
     h.kill()
     h.wait()
-    (out / "gpu-state-on-device.json").write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    return report
 
 
 if __name__ == "__main__":

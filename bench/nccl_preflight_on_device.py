@@ -161,6 +161,31 @@ def main() -> int:
             k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "CUDA_", "TORCH_", "NVSHMEM_"))
         }
     }
+    cap = captures(out)
+    peer = sh(
+        sys.executable,
+        "-c",
+        "import torch; print(torch.__version__, torch.cuda.nccl.version(), torch.cuda.device_count(), torch.cuda.can_device_access_peer(0, 1))",
+    )
+    report["torch_peer"] = peer["stdout"].strip() or peer["stderr"][-500:]
+    topo = nccl.parse_topo(cap["topo_m"]["stdout"])
+    status = nccl.parse_nvlink_status(cap["nvlink_status"]["stdout"])
+    report["topology"] = topo
+    report["nvlink"] = status
+    report["floor"] = nccl.derive_floor(topo, None, status)
+    env = base_env()
+    report["cases"] = preflights(topo["gpus"], env)
+    (out / "nccl-raw-log.txt").write_text(raw_logs(topo["gpus"], env))
+    report["py_spy"] = py_spy(out)
+    report["small_sizes"] = small_sizes(topo["gpus"], env)
+    report["probes"] = {mode: probe(mode, env) for mode in ("nccl_host_timed", "gloo_cuda")}
+    (out / "nccl-preflight.json").write_text(json.dumps(report, indent=1, default=str))
+    print_report(report)
+    return 0
+
+
+def captures(out: Path) -> dict[str, dict]:
+    """1. The topology as nvidia-smi shows it, written beside the results (captures.txt, nvidia-smi-q.txt)."""
     cap = {
         "topo_m": sh("nvidia-smi", "topo", "-m"),
         "topo_p2p_n": sh("nvidia-smi", "topo", "-p2p", "n"),
@@ -173,32 +198,27 @@ def main() -> int:
     (out / "captures.txt").write_text(
         "\n".join(f"$ {c['cmd']}  (rc {c['rc']})\n{c['stdout']}{c['stderr']}" for c in cap.values())
     )
-    peer = sh(
-        sys.executable,
-        "-c",
-        "import torch; print(torch.__version__, torch.cuda.nccl.version(), torch.cuda.device_count(), torch.cuda.can_device_access_peer(0, 1))",
-    )
-    report["torch_peer"] = peer["stdout"].strip() or peer["stderr"][-500:]
-    topo = nccl.parse_topo(cap["topo_m"]["stdout"])
-    status = nccl.parse_nvlink_status(cap["nvlink_status"]["stdout"])
-    report["topology"] = topo
-    report["nvlink"] = status
-    report["floor"] = nccl.derive_floor(topo, None, status)
+    return cap
 
-    env = base_env()
-    report["cases"] = {}
+
+def preflights(gpus: list, env: dict) -> dict[str, dict]:
+    """3. The preflight in each of CASES' environments, timed, each said as it ends."""
+    cases = {}
     for name, case in CASES.items():
         t = time.monotonic()
-        res = nccl.preflight(sys.executable, case, gpus=topo["gpus"], base_env=env, budget_s=30.0)
+        res = nccl.preflight(sys.executable, case, gpus=gpus, base_env=env, budget_s=30.0)
         res["wall_s"] = round(time.monotonic() - t, 2)
         res["case_env"] = case
-        report["cases"][name] = res
+        cases[name] = res
         print(f"{name}: {res['status']} in {res['wall_s']} s: {res['message']}", flush=True)
+    return cases
 
-    # The raw NCCL lines of a default run (sizes to 16 MiB) and of a refused value: what the parser reads.
+
+def raw_logs(gpus: list, env: dict) -> str:
+    """The raw NCCL lines of a default run (sizes to 16 MiB) and of a refused value: what the parser reads."""
     logs = []
     for name, case in (("default", {}), ("bad_proto", {"NCCL_PROTO": "bogus"})):
-        wenv = {**env, **case, "CUDA_VISIBLE_DEVICES": ",".join(map(str, topo["gpus"]))}
+        wenv = {**env, **case, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
         worker = REPO / "plugins" / "module_utils" / "sglang_deploy" / "nccl_worker.py"
         r = subprocess.run(
             [sys.executable, str(worker), "--max-bytes", str(16 << 20), "--keep-log", "60000"],
@@ -210,24 +230,28 @@ def main() -> int:
             logs.append(f"##### {name} (rc {r.returncode})\n{json.loads(r.stdout).get('log', '')}")
         except ValueError:
             logs.append(f"##### {name} (rc {r.returncode}) no JSON\n{r.stdout[-5000:]}\n{r.stderr[-5000:]}")
-    (out / "nccl-raw-log.txt").write_text("\n".join(logs))
+    return "\n".join(logs)
 
-    report["py_spy"] = py_spy(out)
-    report["small_sizes"] = {}
+
+def small_sizes(gpus: list, env: dict) -> dict[str, list]:
+    """5. The default and the seed's environment from 64 KiB to 1 MiB (latency-bound sizes), no floor."""
+    sizes = {}
     for name in ("default", "seed"):
         res = nccl.preflight(
             sys.executable,
             CASES[name],
-            gpus=topo["gpus"],
+            gpus=gpus,
             base_env=env,
             min_bytes=64 << 10,
             max_bytes=1 << 20,
             floor_gbps=0,
         )
-        report["small_sizes"][name] = res["result"]["sizes"]
-    report["probes"] = {mode: probe(mode, env) for mode in ("nccl_host_timed", "gloo_cuda")}
-    (out / "nccl-preflight.json").write_text(json.dumps(report, indent=1, default=str))
+        sizes[name] = res["result"]["sizes"]
+    return sizes
 
+
+def print_report(report: dict) -> None:
+    """The floor, each case's sizes, the small sizes, the probes and py-spy's dump, for the device run's log."""
     print(f"floor: {report['floor']['floor_gbps']} GB/s ({report['floor']['basis']}, {report['floor']['link']})")
     for name, res in report["cases"].items():
         rows = (res.get("result") or {}).get("sizes") or []
@@ -250,7 +274,6 @@ def main() -> int:
     ps = report["py_spy"]
     print("py-spy:", {k: ps[k]["rc"] for k in ("dump", "dump_nonblocking", "dump_locals")}, "CapEff", ps["cap_eff"])
     print(ps["dump"]["stdout"][-1500:], ps["dump"]["stderr"][-800:])
-    return 0
 
 
 if __name__ == "__main__":

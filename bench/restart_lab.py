@@ -88,28 +88,45 @@ def med(values: list[float]) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--node", default="lab-node1")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "restart-lab.json")
-    a = ap.parse_args()
+    a = parse_args()
     if not (REPO / "inventory" / "lab" / "hosts.yml").exists():
         print("no lab: run `make demo` (or make lab-up and deploy.yml) first", file=sys.stderr)
         return 2
     results: dict[str, dict] = {}
+    results["restart_overhead"], results["pre_stop"] = measure_restart_overhead(a.node, a.runs)
+    results["failure_detection"] = measure_failure_detection(a.node, a.runs)
+    results["release_detection"] = measure_release_detection(a.node, a.runs)
+    playbook(a.node, {})  # back to the group_vars configuration
+    results["runs"] = a.runs
+    results["command"] = " ".join(["bench/restart_lab.py", *sys.argv[1:]])
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    print_table(results, a.runs)
+    return 0
 
-    # Restart overhead at 30 s to ready.
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--node", default="lab-node1")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "restart-lab.json")
+    return ap.parse_args()
+
+
+def measure_restart_overhead(node: str, runs: int) -> tuple[dict, dict]:
+    """Restart overhead at 30 s to ready: the downtime and the playbook's wall time less READY_S; and the time from
+    the playbook's start to the stop."""
     slow = {"LAB_STANDIN_READY_S": str(READY_S)}
-    playbook(a.node, slow)  # the configuration in place; the timed runs restart it as it is
+    playbook(node, slow)  # the configuration in place; the timed runs restart it as it is
     downtime, wall, pre_stop = [], [], []
-    for _ in range(a.runs):
-        w, rc, res = playbook(a.node, slow)
+    for _ in range(runs):
+        w, rc, res = playbook(node, slow)
         assert rc == 0 and res["outcome"] == "restarted", res
         stop = next(p for p in res["phases"] if p["phase"] == "stop")
         downtime.append(round(stop_to_end(res) - READY_S, 3))
         wall.append(w - READY_S)
         pre_stop.append(round(stop["at"] - playbook.began, 3))  # the lab node shares this machine's clock
-    results["restart_overhead"] = {
+    overhead = {
         "downtime_minus_ready_s": downtime,
         "playbook_wall_minus_ready_s": wall,
         "median_downtime_minus_ready_s": med(downtime),
@@ -118,54 +135,56 @@ def main() -> int:
     }
     # Before the stop: ansible-playbook's start, rendering, validation (SGLang's parser, cached once a
     # configuration and software were validated on the host), staging, the lock and the preflight.
-    results["pre_stop"] = {"playbook_start_to_stop_s": pre_stop, "median_s": med(pre_stop), "goal_s": 3.0}
+    return overhead, {"playbook_start_to_stop_s": pre_stop, "median_s": med(pre_stop), "goal_s": 3.0}
 
-    # Failure detection: process exit -> reported.
+
+def measure_failure_detection(node: str, runs: int) -> dict:
+    """Failure detection: the server's process exit to the failure detected, and reported with its journal."""
     crash = {"LAB_STANDIN_FAULT": "crash-startup"}
     detect, report = [], []
-    for _ in range(a.runs):
-        _, rc, res = playbook(a.node, crash, "-e", "sglang_service_rollback=false")
+    for _ in range(runs):
+        _, rc, res = playbook(node, crash, "-e", "sglang_service_rollback=false")
         assert rc != 0 and res["failure"]["phase"] == "start", res
         detect.append(res["failure"]["exit_to_detect_s"])
         report.append(res["failure"]["exit_to_report_s"])
-    results["failure_detection"] = {
+    return {
         "exit_to_detect_s": detect,
         "exit_to_report_s": report,
         "median_exit_to_report_s": med(report),
         "goal_s": 2.0,
     }
 
-    # Release detection: memory under the threshold -> start.
+
+def measure_release_detection(node: str, runs: int) -> dict:
+    """Release detection: the GPU memory under the threshold to the start (the wait's time past when the stand-in's
+    falling memory crosses it)."""
     slow_release = {"LAB_STANDIN_FAULT": "slow-release", "LAB_STANDIN_RELEASE_S": str(RELEASE_S)}
-    playbook(a.node, slow_release)
+    playbook(node, slow_release)
     freed_after = RELEASE_S * (1 - THRESHOLD_MIB / USED_MIB)
     latency = []
-    for _ in range(a.runs):
-        _, rc, res = playbook(a.node, slow_release)
+    for _ in range(runs):
+        _, rc, res = playbook(node, slow_release)
         assert rc == 0, res
         gpus = next(p for p in res["phases"] if p["phase"] == "gpus")
         latency.append(round(gpus["detail"]["waited_s"] - freed_after, 3))
-    results["release_detection"] = {
+    return {
         "freed_to_start_s": latency,
         "median_freed_to_start_s": med(latency),
         "memory_under_threshold_after_s": round(freed_after, 3),
         "goal_s": 0.5,
     }
 
-    playbook(a.node, {})  # back to the group_vars configuration
-    results["runs"] = a.runs
-    results["command"] = " ".join(["bench/restart_lab.py", *sys.argv[1:]])
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+
+def print_table(results: dict, runs: int) -> None:
+    """The medians against their goals, as docs quote them."""
     print(
         f"| measure | median | goal | runs |\n|---|---|---|---|\n"
-        f"| restart overhead (downtime - {READY_S:g} s to ready) | {results['restart_overhead']['median_downtime_minus_ready_s']} s | 3 s | {a.runs} |\n"
-        f"| restart.yml wall - {READY_S:g} s (incl. validation while the old server serves) | {results['restart_overhead']['median_playbook_minus_ready_s']} s | - | {a.runs} |\n"
-        f"| restart.yml start -> the stop (the old server still serves) | {results['pre_stop']['median_s']} s | 3 s | {a.runs} |\n"
-        f"| failure detection (process exit -> reported with journal) | {results['failure_detection']['median_exit_to_report_s']} s | 2 s | {a.runs} |\n"
-        f"| release detection (memory freed -> start) | {results['release_detection']['median_freed_to_start_s']} s | 0.5 s | {a.runs} |"
+        f"| restart overhead (downtime - {READY_S:g} s to ready) | {results['restart_overhead']['median_downtime_minus_ready_s']} s | 3 s | {runs} |\n"
+        f"| restart.yml wall - {READY_S:g} s (incl. validation while the old server serves) | {results['restart_overhead']['median_playbook_minus_ready_s']} s | - | {runs} |\n"
+        f"| restart.yml start -> the stop (the old server still serves) | {results['pre_stop']['median_s']} s | 3 s | {runs} |\n"
+        f"| failure detection (process exit -> reported with journal) | {results['failure_detection']['median_exit_to_report_s']} s | 2 s | {runs} |\n"
+        f"| release detection (memory freed -> start) | {results['release_detection']['median_freed_to_start_s']} s | 0.5 s | {runs} |"
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -132,18 +132,7 @@ def cleanup(containers: dict[str, str], router: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--steady", type=float, default=30.0, help="seconds of load alone, for its p99")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "rollout-lab.json")
-    ap.add_argument(
-        "--gateway",
-        choices=["sglang-router", "smg"],
-        default="sglang-router",
-        help="the router in front (default 0.3.2)",
-    )
-    ap.add_argument("--ledger", type=Path, help="keep the driver runs' ledger (and their events) in this directory")
-    a = ap.parse_args()
+    a = parse_args()
     GATEWAY["impl"] = a.gateway
     if not LAB_INVENTORY.exists():
         print("no lab: run `make demo` (or make lab-up and deploy.yml) first", file=sys.stderr)
@@ -155,68 +144,113 @@ def main() -> int:
         a.ledger.mkdir(parents=True, exist_ok=True)
     ledger = (a.ledger or Path(scratch.name)) / "ledger.sqlite3"
     try:
-        code, _, out = driver(ledger, "restart", "-i", str(inventory))  # every replica serving, known-good
-        if code:
-            raise SystemExit(f"the replicas did not start (exit {code}):\n{out}")
-        subprocess.run(
-            [REPO / ".venv" / "bin" / "ansible-playbook", "-i", inventory, "playbooks/router.yml"],
-            cwd=REPO,
-            check=True,
-            capture_output=True,
-        )
-        subprocess.run(
-            ["podman", "cp", str(REPO / "bench" / "loadgen.py"), f"{containers[router]}:/tmp/loadgen.py"], check=True
-        )
-        load = Load(containers[router], a.steady)
-        load.proc.wait(timeout=a.steady + 60)
-        steady = load.stop()
-        # One restart of a replica, as the rollout restarts each: a new configuration (validated, then started);
-        # and, for comparison, one of the configuration it already runs (its validation cached on the host).
-        # And one to a new configuration under the same load as the rollout's, sent straight to the other
-        # replica (as during a rollout, the replica restarted gets none): the lab's nodes, router and load share
-        # this machine's cores with the controller, so this tells whether the load alone slows a restart.
-        one, unchanged, loaded = [], [], []
-        for _ in range(a.runs):
-            inventory, _, _ = write_inventory({"LAB_BENCH": str(time.time_ns())})
-            for runs_of in (one, unchanged):
-                code, seconds, out = driver(ledger, "restart", "-i", str(inventory), "--limit", names[-1])
-                if code:
-                    raise SystemExit(f"one restart failed (exit {code}):\n{out}")
-                runs_of.append(round(seconds, 2))
-            inventory, _, _ = write_inventory({"LAB_BENCH": str(time.time_ns())})
-            load = Load(containers[router], url=f"http://{names[0]}:{INSTANCE['port']}")
-            try:
-                code, seconds, out = driver(ledger, "restart", "-i", str(inventory), "--limit", names[-1])
-            finally:
-                load.stop()
-            if code:
-                raise SystemExit(f"one restart under load failed (exit {code}):\n{out}")
-            loaded.append(round(seconds, 2))
-        runs = []
-        for _ in range(a.runs):
-            inventory, _, _ = write_inventory({"LAB_BENCH": str(time.time_ns())})
-            load = Load(containers[router])
-            try:
-                code, seconds, out = driver(ledger, "rollout", "-i", str(inventory))
-            finally:
-                stats = load.stop()
-            if code:
-                raise SystemExit(f"the rollout failed (exit {code}):\n{out}")
-            runs.append(
-                {
-                    "rollout_s": round(seconds, 2),
-                    "sent": stats["sent"],
-                    "lost": stats["lost"],
-                    "not_streamed": stats["not_streamed"],
-                    "p99_s": stats["p99_s"],
-                    "failures": stats["failures"][:5],
-                }
-            )
+        start_fleet(ledger, inventory, containers[router])
+        steady = measure_steady(containers[router], a.steady)
+        one, unchanged, loaded = measure_restarts(ledger, names, containers[router], a.runs)
+        runs = measure_rollouts(ledger, containers[router], a.runs)
     finally:
         cleanup(containers, router)
         scratch.cleanup()
-    n = len(names)
-    results = {
+    results = summarize(a, len(names), runs, steady, one, unchanged, loaded)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    print_table(results, a.runs)
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steady", type=float, default=30.0, help="seconds of load alone, for its p99")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "rollout-lab.json")
+    ap.add_argument(
+        "--gateway",
+        choices=["sglang-router", "smg"],
+        default="sglang-router",
+        help="the router in front (default 0.3.2)",
+    )
+    ap.add_argument("--ledger", type=Path, help="keep the driver runs' ledger (and their events) in this directory")
+    return ap.parse_args()
+
+
+def start_fleet(ledger: Path, inventory: Path, container: str) -> None:
+    """Every replica serving (known-good), the router in front of them, loadgen.py copied onto the router's node."""
+    code, _, out = driver(ledger, "restart", "-i", str(inventory))  # every replica serving, known-good
+    if code:
+        raise SystemExit(f"the replicas did not start (exit {code}):\n{out}")
+    subprocess.run(
+        [REPO / ".venv" / "bin" / "ansible-playbook", "-i", inventory, "playbooks/router.yml"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(["podman", "cp", str(REPO / "bench" / "loadgen.py"), f"{container}:/tmp/loadgen.py"], check=True)
+
+
+def measure_steady(container: str, seconds: float) -> dict:
+    """The load alone through the router for `seconds`: loadgen's statistics (its p99 is the rollout's yardstick)."""
+    load = Load(container, seconds)
+    load.proc.wait(timeout=seconds + 60)
+    return load.stop()
+
+
+def measure_restarts(ledger: Path, names: list[str], container: str, runs: int) -> tuple[list, list, list]:
+    """One restart of the last replica per run, in seconds: to a new configuration, to the same again, and to a new
+    one under load. The first as the rollout restarts each (validated, then started); the second for comparison
+    (its validation cached on the host). The third under the rollout's load, sent straight to the other replica (as
+    during a rollout, the replica restarted gets none): the lab's nodes, router and load share this machine's cores
+    with the controller, so this tells whether the load alone slows a restart."""
+    one, unchanged, loaded = [], [], []
+    for _ in range(runs):
+        inventory, _, _ = write_inventory({"LAB_BENCH": str(time.time_ns())})
+        for runs_of in (one, unchanged):
+            code, seconds, out = driver(ledger, "restart", "-i", str(inventory), "--limit", names[-1])
+            if code:
+                raise SystemExit(f"one restart failed (exit {code}):\n{out}")
+            runs_of.append(round(seconds, 2))
+        inventory, _, _ = write_inventory({"LAB_BENCH": str(time.time_ns())})
+        load = Load(container, url=f"http://{names[0]}:{INSTANCE['port']}")
+        try:
+            code, seconds, out = driver(ledger, "restart", "-i", str(inventory), "--limit", names[-1])
+        finally:
+            load.stop()
+        if code:
+            raise SystemExit(f"one restart under load failed (exit {code}):\n{out}")
+        loaded.append(round(seconds, 2))
+    return one, unchanged, loaded
+
+
+def measure_rollouts(ledger: Path, container: str, runs: int) -> list[dict]:
+    """`python -m driver rollout` of every replica to a new configuration under the load through the router, per
+    run: its seconds and what the load saw."""
+    out_runs = []
+    for _ in range(runs):
+        inventory, _, _ = write_inventory({"LAB_BENCH": str(time.time_ns())})
+        load = Load(container)
+        try:
+            code, seconds, out = driver(ledger, "rollout", "-i", str(inventory))
+        finally:
+            stats = load.stop()
+        if code:
+            raise SystemExit(f"the rollout failed (exit {code}):\n{out}")
+        out_runs.append(
+            {
+                "rollout_s": round(seconds, 2),
+                "sent": stats["sent"],
+                "lost": stats["lost"],
+                "not_streamed": stats["not_streamed"],
+                "p99_s": stats["p99_s"],
+                "failures": stats["failures"][:5],
+            }
+        )
+    return out_runs
+
+
+def summarize(
+    a: argparse.Namespace, n: int, runs: list[dict], steady: dict, one: list, unchanged: list, loaded: list
+) -> dict:
+    """--out's document: the measures, their medians and ratios against the goals."""
+    return {
         "gateway": a.gateway,
         "replicas": n,
         "runs": runs,
@@ -232,19 +266,24 @@ def main() -> int:
         "goals": {"lost": 0, "p99_ratio": 1.5, "time_ratio": 1.2},
         "command": " ".join(["bench/rollout_lab.py", *sys.argv[1:]]),
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+
+
+def print_table(results: dict, runs: int) -> None:
+    """The medians against their goals, as docs/rollout.md's table."""
+    n, p99 = results["replicas"], results["steady"]["p99_s"]
+    one, unchanged, loaded = (
+        med(results[k]) for k in ("one_restart_s", "one_restart_unchanged_s", "one_restart_loaded_s")
+    )
     print(
-        f"| measure ({n} replicas, medians of {a.runs}) | median | goal |\n|---|---|---|\n"
+        f"| measure ({n} replicas, medians of {runs}) | median | goal |\n|---|---|---|\n"
         f"| failed or truncated requests during the rollout | {results['median_lost']} | 0 |\n"
-        f"| p99 latency during the rollout / p99 steady ({steady['p99_s']} s) | {results['median_p99_ratio']} | 1.5 |\n"
-        f"| rollout time / ({n} x one restart of a new configuration, {med(one)} s) | {results['median_time_ratio']} | 1.2 |\n"
-        f"| rollout time / ({n} x one restart of the same configuration, {med(unchanged)} s) "
+        f"| p99 latency during the rollout / p99 steady ({p99} s) | {results['median_p99_ratio']} | 1.5 |\n"
+        f"| rollout time / ({n} x one restart of a new configuration, {one} s) | {results['median_time_ratio']} | 1.2 |\n"
+        f"| rollout time / ({n} x one restart of the same configuration, {unchanged} s) "
         f"| {results['median_time_ratio_unchanged']} | - |\n"
-        f"| rollout time / ({n} x one restart of a new configuration under the same load, {med(loaded)} s) "
+        f"| rollout time / ({n} x one restart of a new configuration under the same load, {loaded} s) "
         f"| {results['median_time_ratio_loaded']} | 1.2 |"
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -39,15 +39,33 @@ MODEL = {
 
 
 def main() -> int:
+    a = parse_args()
+    if not (REPO / "inventory" / "lab" / "hosts.yml").exists():
+        print("no lab: run `make demo` (or make lab-up and deploy.yml) first", file=sys.stderr)
+        return 2
+    proc, wall = run_tune(a)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    out = summarize(json.loads(proc.stdout), a.repeat, wall)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--node", default="lab-node1")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "tune-lab.json")
     ap.add_argument("--repeat", type=int, default=3, help="measurements per combination (tune's --repeat)")
     ap.add_argument("--concurrency", default="1,8", help="the levels (tune's --concurrency), the first ranked")
-    a = ap.parse_args()
-    if not (REPO / "inventory" / "lab" / "hosts.yml").exists():
-        print("no lab: run `make demo` (or make lab-up and deploy.yml) first", file=sys.stderr)
-        return 2
+    return ap.parse_args()
+
+
+def run_tune(a: argparse.Namespace) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`python -m driver tune --json` over GRID on the node, with a fresh ledger and profile directory (nothing
+    resumed): the finished process and its wall seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable,
@@ -81,18 +99,19 @@ def main() -> int:
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         wall = time.monotonic() - t0
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-        return 1
-    doc = json.loads(proc.stdout)
+    return proc, wall
+
+
+def summarize(doc: dict, repeat: int, wall: float) -> dict:
+    """--out's document from tune's: the sweep's own overhead, the medians of its steps, each combination ranked."""
     timings = [r["bench"]["timing"] for r in doc["ranked"] if (r.get("bench") or {}).get("timing")]
-    out = {
+    return {
         "combinations": len(timings),
         "overheads_s": doc["overheads_s"],
         "median_overhead_s": doc["overhead_median_s"],
         # Each combination gives `repeat` measurements for its one restart: the sweep's own time per measurement.
-        "repeat": a.repeat,
-        "median_overhead_per_measurement_s": round(doc["overhead_median_s"] / a.repeat, 2),
+        "repeat": repeat,
+        "median_overhead_per_measurement_s": round(doc["overhead_median_s"] / repeat, 2),
         "median_step_s": round(statistics.median(t["seconds"] for t in timings), 2),
         "median_start_s": round(statistics.median(t["start_s"] for t in timings), 2),
         "median_bench_s": round(statistics.median(t["bench_s"] for t in timings), 2),
@@ -100,30 +119,27 @@ def main() -> int:
         "verdict": doc["verdict"],
         "why": doc["why"],
         # Each combination as ranked at the first level: every figure's median and 95 % interval, every level's tok/s.
-        "ranked": [
-            {
-                "label": r["label"],
-                "rank": r["rank"],
-                "vs_baseline": r["vs_baseline"],
-                **{k: r.get(k) for k in ("output_tokens_per_s", "interval", "samples", "accept_length")},
-                "intervals": r.get("intervals"),
-                "ttft_median_s": r.get("ttft_median_s"),
-                "itl_median_s": r.get("itl_median_s"),
-                "tokens_per_s_by_concurrency": {
-                    lv["concurrency"]: lv.get("output_tokens_per_s")
-                    for lv in (r.get("bench") or {}).get("levels") or []
-                },
-                "timing": (r.get("bench") or {}).get("timing"),
-            }
-            for r in doc["ranked"]
-        ],
+        "ranked": [ranked(r) for r in doc["ranked"]],
         "goal_overhead_per_measurement_s": 5.0,
         "command": " ".join(["bench/tune_lab.py", *sys.argv[1:]]),
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps(out, indent=1))
-    return 0
+
+
+def ranked(r: dict) -> dict:
+    """One combination of tune's ranking, as --out keeps it."""
+    return {
+        "label": r["label"],
+        "rank": r["rank"],
+        "vs_baseline": r["vs_baseline"],
+        **{k: r.get(k) for k in ("output_tokens_per_s", "interval", "samples", "accept_length")},
+        "intervals": r.get("intervals"),
+        "ttft_median_s": r.get("ttft_median_s"),
+        "itl_median_s": r.get("itl_median_s"),
+        "tokens_per_s_by_concurrency": {
+            lv["concurrency"]: lv.get("output_tokens_per_s") for lv in (r.get("bench") or {}).get("levels") or []
+        },
+        "timing": (r.get("bench") or {}).get("timing"),
+    }
 
 
 if __name__ == "__main__":

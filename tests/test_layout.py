@@ -24,6 +24,35 @@ def test_every_module_in_library_is_a_thin_adapter_of_at_most_250_lines():
     assert sizes and all(n <= 250 for n in sizes.values()), sizes
 
 
+def test_no_file_of_the_logic_is_over_600_lines():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in LOGIC}
+    assert sizes and {name: n for name, n in sizes.items() if n > 600} == {}
+
+
+# Where functions are kept short: everything but the tests and the lab's doubles (lab/: test code that runs on the
+# lab nodes). A function over 60 lines is an exception only when listed here with why.
+SHORT = ("driver", "plugins", "bench", "tools")
+LONG_FUNCTIONS: dict[str, str] = {}
+
+
+def long_functions(roots: tuple[str, ...]) -> dict[str, int]:
+    """{path:function: lines} of each function over 60 lines under `roots` (decorators not counted)."""
+    found = {}
+    for root in roots:
+        for path in sorted((REPO / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 60:
+                        found[f"{path.relative_to(REPO)}:{node.name}"] = lines
+    return found
+
+
+def test_no_function_outside_the_tests_is_over_60_lines_but_the_listed_exceptions():
+    assert long_functions(SHORT).keys() == LONG_FUNCTIONS.keys()
+    assert long_functions(("tests",)), "the scan finds a long function where there is one (a test's table)"
+
+
 def test_the_logic_imports_no_ansible_so_it_is_tested_and_shipped_without_it():
     for path in LOGIC:
         for node in ast.walk(ast.parse(path.read_text())):
