@@ -38,9 +38,12 @@ SERVER = """\
   loop_control:
     loop_var: i
 
-- name: The phase's outcome on each rank
+- name: The phase's outcome on each rank (told its group is out of step, the module refuses a stop and contains at
+    the rollback's end)
   ansible.builtin.assert:
-    that: __sglang_service_i.name not in (fail_at[_sglang_service_phase] | default([]))
+    that:
+      - __sglang_service_i.name not in (fail_at[_sglang_service_phase] | default([]))
+      - __sglang_service_i.name not in _sglang_service_mn_judged
     quiet: true
   loop: *instances
   loop_control:
@@ -81,10 +84,10 @@ def restart(tmp_path):
     (tmp_path / "play.yml").write_text(PLAYBOOK % {"tasks": tasks})
     env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
 
-    def run(fail_at_on_b: dict) -> dict:
+    def run(fail_at_on_b: dict, more_on_a: tuple[dict, ...] = ()) -> dict:
         python = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
         hosts = {
-            "a": {**python, "sglang_instances": [inst("mn", 0), inst("mf", 0)]},
+            "a": {**python, "sglang_instances": [inst("mn", 0), inst("mf", 0), *more_on_a]},
             "b": {**python, "sglang_instances": [inst("mn", 1), inst("mf", 1)], "fail_at": fail_at_on_b},
         }
         (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"nodes": {"hosts": hosts}}}}))
@@ -126,9 +129,17 @@ def test_a_group_whose_rollback_fails_to_start_is_contained_in_its_last_phase(re
     assert calls["a"][-2:] == [("rollback_start", "mf", "True"), ("rollback_confirm", "mf", "False")]
 
 
+def test_a_group_refused_for_a_rank_missing_from_the_batch_is_refused_last_the_nodes_other_groups_restarted(restart):
+    """mr's rank 1 is on no host of the batch: refused (nothing stopped), and the refusal, which fails its host, comes
+    once the host's other groups are through: refused first, it took a out of the play with mn and mf stopped on b."""
+    calls = restart({}, more_on_a=(inst("mr", 0),))
+    both = [(phase, name, "True") for phase in ("stop", "start", "confirm", "record") for name in ("mn", "mf")]
+    assert calls == {"a": [*both, ("stop", "mr", "False")], "b": both}
+
+
 def test_the_plan_is_the_state_machines_and_the_yaml_names_no_phase():
     steps = sglang_multinode_plan(["mn"])
     assert steps == [asdict(s) for s in phases.MULTINODE_PLAN] and sglang_multinode_plan([]) == []
-    assert [s["phase"] for s in steps if s["step"] == "phase"] == ["stop", *phases.MULTINODE_PHASES]
+    assert [s["phase"] for s in steps if s["step"] == "phase"] == [*phases.MULTINODE_PHASES, "stop"]
     yaml_text = (TASKS / "restart_multinode.yml").read_text() + (TASKS / "multinode_step.yml").read_text()
     assert not any(f"_sglang_service_phase: {p}" in yaml_text for p in phases.MULTINODE_PHASES)

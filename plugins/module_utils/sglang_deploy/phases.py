@@ -448,9 +448,6 @@ JUDGE = "Judge each multi-node group across its nodes"
 MULTINODE_PLAN = (
     PlanStep("judge", JUDGE + " before the stop"),
     PlanStep("keep_refused", "Keep the groups refused before the stop"),
-    # Not soft: the refusal (outcome refused, nothing stopped) fails the host, so the run says so.
-    PlanStep("phase", "Refuse each multi-node instance with a rank missing from this batch", "stop", "held_back",
-             judged=True),
     PlanStep("phase", "Stop each multi-node instance on every node", "stop", "going", soft=True),
     PlanStep("judge", JUDGE + " after the stop"),
     PlanStep("phase", "Start each multi-node instance on every node", "start", "going", soft=True, judged=True),
@@ -468,8 +465,12 @@ MULTINODE_PLAN = (
     # Not soft: each rank's result is the group's outcome (rolled_back, or not_recovered and contained).
     PlanStep("phase", "Confirm every rank of each rolled-back group, or contain the group", "rollback_confirm",
              "rolled", judged=True, rollback=True),
+    # Last, and not soft: the refusal (outcome refused, nothing stopped) fails the host, so the run says so; before,
+    # it would take the host out of the play with its other groups not yet restarted, half of each stopped elsewhere.
+    PlanStep("phase", "Refuse each multi-node instance with a rank missing from this batch", "stop", "held_back",
+             judged=True),
 )  # fmt: skip
 assert tuple(s.phase for s in (*REFUSALS, *RESTART, RECORD)) == outcomes.RESTART_PHASES
 assert tuple(s.phase for s in ROLLBACK) == outcomes.ROLLBACK_PHASES
 assert all(s.refusal for s in REFUSALS) and not any(s.refusal for s in (*RESTART, *ROLLBACK, RECORD, CONFIRM))
-assert [s.phase for s in MULTINODE_PLAN if s.step == "phase"][1:] == list(MULTINODE_PHASES)
+assert [s.phase for s in MULTINODE_PLAN if s.step == "phase"][:-1] == list(MULTINODE_PHASES)

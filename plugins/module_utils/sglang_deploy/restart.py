@@ -246,6 +246,9 @@ def multinode(m: Machine, res: dict) -> dict:
     if phase == "confirm" and i.serves_http:
         steps = ()  # rank 0 generated and verified in its start phase
     failed = m.run_steps(steps[:-1] if phase == "record" else steps, res["phases"])
+    if failed is not None and phase == "record":  # every rank confirmed and serving: only the record is lost
+        res.update(outcome=outcomes.RESTARTED, known_good={"recorded": False, "why": failed[1].cause})
+        return res
     if failed is not None:
         res["failure"] = failed[1].as_dict()
         take_evidence(m, res, failed[0].phase)
