@@ -198,11 +198,14 @@ def config(files: list[str]) -> str:
     lines += ["also_copy =", *(f"    {p}" for p in copied())]
     # pytest-randomly off (each mutant's tests in file order); the lab's tests are e2e, never run per mutant.
     # Left out: the tests of this checkout's own .venv (the doctor's, and py-spy found in it), which the copy has not,
-    # and the wheel's build (test_packaging), which copies what git tracks: the stage is no checkout (git ignores it).
+    # and the wheel's build (test_packaging), which copies what git tracks: the stage is no checkout (git ignores it);
+    # and the sizes of the sources, which mutmut rewrites (each mutant a copy of its function).
     away = [
         "--ignore=tests/test_doctor.py",
         "--ignore=tests/test_packaging.py",
         "--deselect=tests/test_evidence.py::test_real_py_spy_dumps_every_rank",
+        "--deselect=tests/test_layout.py::test_no_file_of_the_logic_is_over_600_lines",
+        "--deselect=tests/test_layout.py::test_no_function_outside_the_tests_is_over_60_lines_but_the_listed_exceptions",
     ]
     args = ["-p", "no:randomly", "-p", "no:cacheprovider", *away]
     lines += ["pytest_add_cli_args =", *(f"    {a}" for a in args)]
