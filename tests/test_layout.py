@@ -32,7 +32,11 @@ def test_no_file_of_the_logic_is_over_600_lines():
 # Where functions are kept short: everything but the tests and the lab's doubles (lab/: test code that runs on the
 # lab nodes). A function over 60 lines is an exception only when listed here with why.
 SHORT = ("driver", "plugins", "bench", "tools")
-LONG_FUNCTIONS: dict[str, str] = {}
+LONG_FUNCTIONS = {
+    # In the mutation gate's core (tools/mutate.py CORE): changing it makes CI mutate it, and the gate's run of the
+    # whole unit suite no longer fits its budget; split with its next `make mutate` record.
+    "plugins/module_utils/sglang_deploy/stage.py:stage": "64 lines, the mutation gate's core",
+}
 
 
 def long_functions(roots: tuple[str, ...]) -> dict[str, int]:

@@ -1741,7 +1741,7 @@ def test_containment_outside_the_main_thread_still_contains(world):
     """signal.signal raises ValueError off the main thread: containment goes on without masking."""
     m = world.machine()
     res: dict = {}
-    t = threading.Thread(target=restart.contain, args=(m, res))
+    t = threading.Thread(target=m.contain, args=(res,))
     t.start()
     t.join(5)
     assert res["outcome"] == N and res["contained"]["stop"] is None
@@ -3658,12 +3658,12 @@ def test_the_processes_a_restart_stopped_are_gathered_with_the_phase_that_stoppe
     res = restart.restart(w.machine())
     assert res["outcome"] == REST, res.get("failure")
     gpus = next(p for p in res["phases"] if p["phase"] == outcomes.GPUS)
-    assert restart.stopped_in(res) == [{**p, "phase": "gpus"} for p in gpus["detail"]["stopped_processes"]]
-    assert [p["pid"] for p in restart.stopped_in(res)] == [52001]
+    assert Machine.stopped_in(res) == [{**p, "phase": "gpus"} for p in gpus["detail"]["stopped_processes"]]
+    assert [p["pid"] for p in Machine.stopped_in(res)] == [52001]
     # a rollback's own GPU wait, labelled as the rollback logs it; a phase whose detail is text is passed over
     res["rollback"] = {"phases": [{"phase": "rollback-gpus", "detail": {"stopped_processes": [{"pid": 7}]}}]}
     res["phases"].append({"phase": "verify", "detail": "accept length 1.0"})
-    assert [(p["pid"], p["phase"]) for p in restart.stopped_in(res)] == [(52001, "gpus"), (7, "rollback-gpus")]
+    assert [(p["pid"], p["phase"]) for p in Machine.stopped_in(res)] == [(52001, "gpus"), (7, "rollback-gpus")]
 
 
 @pytest.mark.parametrize("unit", [None, "session-4.scope", UNIT], ids=["no-unit", "login-session", "this-unit"])
@@ -4068,7 +4068,7 @@ def test_a_containment_that_cannot_put_the_files_back_disables_the_unit_and_leav
     def restore_fails(m):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(restart, "restore", restore_fails)  # the containment's
+    monkeypatch.setattr(phases, "restore", restore_fails)  # the containment's (it imports the phase when it runs)
     res = restart.restart(w.machine())
     assert res["outcome"] == N
     assert res["contained"]["files"] == "failed: OSError: [Errno 30] Read-only file system"
@@ -4080,7 +4080,7 @@ def test_a_containment_that_cannot_put_the_files_back_disables_the_unit_and_leav
 def test_a_containment_restores_the_callers_sigterm_handler_and_says_unknown_without_systemd(world, handlers):
     world.host.inject("show", "timeout", 0)
     res: dict = {}
-    restart.contain(world.machine(), res)
+    world.machine().contain(res)
     assert signal.getsignal(signal.SIGTERM) is failure.sigterm
     assert res["outcome"] == N and res["contained"]["unit_state"] == "unknown"
 

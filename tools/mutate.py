@@ -46,7 +46,7 @@ SCOPE = [
     *(
         f"sglang_deploy/{name}.py"
         for name in (
-            "restart", "machine", "phases", "operate", "failure", "known_good", "stage", "software", "lock", "gpu",
+            "restart", "recover", "machine", "phases", "operate", "failure", "known_good", "stage", "software", "lock", "gpu",
             "checks", "validate", "router", "rendezvous", "evidence", "boot", "durable", "secret_rule", "worker_urls", "worker_load", "router_actions",
             "evidence_items", "problems", "instance_checks", "host_checks", "sglang_parser", "network", "meeting",
             "procinfo",
@@ -55,7 +55,7 @@ SCOPE = [
     *(f"driver/{name}.py" for name in ("redact", "exitcodes", "inventory", "interrupts", "ledger")),
     "plugins/filter/sglang_config.py",
 ]  # fmt: skip
-CORE = ["sglang_deploy/restart.py", "sglang_deploy/machine.py", "sglang_deploy/phases.py", "sglang_deploy/operate.py",
+CORE = ["sglang_deploy/restart.py", "sglang_deploy/recover.py", "sglang_deploy/machine.py", "sglang_deploy/phases.py", "sglang_deploy/operate.py",
         "sglang_deploy/failure.py", "sglang_deploy/known_good.py", "sglang_deploy/stage.py",
         "sglang_deploy/gpu.py", "sglang_deploy/checks.py"]  # fmt: skip
 # A class of survivors, told apart by the mutant's code (prose_only), not listed by name: the wording of a message.

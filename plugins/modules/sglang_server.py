@@ -478,7 +478,7 @@ from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.instan
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.machine import Machine, Settings
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.operate import rollback, status, verify
 from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.phases import GROUP_ENDS, MULTINODE_PHASES
-from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import restart, stopped_in
+from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.restart import restart
 
 # The module's parameters that are the state machine's settings as they are (the rest it builds itself).
 THRESHOLDS = [f.name for f in fields(Thresholds)]
@@ -488,7 +488,7 @@ SETTINGS = [f.name for f in fields(Settings) if f.name not in BUILT]
 
 def with_stopped(action):
     """The action, its result also listing every process its GPU waits stopped (for the driver to name)."""
-    return lambda m: (res := action(m)) | {"stopped_processes": stopped_in(res)}
+    return lambda m: (res := action(m)) | {"stopped_processes": Machine.stopped_in(res)}
 
 
 ACTIONS = {"restart": with_stopped(restart), "rollback": with_stopped(rollback), "verify": verify, "status": status}

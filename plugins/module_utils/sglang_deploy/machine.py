@@ -1,7 +1,7 @@
 """The safe restart's machine: what it is given (Settings, Ports), what it holds while it runs (the lock, the
 target, what started and verified), and how it runs a sequence of steps (run_steps). The phases themselves are
-functions of the machine in phases.py; what a failure leads to is restart.py's; the operator's rollback, verify
-and status are operate.py's.
+functions of the machine in phases.py; what a failure leads to is recover.py's (the containment, Machine.contain,
+the machine's own); a restart's entry and ending restart.py's; the operator's rollback, verify and status operate.py's.
 
 The target is one value the machine owns (Target): what this run starts and verifies, what drift and the record
 are judged against, and the configuration hash the preflight expects. A restart starts with the rendered
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import bench as benchmark
-from . import boot, evidence, gpu, procinfo, unit
+from . import boot, evidence, gpu, outcomes, procinfo, unit
 from . import progress as load_progress
 from . import stage as staging
 from .checks import Thresholds
@@ -298,6 +299,55 @@ class Machine:
                 )
                 return step, failure
         return None
+
+    @property
+    def live_hash(self) -> str | None:
+        """The hash of the configuration on disk now; None when it cannot be read."""
+        return self.quietly_value(lambda: self.store.snapshot()["config_hash"])
+
+    def contain(self, res: dict) -> None:
+        """Stopped and not recovered: the unit stopped (no crash loop), the files on disk ones that may start at boot."""
+        from .phases import restore  # phases.py imports this module: its phase, imported when a containment runs
+
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish containing: a second SIGTERM must not cut it short
+        except ValueError:  # not the main thread (tests): nothing to mask
+            previous = None
+        end: dict = {}
+        try:
+            end["stop"] = self.quietly(lambda: self.systemctl_ok("stop", self.inst.unit))
+            record = self.target.record or self.quietly_value(self.store.latest)
+            failed = None
+            if record and self.live_hash != record.get("config_hash"):
+                self.retarget(record)
+                failed = self.quietly(lambda: restore(self))
+                end["files"] = failed or f"known-good generation {record.get('generation')} put back, not started"
+                if failed:  # the failed files stay on disk: a boot must not start them
+                    end["disable"] = (
+                        self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or "unit disabled"
+                    )
+            if record and not failed:  # the operator's rollback starts this one, not the one before it
+                note = {"generation": record.get("generation"), "at": self.ports.wall()}
+                self.quietly(lambda: write_atomic(self.contained_path, json.dumps(note), 0o600))
+            elif not record:
+                end["files"] = self.quietly(lambda: self.systemctl_ok("disable", self.inst.unit)) or (
+                    "no known-good generation: the unit is disabled so that a boot does not start it"
+                )
+            props = self.quietly_value(lambda: self.ports.show(self.inst.unit)) or {}
+            end["unit_state"] = unit.state(props) if props else "unknown"
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        res["outcome"] = outcomes.NOT_RECOVERED
+        res["contained"] = end
+
+    @staticmethod
+    def stopped_in(res: dict) -> list[dict]:
+        """Every process a result's GPU waits stopped (its own phases', its rollback's), each with its phase."""
+        phases = [*res["phases"], *(res.get("rollback") or {}).get("phases", [])]
+        details = [(p["phase"], p["detail"]) for p in phases if isinstance(p.get("detail"), dict)]
+        return [{**x, "phase": phase} for phase, d in details for x in d.get("stopped_processes", [])]
 
     @staticmethod
     def quietly(fn: Callable[[], object]) -> str | None:

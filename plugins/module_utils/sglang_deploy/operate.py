@@ -15,7 +15,8 @@ from .known_good import summary
 from .lock import peek
 from .machine import Machine
 from .phases import LOCK, RECORD, RESTORE, ROLLBACK
-from .restart import contain, contained_with, end, escaped, live_hash_of, refused, result, take_evidence
+from .recover import take_evidence
+from .restart import end, escaped, refused, result
 
 
 def rollback(m: Machine) -> dict:
@@ -52,6 +53,18 @@ def rollback(m: Machine) -> dict:
         end(m, res)
 
 
+def contained_with(m: Machine, newest: dict | None) -> bool:
+    """Whether a containment left the unit stopped with `newest`'s files put back, not started since (its note
+    names the newest generation and the files on disk are still its)."""
+    note = job.read_json(m.contained_path) or {}
+    return (
+        newest is not None
+        and note.get("generation") == newest.get("generation")
+        and m.live_hash == newest.get("config_hash")
+        and (Machine.quietly_value(lambda: m.ports.show(m.inst.unit)) or {}).get("ActiveState") != "active"
+    )
+
+
 def generation_to_restore(m: Machine) -> tuple[dict | None, str]:
     """The generation the operator's rollback puts back, or None and why not (nothing touched yet). The configuration
     on disk is what runs, or what last ran: the one before it is wanted. Only a unit a containment stopped with the
@@ -79,9 +92,9 @@ def generation_to_restore(m: Machine) -> tuple[dict | None, str]:
 
 def roll_back(m: Machine, res: dict) -> None:
     """The machine's target restored, started, verified and recorded; a restore that touched nothing is a refusal."""
-    before = live_hash_of(m)
+    before = m.live_hash
     failed = m.run_steps(ROLLBACK, res["phases"])
-    if failed is not None and failed[0] is RESTORE and before is not None and live_hash_of(m) == before:
+    if failed is not None and failed[0] is RESTORE and before is not None and m.live_hash == before:
         # Nothing written, nothing stopped: the unit serves as it did.
         res.update(changed=False, outcome=outcomes.REFUSED, failure=failed[1].as_dict())
         res["rollback"]["outcome"] = "not attempted: nothing was touched"
@@ -93,7 +106,7 @@ def roll_back(m: Machine, res: dict) -> None:
     else:
         res["failure"] = failed[1].as_dict()
         res["rollback"]["outcome"] = "failed"
-        contain(m, res)
+        m.contain(res)
 
 
 def verify(m: Machine) -> dict:

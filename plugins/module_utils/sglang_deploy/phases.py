@@ -183,7 +183,7 @@ def wait_gpus(m: Machine) -> dict:
         "waited_s": round(res["waited_s"], 3),
         "polls": res["polls"],
         "stopped": res["stopped"],  # {pid: how it ended}
-        "stopped_processes": res["stopped_processes"],  # whose each was: restart.stopped_in gathers them
+        "stopped_processes": res["stopped_processes"],  # whose each was: Machine.stopped_in gathers them
     }
 
 

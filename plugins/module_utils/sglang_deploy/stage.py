@@ -107,7 +107,26 @@ def stage(inst: Instance, rendered: dict[str, str], secrets: str | None, check_m
     if targets:
         res["changed"] = True
         if not check_mode:
-            write_targets(inst, rendered, targets, res["pending"])
+            for path in targets:
+                os.makedirs(
+                    os.path.dirname(path), mode=0o700 if path.startswith(inst.pending_dir) else 0o755, exist_ok=True
+                )
+            unit_file = next((p for p in targets if os.path.basename(p) == os.path.basename(inst.unit_path)), None)
+            if unit_file:  # checked before anything is written: a refused unit leaves no file behind
+                probe = os.path.join(os.path.dirname(unit_file), f".{inst.unit}.verify")
+                write_atomic(probe, targets[unit_file], UNIT_MODE)
+                try:
+                    verify_unit(probe, inst.unit)
+                finally:
+                    durable.unlink(probe)
+            # incomplete until the manifest, written last, says what the set is
+            if res["pending"]:
+                durable.unlink(manifest_path(inst), missing_ok=True)
+            for path, content in targets.items():
+                write_atomic(path, content, mode_of(path))
+            if res["pending"]:
+                manifest = {inst.pending_path(p): digest(c) for p, c in rendered.items()}
+                write_atomic(manifest_path(inst), json.dumps(manifest, sort_keys=True), ENV_MODE)
             if res.get("first"):
                 checked("daemon-reload")
         res["wrote"] = sorted(targets)
@@ -118,28 +137,6 @@ def stage(inst: Instance, rendered: dict[str, str], secrets: str | None, check_m
             os.makedirs(os.path.dirname(inst.secrets_path), mode=0o700, exist_ok=True)
             write_atomic(inst.secrets_path, secrets, ENV_MODE)
     return res
-
-
-def write_targets(inst: Instance, rendered: dict[str, str], targets: dict[str, str], pending: bool) -> None:
-    """Write `targets` ({path: content}): the unit checked first, a pending set incomplete until its manifest."""
-    for path in targets:
-        os.makedirs(os.path.dirname(path), mode=0o700 if path.startswith(inst.pending_dir) else 0o755, exist_ok=True)
-    unit_file = next((p for p in targets if os.path.basename(p) == os.path.basename(inst.unit_path)), None)
-    if unit_file:  # checked before anything is written: a refused unit leaves no file behind
-        probe = os.path.join(os.path.dirname(unit_file), f".{inst.unit}.verify")
-        write_atomic(probe, targets[unit_file], UNIT_MODE)
-        try:
-            verify_unit(probe, inst.unit)
-        finally:
-            durable.unlink(probe)
-    # incomplete until the manifest, written last, says what the set is
-    if pending:
-        durable.unlink(manifest_path(inst), missing_ok=True)
-    for path, content in targets.items():
-        write_atomic(path, content, mode_of(path))
-    if pending:
-        manifest = {inst.pending_path(p): digest(c) for p, c in rendered.items()}
-        write_atomic(manifest_path(inst), json.dumps(manifest, sort_keys=True), ENV_MODE)
 
 
 def promote(inst: Instance, reload=lambda: checked("daemon-reload")) -> dict:
