@@ -10,6 +10,7 @@ from .phases import MULTINODE, MULTINODE_ROLLBACK, PROMOTE, RECORD, RESTORE, ROL
 
 
 def finish_restarted(m: Machine, res: dict) -> None:
+    """Verified: restarted, then recorded as known-good (a record that fails leaves it restarted, not recorded)."""
     res.update(outcome=outcomes.RESTARTED, verify=m.verified)
     failed = m.run_steps((RECORD,), res["phases"])
     if failed is None:
