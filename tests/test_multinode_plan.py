@@ -7,6 +7,7 @@ tests/test_restart_machine.py; the whole run on two lab nodes is tests/e2e/test_
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -143,3 +144,23 @@ def test_the_plan_is_the_state_machines_and_the_yaml_names_no_phase():
     assert [s["phase"] for s in steps if s["step"] == "phase"] == [*phases.MULTINODE_PHASES, "stop"]
     yaml_text = (TASKS / "restart_multinode.yml").read_text() + (TASKS / "multinode_step.yml").read_text()
     assert not any(f"_sglang_service_phase: {p}" in yaml_text for p in phases.MULTINODE_PHASES)
+
+
+def test_loading_the_collections_filters_leaves_the_state_machine_unloaded_until_a_plan_is_asked():
+    """Ansible loads every filter file of the collection at a run's first filter of it: a filter file that imports
+    the state machine at load time makes every playbook pay for it (about 0.09 s), multi-node or not."""
+    names = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.py"))
+    package = "ansible_collections.sglang.deploy.plugins"
+    probe = (
+        "import importlib, json, sys\n"
+        f"for n in {names!r}: importlib.import_module('{package}.filter.' + n)\n"
+        f"print(json.dumps([m for m in sys.modules if m.startswith('{package}.module_utils.sglang_deploy.')]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO / "collections"
+    )
+    loaded = set(json.loads(out.stdout))
+    assert "sglang_restart" in names and f"{package}.module_utils.sglang_deploy.render" in loaded
+    assert not loaded & {
+        f"{package}.module_utils.sglang_deploy.{m}" for m in ("phases", "machine", "recover", "operate")
+    }
