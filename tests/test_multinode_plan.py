@@ -147,8 +147,8 @@ def test_the_plan_is_the_state_machines_and_the_yaml_names_no_phase():
 
 
 def test_loading_the_collections_filters_leaves_the_state_machine_unloaded_until_a_plan_is_asked():
-    """Ansible loads every filter file of the collection at a run's first filter of it: a filter file that imports
-    the state machine at load time makes every playbook pay for it (about 0.09 s), multi-node or not."""
+    """Ansible loads every filter file of the collection in each process that templates one of its filters: a
+    filter file that imports the state machine at load time makes every playbook pay for it, multi-node or not."""
     names = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.py"))
     package = "ansible_collections.sglang.deploy.plugins"
     probe = (

@@ -7,8 +7,8 @@ from dataclasses import asdict
 
 
 def sglang_multinode_plan(selected):
-    # Imported here: Ansible loads every filter file of the collection at its first filter of a run, and the state
-    # machine's modules cost each ansible-playbook about 0.09 s that only a multi-node restart needs.
+    # Imported here: Ansible loads every filter file of the collection in each process that templates one of its
+    # filters, and the state machine's modules cost about 0.09 s that only a multi-node restart needs.
     from ansible_collections.sglang.deploy.plugins.module_utils.sglang_deploy.phases import MULTINODE_PLAN
 
     return [asdict(step) for step in MULTINODE_PLAN] if selected else []
